@@ -1,0 +1,375 @@
+"""Public entry points: argument checks, layouts and dispatch to a kernel backend.
+
+Everything a user can get wrong is checked here, before any kernel launch, and raises a
+``TypeError`` (wrong kind or dtype) or ``ValueError`` (wrong shape, device, value) that names
+the argument. Checks look only at shapes, dtypes and devices, never at tensor values, so a
+call never synchronizes the GPU and can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from . import scales
+from .quant import FP8QKV, quantize_fp8
+
+FP8_DTYPE = torch.float8_e4m3fn
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+INPUT_DTYPES = HALF_DTYPES + (FP8_DTYPE,)
+#: (head_dim_qk, head_dim_v) pairs the kernels support
+HEAD_DIMS = ((64, 64), (128, 128), (192, 128), (256, 256))
+BACKENDS = ("auto", "portable", "hopper")
+
+
+def interpreter_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A validated attention call, in the layout the kernels take."""
+
+    q: torch.Tensor  # (B, Sq, Hq, Dqk) or (total_q, Hq, Dqk)
+    k: torch.Tensor
+    v: torch.Tensor
+    batch: int
+    heads: int
+    kv_heads: int
+    head_dim_qk: int
+    head_dim_v: int
+    max_seqlen_q: int
+    max_seqlen_k: int
+    cu_seqlens_q: torch.Tensor | None
+    cu_seqlens_k: torch.Tensor | None
+    causal: bool
+    softmax_scale: float
+    q_scale: torch.Tensor  # float32 (B, Hq, nblk)
+    k_scale: torch.Tensor  # float32 (B, Hkv, nblk)
+    v_scale: torch.Tensor  # float32 (B, Hkv, Dv)
+    k_mean: torch.Tensor | None  # float32 (B, Hkv, Dqk): K was smoothed by this mean
+    out_dtype: torch.dtype
+    return_lse: bool
+
+    @property
+    def varlen(self) -> bool:
+        return self.cu_seqlens_q is not None
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.q.dtype == FP8_DTYPE
+
+
+def _check_inputs(q, k, v, ranks: int) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != ranks:
+            layout = "(batch, seqlen, heads, head_dim)" if ranks == 4 else "(total_tokens, heads, head_dim)"
+            raise ValueError(f"{name} must have rank {ranks} {layout}, got shape {tuple(t.shape)}")
+        if t.dtype not in INPUT_DTYPES:
+            raise TypeError(
+                f"{name} has dtype {t.dtype}; expected torch.bfloat16, torch.float16 or torch.float8_e4m3fn"
+            )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if q.device.type == "cpu":
+        if not interpreter_enabled():
+            raise ValueError(
+                "q is a CPU tensor; leanfa runs on CUDA tensors (or on the CPU under "
+                "TRITON_INTERPRET=1, for tests)"
+            )
+    elif q.device.type != "cuda":
+        raise ValueError(f"q is on {q.device}; leanfa needs CUDA tensors")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.shape[-1] == 0 or t.shape[-2] == 0:
+            raise ValueError(f"{name} has an empty head or head_dim axis: shape {tuple(t.shape)}")
+    hq, hkv = q.shape[-2], k.shape[-2]
+    if v.shape[-2] != hkv:
+        raise ValueError(f"k and v must have the same number of heads, got {hkv} and {v.shape[-2]}")
+    if hq % hkv != 0:
+        raise ValueError(f"the number of q heads ({hq}) must be a multiple of the k/v heads ({hkv})")
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"q and k must have the same head_dim, got {q.shape[-1]} and {k.shape[-1]}")
+    dims = (q.shape[-1], v.shape[-1])
+    if dims not in HEAD_DIMS:
+        raise ValueError(
+            f"head dims (q/k {dims[0]}, v {dims[1]}) are not supported; supported (qk, v): "
+            + ", ".join(f"{a}/{b}" for a, b in HEAD_DIMS)
+        )
+
+
+def _check_cu_seqlens(name: str, cu: torch.Tensor, total: int, max_name: str, max_seqlen: int, device):
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32 (flash-attn convention), got {cu.dtype}")
+    if cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError(f"{name} must be 1-D with batch+1 >= 2 entries, got shape {tuple(cu.shape)}")
+    if cu.device != device:
+        raise ValueError(f"{name} is on {cu.device} but q is on {device}")
+    if not isinstance(max_seqlen, int) or isinstance(max_seqlen, bool) or max_seqlen < 1:
+        raise ValueError(f"{max_name} must be a positive int, got {max_seqlen!r}")
+    # Values are checked only on the CPU path (a GPU check would synchronize).
+    if cu.device.type == "cpu":
+        lengths = cu[1:] - cu[:-1]
+        if int(cu[0]) != 0:
+            raise ValueError(f"{name}[0] must be 0, got {int(cu[0])}")
+        if bool((lengths < 0).any()):
+            raise ValueError(f"{name} must be non-decreasing, got {cu.tolist()}")
+        if int(cu[-1]) != total:
+            raise ValueError(f"{name}[-1] = {int(cu[-1])} must equal the number of tokens ({total})")
+        if int(lengths.max()) > max_seqlen:
+            raise ValueError(f"{max_name} = {max_seqlen} is smaller than the longest sequence ({int(lengths.max())})")
+
+
+def _resolve_out_dtype(dtype: torch.dtype, out_dtype) -> torch.dtype:
+    if out_dtype is None:
+        return torch.bfloat16 if dtype == FP8_DTYPE else dtype
+    if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"out_dtype must be torch.bfloat16, torch.float16 or torch.float32, got {out_dtype}")
+    return out_dtype
+
+
+def _resolve_scale(softmax_scale, head_dim: int) -> float:
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(softmax_scale, torch.Tensor) or not isinstance(softmax_scale, (int, float)):
+        raise TypeError(f"softmax_scale must be a Python float or None, got {type(softmax_scale).__name__}")
+    if not math.isfinite(softmax_scale) or softmax_scale <= 0:
+        raise ValueError(f"softmax_scale must be a finite positive float, got {softmax_scale}")
+    return float(softmax_scale)
+
+
+def _check_half_descales(dtype, q_descale, k_descale, v_descale, k_mean=None):
+    if dtype != FP8_DTYPE:
+        for name, d in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
+            if d is not None:
+                raise ValueError(f"{name} is only meaningful for float8_e4m3fn inputs (got {dtype} inputs)")
+
+
+def _check_k_mean(k_mean, batch: int, kv_heads: int, head_dim: int, device) -> None:
+    if k_mean is None:
+        return
+    if not isinstance(k_mean, torch.Tensor) or k_mean.dtype != torch.float32:
+        raise TypeError("k_mean must be a float32 tensor (the mean subtracted from K by quantize_fp8)")
+    if k_mean.shape != (batch, kv_heads, head_dim):
+        raise ValueError(f"k_mean must have shape ({batch}, {kv_heads}, {head_dim}), got {tuple(k_mean.shape)}")
+    if k_mean.device != device:
+        raise ValueError(f"k_mean is on {k_mean.device} but q is on {device}")
+
+
+def _unpack_quantized(q, k, v, q_descale, k_descale, v_descale, k_mean):
+    """Allow ``flash_attn_func(quantize_fp8(q, k, v), causal=True)``."""
+    if isinstance(q, FP8QKV):
+        if k is not None or v is not None or any(d is not None for d in (q_descale, k_descale, v_descale)):
+            raise ValueError("when q is an FP8QKV (from quantize_fp8), pass k=None, v=None and no descales")
+        return q.q, q.k, q.v, q.q_descale, q.k_descale, q.v_descale, q.k_mean
+    return q, k, v, q_descale, k_descale, v_descale, k_mean
+
+
+def _build_problem(q, k, v, *, varlen, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                   softmax_scale, causal, q_descale, k_descale, v_descale, k_mean,
+                   return_lse, out_dtype) -> Problem:
+    _check_inputs(q, k, v, 3 if varlen else 4)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    _check_half_descales(q.dtype, q_descale, k_descale, v_descale)
+    heads, kv_heads = q.shape[-2], k.shape[-2]
+    dqk, dv = q.shape[-1], v.shape[-1]
+    if varlen:
+        if k.shape[0] != v.shape[0]:
+            raise ValueError(f"k and v must have the same number of tokens, got {k.shape[0]} and {v.shape[0]}")
+        _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q, q.device)
+        _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", max_seqlen_k, q.device)
+        if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+            raise ValueError(
+                f"cu_seqlens_q and cu_seqlens_k must have the same length (batch+1), got "
+                f"{cu_seqlens_q.numel()} and {cu_seqlens_k.numel()}"
+            )
+        batch = cu_seqlens_q.numel() - 1
+    else:
+        batch, max_seqlen_q = q.shape[0], q.shape[1]
+        max_seqlen_k = k.shape[1]
+        if k.shape[0] != batch or v.shape[0] != batch:
+            raise ValueError(f"q, k, v must share the batch size, got {q.shape[0]}, {k.shape[0]}, {v.shape[0]}")
+        if v.shape[1] != k.shape[1]:
+            raise ValueError(f"k and v must have the same seqlen, got {k.shape[1]} and {v.shape[1]}")
+        if max_seqlen_q < 1 or max_seqlen_k < 1:
+            raise ValueError(f"seqlens must be >= 1, got seqlen_q={max_seqlen_q}, seqlen_k={max_seqlen_k}")
+    dev = q.device
+    q_scale = scales.token_scale_table("q_descale", q_descale, batch=batch, heads=heads,
+                                       kv_heads=kv_heads, max_seqlen=max_seqlen_q, device=dev)
+    k_scale = scales.token_scale_table("k_descale", k_descale, batch=batch, heads=kv_heads,
+                                       kv_heads=kv_heads, max_seqlen=max_seqlen_k, device=dev)
+    v_scale = scales.channel_scale_table("v_descale", v_descale, batch=batch, kv_heads=kv_heads,
+                                         head_dim=dv, device=dev)
+    _check_k_mean(k_mean, batch, kv_heads, dqk, dev)
+    return Problem(
+        q=q, k=k, v=v, batch=batch, heads=heads, kv_heads=kv_heads, head_dim_qk=dqk, head_dim_v=dv,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        cu_seqlens_q=cu_seqlens_q if varlen else None, cu_seqlens_k=cu_seqlens_k if varlen else None,
+        causal=causal, softmax_scale=_resolve_scale(softmax_scale, dqk),
+        q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, k_mean=k_mean,
+        out_dtype=_resolve_out_dtype(q.dtype, out_dtype), return_lse=return_lse,
+    )
+
+
+def _run(problem: Problem, backend: str):
+    from .kernels import dispatch
+
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    out, lse = dispatch.run(problem, backend)
+    return (out, lse) if problem.return_lse else out
+
+
+def flash_attn_func(
+    q,
+    k=None,
+    v=None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    return_lse: bool = False,
+    out_dtype: torch.dtype | None = None,
+    *,
+    k_mean: torch.Tensor | None = None,
+    backend: str = "auto",
+):
+    """Attention forward on ``(batch, seqlen, heads, head_dim)`` tensors.
+
+    Args:
+        q: ``(B, Sq, Hq, Dqk)`` bf16, fp16 or float8_e4m3fn; or an :class:`FP8QKV` from
+            :func:`quantize_fp8` (then ``k`` and ``v`` are ``None``).
+        k: ``(B, Sk, Hkv, Dqk)``, same dtype; ``Hq % Hkv == 0`` (GQA/MQA).
+        v: ``(B, Sk, Hkv, Dv)``, same dtype. ``(Dqk, Dv)`` is one of 64/64, 128/128,
+            192/128 (MLA), 256/256.
+        softmax_scale: defaults to ``1/sqrt(Dqk)``.
+        causal: mask keys after the query; with ``Sq != Sk`` the mask is aligned to the
+            bottom-right corner (query ``i`` sees keys ``j <= i + Sk - Sq``), as in flash-attn.
+            Query rows that see no key get output 0 and LSE ``-inf``.
+        q_descale, k_descale, v_descale: float32 dequantization scales for FP8 inputs; see
+            :mod:`leanfa.scales` for the accepted shapes (per tensor, per head ``(B, Hkv)``,
+            per 128-token block, per V channel).
+        return_lse: also return the log-sum-exp ``(B, Hq, Sq)`` float32, natural log.
+        out_dtype: output dtype; default bf16 for FP8 inputs, else the input dtype.
+        k_mean: the per-channel mean that was subtracted from K before quantizing (K smoothing);
+            only needed to make the returned LSE exact. Set automatically for an FP8QKV.
+        backend: ``"auto"`` (Hopper kernel where it applies, else portable), ``"portable"``
+            or ``"hopper"`` (error where it does not apply).
+
+    Any strides are accepted; inputs are never copied.
+
+    Returns:
+        ``out`` of shape ``(B, Sq, Hq, Dv)``, or ``(out, lse)`` when ``return_lse``.
+    """
+    q, k, v, q_descale, k_descale, v_descale, k_mean = _unpack_quantized(
+        q, k, v, q_descale, k_descale, v_descale, k_mean)
+    problem = _build_problem(
+        q, k, v, varlen=False, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+        max_seqlen_k=None, softmax_scale=softmax_scale, causal=causal, q_descale=q_descale,
+        k_descale=k_descale, v_descale=v_descale, k_mean=k_mean, return_lse=return_lse,
+        out_dtype=out_dtype)
+    return _run(problem, backend)
+
+
+def flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    return_lse: bool = False,
+    out_dtype: torch.dtype | None = None,
+    *,
+    k_mean: torch.Tensor | None = None,
+    backend: str = "auto",
+):
+    """Attention forward on packed ``(total_tokens, heads, head_dim)`` tensors.
+
+    Sequence ``b`` holds query tokens ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` and key tokens
+    ``cu_seqlens_k[b]:cu_seqlens_k[b+1]`` (int32, flash-attn convention). Empty sequences
+    are allowed. Per-block descales are ``(B, H, ceil(max_seqlen/128))``, blocks counted from
+    each sequence's start. The LSE is ``(Hq, total_q)``. Other arguments as
+    :func:`flash_attn_func`; ``q`` may be an :class:`FP8QKV` from ``quantize_fp8(...,
+    cu_seqlens_q=..., cu_seqlens_k=...)`` (then ``k`` and ``v`` are ``None``).
+
+    ``cu_seqlens`` values are validated on CPU tensors only (a check on GPU values would
+    synchronize); on the GPU the caller guarantees them.
+    """
+    q, k, v, q_descale, k_descale, v_descale, k_mean = _unpack_quantized(
+        q, k, v, q_descale, k_descale, v_descale, k_mean)
+    problem = _build_problem(
+        q, k, v, varlen=True, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
+        causal=causal, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+        k_mean=k_mean, return_lse=return_lse, out_dtype=out_dtype)
+    return _run(problem, backend)
+
+
+PRECISIONS = ("fp8", "bf16")
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = True,
+    precision: str = "fp8",
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+    *,
+    granularity: str = "block",
+    smooth_k: bool = True,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    backend: str = "auto",
+):
+    """High-level attention for BF16/FP16 callers: BF16/FP16 in, same dtype out.
+
+    ``precision="fp8"`` quantizes Q/K/V with the accurate scheme (per-block Q/K scales,
+    K smoothing, per-channel V scales, V stored transposed) and runs the FP8 kernel;
+    ``precision="bf16"`` runs the 16-bit kernel on the inputs as they are. Pass
+    ``cu_seqlens_*``/``max_seqlen_*`` for packed varlen inputs.
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in HALF_DTYPES:
+            raise TypeError(f"attention() takes bf16/fp16 {name}, got {t.dtype}; use flash_attn_func for FP8 inputs")
+    varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
+    if precision == "fp8":
+        quant = quantize_fp8(q, k, v, granularity=granularity, smooth_k=smooth_k,
+                             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+        args = dict(softmax_scale=softmax_scale, causal=causal, return_lse=return_lse,
+                    out_dtype=q.dtype, backend=backend)
+        if varlen:
+            return flash_attn_varlen_func(quant, None, None, cu_seqlens_q, cu_seqlens_k,
+                                          max_seqlen_q, max_seqlen_k, **args)
+        return flash_attn_func(quant, **args)
+    args = dict(softmax_scale=softmax_scale, causal=causal, return_lse=return_lse, backend=backend)
+    if varlen:
+        return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **args)
+    return flash_attn_func(q, k, v, **args)

@@ -1,0 +1,104 @@
+"""Make the Q/K/V of a benchmark case (never zeros), and several copies for L2 rotation.
+
+The ``gaussian`` profile is standard-normal Q/K/V (as in the FA3 paper's benchmark) made
+here, for any head dims; every other profile (a model preset, or a path to a captured
+``.safetensors`` file) comes from :func:`leanfa.activations.make_qkv`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .shapes import Case
+
+
+@dataclass
+class Inputs:
+    """BF16 inputs of one case: ``(B, S, H, D)``, or packed ``(total, H, D)`` with
+    int32 ``cu_seqlens`` for a varlen case."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    cu_seqlens: torch.Tensor | None = None
+    max_seqlen: int | None = None
+
+    @property
+    def varlen(self) -> bool:
+        return self.cu_seqlens is not None
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.q, self.k, self.v))
+
+
+def _gaussian(case: Case, tokens_shape, seed: int, device) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out = []
+    for heads, dim in ((case.heads, case.head_dim), (case.kv_heads, case.head_dim),
+                       (case.kv_heads, case.head_dim_v)):
+        t = torch.randn(*tokens_shape, heads, dim, generator=gen, device=device, dtype=torch.float32)
+        out.append(t.to(torch.bfloat16))
+    return tuple(out)
+
+
+def _profile(case: Case, batch: int, seqlen: int, seed: int, device) -> tuple[torch.Tensor, ...]:
+    from leanfa.activations import make_qkv
+
+    q, k, v = make_qkv(case.preset, batch, seqlen, heads=case.heads, kv_heads=case.kv_heads,
+                       seed=seed, device=device, dtype=torch.bfloat16)
+    want = ((batch, seqlen, case.heads, case.head_dim), (batch, seqlen, case.kv_heads, case.head_dim),
+            (batch, seqlen, case.kv_heads, case.head_dim_v))
+    got = tuple(tuple(t.shape) for t in (q, k, v))
+    if got != want:
+        raise ValueError(f"make_qkv({case.preset!r}) gave shapes {got}, expected {want}")
+    return q, k, v
+
+
+def cu_seqlens_of(seqlens, device) -> torch.Tensor:
+    cu = [0]
+    for s in seqlens:
+        cu.append(cu[-1] + int(s))
+    return torch.tensor(cu, dtype=torch.int32, device=device)
+
+
+def make_inputs(case: Case, *, device="cuda", seed: int = 0) -> Inputs:
+    """The case's BF16 inputs on ``device``; a varlen batch is made as one long sequence
+    of ``sum(seqlens)`` tokens and cut by ``cu_seqlens``."""
+    if case.varlen:
+        shape = (case.tokens,)
+        if case.preset == "gaussian":
+            q, k, v = _gaussian(case, shape, seed, device)
+        else:
+            q, k, v = (t[0] for t in _profile(case, 1, case.tokens, seed, device))
+        return Inputs(q.contiguous(), k.contiguous(), v.contiguous(),
+                      cu_seqlens_of(case.seqlens, device), max(case.seqlens))
+    if case.preset == "gaussian":
+        q, k, v = _gaussian(case, (case.batch, case.seqlen), seed, device)
+    else:
+        q, k, v = _profile(case, case.batch, case.seqlen, seed, device)
+    return Inputs(q.contiguous(), k.contiguous(), v.contiguous())
+
+
+def copies_for(bytes_per_copy: int, *, l2_bytes: int, factor: int = 4, max_copies: int = 4,
+               max_total_bytes: int = 8 << 30) -> int:
+    """How many input copies to rotate so the working set is ``factor`` times the L2
+    (at most ``max_copies`` and ``max_total_bytes``; at least 1)."""
+    if bytes_per_copy <= 0:
+        return 1
+    n = math.ceil(factor * l2_bytes / bytes_per_copy)
+    n = min(n, max_copies, max(1, max_total_bytes // bytes_per_copy))
+    return max(1, n)
+
+
+def make_copies(case: Case, n: int, *, device="cuda", seed: int = 0) -> list[Inputs]:
+    """``n`` distinct input sets: copy 0 from ``seed``, the others clones of it (same data,
+    other addresses), which is all L2 rotation needs and keeps the check valid for all."""
+    first = make_inputs(case, device=device, seed=seed)
+    out = [first]
+    for _ in range(n - 1):
+        out.append(Inputs(first.q.clone(), first.k.clone(), first.v.clone(), first.cu_seqlens,
+                          first.max_seqlen))
+    return out

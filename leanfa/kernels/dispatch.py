@@ -1,0 +1,38 @@
+"""Pick the kernel backend for a validated :class:`leanfa.api.Problem` and run it.
+
+Order: the Hopper kernel where it applies (sm90, supported shape, tested Triton), else the
+portable kernel. ``backend="hopper"`` demands the Hopper kernel and raises where it does not
+apply; ``backend="portable"`` forces the portable kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import portable
+
+
+def _hopper():
+    try:
+        from . import hopper
+    except ImportError:  # Gluon missing in this Triton
+        return None
+    return hopper
+
+
+def hopper_applies(problem) -> tuple[bool, str]:
+    """Whether the Hopper kernel can run this problem, and if not, why."""
+    hopper = _hopper()
+    if hopper is None:
+        return False, "triton.experimental.gluon is not available"
+    return hopper.supports(problem)
+
+
+def run(problem, backend: str):
+    if backend in ("auto", "hopper"):
+        ok, why = hopper_applies(problem)
+        if ok:
+            return _hopper().run(problem)
+        if backend == "hopper":
+            raise ValueError(f"backend='hopper' cannot run this call: {why}")
+    return portable.run(problem)

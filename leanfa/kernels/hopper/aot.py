@@ -1,0 +1,121 @@
+"""Ahead-of-time compilation of the Hopper kernel for sm90 without a GPU.
+
+``compile_variant`` builds the same argument list as a real launch (descriptors over small CPU
+tensors: a descriptor's *type* depends only on dtype, box and layout), turns it into a Triton
+signature, and runs the full pipeline (Gluon -> TTGIR -> LLVM -> PTX -> ptxas cubin) for
+``GPUTarget("cuda", 90, 32)``. Used by ``scripts/hopper_compile_check.py`` and the tests.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.runtime.jit import mangle_type
+
+from . import launch as L
+from .kernel import attn_fwd_kernel
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+@dataclass
+class Variant:
+    dtype: str = "fp8"  # "fp8" | "bf16"
+    dqk: int = 128
+    dv: int = 128
+    causal: bool = True
+    return_lse: bool = False
+    k_mean: bool = False
+    v_kmajor: bool | None = None  # default: True for fp8, False for bf16
+    out_dtype: torch.dtype = torch.bfloat16
+
+    @property
+    def name(self) -> str:
+        vk = self.v_kmajor if self.v_kmajor is not None else self.dtype == "fp8"
+        return (f"{self.dtype}-d{self.dqk}/{self.dv}-{'causal' if self.causal else 'full'}"
+                f"{'-lse' if self.return_lse else ''}{'-kmean' if self.k_mean else ''}"
+                f"{'-vT' if vk else ''}")
+
+
+def _fake_problem(v: Variant):
+    dt = torch.float8_e4m3fn if v.dtype == "fp8" else torch.bfloat16
+    kmajor = v.v_kmajor if v.v_kmajor is not None else v.dtype == "fp8"
+    B, S, H = 1, 256, 2
+    q = torch.zeros(B, S, H, v.dqk, dtype=dt)
+    k = torch.zeros(B, S, H, v.dqk, dtype=dt)
+    if kmajor:
+        v_ = torch.zeros(B, H, v.dv, S, dtype=dt).permute(0, 3, 1, 2)
+    else:
+        v_ = torch.zeros(B, S, H, v.dv, dtype=dt)
+    out = torch.zeros(B, S, H, v.dv, dtype=v.out_dtype)
+    lse = torch.zeros(B, H, S, dtype=torch.float32)
+    ones = torch.ones(1, 1, 1, dtype=torch.float32)
+    qs = ones.expand(B, H, 2)
+    ks = ones.expand(B, H, 2)
+    vs = ones.expand(B, H, v.dv)
+    km = torch.zeros(B, H, v.dqk, dtype=torch.float32) if v.k_mean else None
+    return L.make_plan(q, k, v_, out, lse if v.return_lse else None, qs, ks, vs, km, causal=v.causal,
+                       softmax_scale=v.dqk ** -0.5, return_lse=v.return_lse)
+
+
+def _signature(fn, args, constexprs):
+    names = list(fn.arg_names)
+    sig, consts = {}, {}
+    it = iter(args)
+    for n in names:
+        if n in constexprs:
+            sig[n] = "constexpr"
+            consts[n] = constexprs[n]
+        else:
+            a = next(it)
+            sig[n] = mangle_type(a)
+    return sig, consts
+
+
+@dataclass
+class Compiled:
+    name: str
+    regs: int
+    spill_stores: int
+    spill_loads: int
+    shared: int
+    wgmma_ptx: int
+    ptx: str
+    ttgir: str
+
+
+def compile_variant(v: Variant) -> Compiled:
+    plan = _fake_problem(v)
+    c = dict(plan.constexprs)
+    sig, consts = _signature(attn_fwd_kernel, plan.args, c)
+    src = GluonASTSource(attn_fwd_kernel, sig, constexprs=consts)
+    ck = triton.compile(src, target=TARGET, options={"num_warps": c["num_warps"]})
+    ptx = ck.asm["ptx"]
+    regs, ss, sl = _ptxas_usage(ptx)
+    return Compiled(v.name, regs, ss, sl, ck.metadata.shared, ptx.count("wgmma.mma_async"), ptx,
+                    ck.asm["ttgir"])
+
+
+def _ptxas_usage(ptx: str):
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    ptxas = get_ptxas(90).path
+    with tempfile.TemporaryDirectory() as d:
+        p = os.path.join(d, "k.ptx")
+        with open(p, "w") as f:
+            f.write(ptx)
+        r = subprocess.run([ptxas, "-arch=sm_90a", "-v", p, "-o", os.path.join(d, "k.cubin")],
+                           capture_output=True, text=True)
+    txt = r.stdout + r.stderr
+    regs = int(m.group(1)) if (m := re.search(r"Used (\d+) registers", txt)) else -1
+    m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", txt)
+    ss, sl = (int(m.group(1)), int(m.group(2))) if m else (-1, -1)
+    return regs, ss, sl

@@ -1,0 +1,136 @@
+"""Host side: TMA descriptors over the caller's tensors, launch parameters, and the checks
+that decide whether a layout can be expressed as TMA descriptors at all.
+
+Every descriptor is rank 4 over the tensor *as stored*, so any batch/head/token strides work
+without a copy: Q/K and token-major V as ``[batch, head, seq, dim]``; V stored transposed
+(``v.stride(1) == 1``, what :func:`leanfa.quantize_fp8` writes) as ``[batch, head, dim, seq]``.
+TMA needs: the innermost stride 1, every other stride a multiple of 16 bytes, a 16-byte aligned
+base. Out-of-range boxes are zero-filled, so sequence tails and batch edges are safe.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .kernel import attn_fwd_kernel
+
+BLOCK_M = 128
+BLOCK_N = 128
+NUM_WARPS = 8  # two consumer warpgroups, 64 query rows each
+LOG2E = 1.4426950408889634
+SMEM_LIMIT = 227 * 1024
+
+_GL_DTYPES = {
+    torch.bfloat16: gl.bfloat16,
+    torch.float16: gl.float16,
+    torch.float8_e4m3fn: gl.float8e4nv,
+}
+
+
+def v_is_kmajor(v: torch.Tensor) -> bool:
+    """V stored transposed ((B, Hkv, Dv, S) storage viewed as (B, S, Hkv, Dv))."""
+    return v.stride(1) == 1 and v.stride(3) != 1
+
+
+def _bshd_as_bhsd(t: torch.Tensor):
+    """Shape and strides of a (B, S, H, D) tensor as stored [B, H, S, D] (D innermost)."""
+    B, S, H, D = t.shape
+    return [B, H, S, D], [t.stride(0), t.stride(2), t.stride(1), t.stride(3)]
+
+
+def _v_kmajor_dims(v: torch.Tensor):
+    """Shape and strides of a transposed-storage V as [B, H, D, S] (S innermost)."""
+    B, S, H, D = v.shape
+    return [B, H, D, S], [v.stride(0), v.stride(2), v.stride(3), v.stride(1)]
+
+
+def tma_layout_problem(name: str, t: torch.Tensor, shape, strides) -> str | None:
+    """Why ``t`` viewed as ``shape``/``strides`` cannot be a TMA descriptor (None if it can)."""
+    elt = t.element_size()
+    if strides[-1] != 1:
+        return f"{name}: the head_dim axis must be contiguous (stride 1) for TMA, got strides {tuple(t.stride())}"
+    if t.data_ptr() % 16:
+        return f"{name}: the data pointer is not 16-byte aligned (TMA)"
+    for s, st in zip(shape[:-1], strides[:-1]):
+        if s > 1 and (st * elt) % 16:
+            return f"{name}: stride {st} x {elt} bytes is not a multiple of 16 (TMA), strides {tuple(t.stride())}"
+        if st < 0 or st * elt >= 2**40:
+            return f"{name}: stride {st} out of TMA range"
+    if any(s >= 2**31 for s in shape):
+        return f"{name}: a dimension is too large for TMA"
+    return None
+
+
+def stages_for(dqk: int, dv: int, elt: int) -> int:
+    """Deepest K/V ring that fits shared memory (with room for layout-conversion scratch)."""
+    q_bytes = BLOCK_M * dqk * elt
+    stage = BLOCK_N * (dqk + dv) * elt
+    scratch = 32 * 1024
+    stages = 4
+    while stages > 2 and q_bytes + stages * stage + scratch > SMEM_LIMIT:
+        stages -= 1
+    return stages
+
+
+@dataclass
+class Plan:
+    args: tuple
+    constexprs: dict
+    grid: tuple
+
+
+def _desc(t: torch.Tensor, shape, strides, block):
+    layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[t.dtype])
+    return TensorDescriptor(t, shape, strides, block, layout)
+
+
+def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: bool,
+              softmax_scale: float, return_lse: bool) -> Plan:
+    """Kernel arguments for dense (B, S, H, D) tensors; ``out`` is (B, Sq, Hq, Dv)."""
+    B, Sq, Hq, Dqk = q.shape
+    Sk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
+    is_fp8 = q.dtype == torch.float8_e4m3fn
+    kmajor = v_is_kmajor(v)
+    q_desc = _desc(q, *_bshd_as_bhsd(q), [1, 1, BLOCK_M, Dqk])
+    k_desc = _desc(k, *_bshd_as_bhsd(k), [1, 1, BLOCK_N, Dqk])
+    if kmajor:
+        v_desc = _desc(v, *_v_kmajor_dims(v), [1, 1, Dv, BLOCK_N])
+    else:
+        v_desc = _desc(v, *_bshd_as_bhsd(v), [1, 1, BLOCK_N, Dv])
+    num_m_tiles = triton_cdiv(Sq, BLOCK_M)
+    has_kmean = k_mean is not None and return_lse
+    km = k_mean if has_kmean else v_scale  # any float32 pointer; unused
+    args = (
+        q_desc, k_desc, v_desc,
+        out, out.stride(0), out.stride(1), out.stride(2),
+        lse if lse is not None else v_scale,
+        q_scale, q_scale.stride(0), q_scale.stride(1), q_scale.stride(2),
+        k_scale, k_scale.stride(0), k_scale.stride(1), k_scale.stride(2),
+        v_scale, v_scale.stride(0), v_scale.stride(1), v_scale.stride(2),
+        km, km.stride(0), km.stride(1), km.stride(2),
+        Sq, Sk, Hq, Hq // Hkv, num_m_tiles,
+        float(softmax_scale * LOG2E), float(softmax_scale),
+    )
+    constexprs = dict(
+        HEAD_DV=Dv, CAUSAL=bool(causal), IS_FP8=is_fp8, V_KMAJOR=kmajor,
+        RETURN_LSE=bool(return_lse), HAS_KMEAN=has_kmean,
+        STAGES=stages_for(Dqk, Dv, q.element_size()), num_warps=NUM_WARPS,
+    )
+    grid = (B * Hq, num_m_tiles)
+    return Plan(args, constexprs, grid)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def launch(plan: Plan) -> None:
+    c = dict(plan.constexprs)
+    num_warps = c.pop("num_warps")
+    attn_fwd_kernel[plan.grid](*plan.args, **c, num_warps=num_warps)

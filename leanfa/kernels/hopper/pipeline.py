@@ -1,0 +1,77 @@
+"""TMA + mbarrier ring for the K/V tiles.
+
+Key block ``j`` always lives in ring slot ``j % STAGES``; its ready barrier completes phase
+``(j // STAGES) & 1``. K and V have separate barriers so QK^T can start while V is in flight.
+Descriptors are rank 4: ``[batch, head, seq, dim]`` for Q/K (and V stored token-major),
+``[batch, head, dim, seq]`` for V stored transposed (``V_KMAJOR``: FP8 PV needs a K-major B).
+TMA zero-fills everything outside ``[0, seqlen)``, so tail tiles never read a neighbour's data.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+
+
+@gluon.jit
+def alloc_barriers(count: gl.constexpr):
+    bars = gl.allocate_shared_memory(gl.int64, [count, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(count):
+        mbarrier.init(bars.index(i), count=1)
+    return bars
+
+
+@gluon.jit
+def invalidate_barriers(bars, count: gl.constexpr):
+    for i in gl.static_range(count):
+        mbarrier.invalidate(bars.index(i))
+
+
+@gluon.jit
+def as_2d(buf):
+    """View a ``[1, 1, R, C]`` TMA box in shared memory as ``[R, C]``."""
+    return buf.reshape([buf.shape[2], buf.shape[3]])
+
+
+@gluon.jit
+def load_q(q_desc, b, h, m_start, bar, q_smem):
+    mbarrier.expect(bar, q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [b, h, m_start, 0], bar, q_smem)
+
+
+@gluon.jit
+def load_kv(k_desc, v_desc, b, hkv, block, k_bufs, v_bufs, k_bars, v_bars,
+            STAGES: gl.constexpr, V_KMAJOR: gl.constexpr):
+    """Issue the TMA loads of key block ``block`` into its ring slot."""
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+    slot = block % STAGES
+    n0 = block * BLOCK_N
+    kb = k_bars.index(slot)
+    mbarrier.expect(kb, k_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [b, hkv, n0, 0], kb, k_bufs.index(slot))
+    vb = v_bars.index(slot)
+    mbarrier.expect(vb, v_desc.block_type.nbytes)
+    if V_KMAJOR:
+        tma.async_copy_global_to_shared(v_desc, [b, hkv, 0, n0], vb, v_bufs.index(slot))
+    else:
+        tma.async_copy_global_to_shared(v_desc, [b, hkv, n0, 0], vb, v_bufs.index(slot))
+
+
+@gluon.jit
+def k_tile(k_bufs, k_bars, block, STAGES: gl.constexpr):
+    """Wait for key block ``block``; return it as the K-major B operand ``[D, BLOCK_N]`` of QK^T."""
+    slot = block % STAGES
+    mbarrier.wait(k_bars.index(slot), (block // STAGES) & 1)
+    return as_2d(k_bufs.index(slot)).permute((1, 0))
+
+
+@gluon.jit
+def v_tile(v_bufs, v_bars, block, STAGES: gl.constexpr, V_KMAJOR: gl.constexpr):
+    """Wait for value block ``block``; return it as the B operand ``[BLOCK_N, Dv]`` of PV."""
+    slot = block % STAGES
+    mbarrier.wait(v_bars.index(slot), (block // STAGES) & 1)
+    v = as_2d(v_bufs.index(slot))
+    if V_KMAJOR:
+        v = v.permute((1, 0))
+    return v

@@ -1,0 +1,314 @@
+"""Portable attention forward in ``triton.language``: any Triton GPU, and the CPU interpreter.
+
+The algorithm (one program = one block of BLOCK_M query rows of one head):
+
+    c      = q_descale[row] * k_descale[block] * softmax_scale * log2(e)   # per row, per KV block
+    s      = Q Kᵀ                      (raw FP8/BF16 products, fp32 accumulate)
+    m_new  = max(m, rowmax(s) * c)      (c > 0, so the max commutes with the scale)
+    p      = exp2(s * c - (m_new - P_SHIFT))     <- "Lean P": one FFMA + one exp2 per score
+    l      = l * exp2(m - m_new) + rowsum(p)
+    O      = O * exp2(m - m_new) + P V  (FP8: P in e4m3, each block's P V added in fp32)
+
+P_SHIFT = 8 for FP8 scales P by 256 into the e4m3 range at no cost (l carries the same
+factor, so O / l is unchanged); 0 for BF16/FP16. At the end O / l is multiplied by the
+per-channel V descale, and LSE = (m - P_SHIFT + log2 l) * ln 2 (plus softmax_scale * q·k_mean
+when K was smoothed). Causal programs skip KV blocks entirely above the diagonal and mask only
+the blocks that cross it; the grid launches the heaviest query blocks first.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..scales import SCALE_BLOCK
+from .fp8 import to_e4m3
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+NEG_INF = float("-inf")
+
+
+@triton.jit
+def _load_tile(ptrs, row_ok, col_ok, MASK_ROWS: tl.constexpr, MASK_COLS: tl.constexpr):
+    if MASK_ROWS:
+        if MASK_COLS:
+            return tl.load(ptrs, mask=row_ok & col_ok, other=0.0)
+        else:
+            return tl.load(ptrs, mask=row_ok, other=0.0)
+    else:
+        if MASK_COLS:
+            return tl.load(ptrs, mask=col_ok, other=0.0)
+        else:
+            return tl.load(ptrs)
+
+
+@triton.jit
+def _upcast(x, DOT_UPCAST: tl.constexpr):
+    """Operand for tl.dot: as is (0), or converted to fp16 (1: FP8 on a GPU without FP8 MMA,
+    exact for e4m3) or fp32 (2: the CPU interpreter, whose bf16 dot is wrong in Triton 3.6)."""
+    if DOT_UPCAST == 1:
+        return x.to(tl.float16)
+    elif DOT_UPCAST == 2:
+        return x.to(tl.float32)
+    else:
+        return x
+
+
+@triton.jit
+def _attend_kv_block(
+    acc, l_i, m_i, q, c_row,
+    k_blk, v_blk, k_scale,
+    start_n, offs_m, offs_n, offs_dqk, offs_dv,
+    seqlen_k, causal_offset,
+    stride_ks, stride_kd, stride_vs, stride_vd,
+    HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    IS_FP8: tl.constexpr, DOT_UPCAST: tl.constexpr, EXACT_FP8_ROUND: tl.constexpr,
+    P_SHIFT: tl.constexpr,
+):
+    """One KV block of the online softmax; MASKED blocks check key bounds and the causal mask."""
+    cols = start_n + offs_n
+    key_ok = cols < seqlen_k
+    kt = _load_tile(k_blk + offs_n[None, :] * stride_ks + offs_dqk[:, None] * stride_kd,
+                    key_ok[None, :], offs_dqk[:, None] < HEAD_DIM_QK,
+                    MASKED, BLOCK_DQK != HEAD_DIM_QK)
+    s = tl.dot(q, _upcast(kt, DOT_UPCAST))
+    c = c_row * k_scale
+    if MASKED:
+        visible = key_ok[None, :]
+        if CAUSAL:
+            visible = visible & (cols[None, :] <= offs_m[:, None] + causal_offset)
+        s = tl.where(visible, s, NEG_INF)
+    m_new = tl.maximum(m_i, tl.max(s, 1) * c)
+    m_use = tl.where(m_new == NEG_INF, 0.0, m_new)  # rows with nothing visible yet
+    p = tl.math.exp2(s * c[:, None] - (m_use - P_SHIFT)[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    v = _load_tile(v_blk + offs_n[:, None] * stride_vs + offs_dv[None, :] * stride_vd,
+                   key_ok[:, None], offs_dv[None, :] < HEAD_DIM_V,
+                   MASKED, BLOCK_DV != HEAD_DIM_V)
+    if IS_FP8:
+        p8 = to_e4m3(p, False, EXACT_FP8_ROUND)
+        # a fresh accumulator per block: the MMA's reduced-precision sum covers one block,
+        # and the running sum stays in fp32
+        acc += tl.dot(_upcast(p8, DOT_UPCAST), _upcast(v, DOT_UPCAST))
+    else:
+        acc = tl.dot(_upcast(p.to(v.dtype), DOT_UPCAST), _upcast(v, DOT_UPCAST), acc)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _attn_fwd(
+    Q, K, V, O, LSE, QS, KS, VS, KMEAN, CU_Q, CU_K,
+    qk_scale, sm_scale, seqlen_q_dense, seqlen_k_dense, num_heads,
+    stride_qb, stride_qs, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_ob, stride_os, stride_oh, stride_od,
+    stride_lb, stride_lh, stride_ls,
+    stride_qsb, stride_qsh, stride_qsn,
+    stride_ksb, stride_ksh, stride_ksn,
+    stride_vsb, stride_vsh, stride_vsd,
+    stride_kmb, stride_kmh, stride_kmd,
+    GROUP: tl.constexpr,
+    HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    SEQ_BUCKET: tl.constexpr,
+    CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
+    IS_FP8: tl.constexpr, DOT_UPCAST: tl.constexpr, EXACT_FP8_ROUND: tl.constexpr,
+    RETURN_LSE: tl.constexpr, HAS_KMEAN: tl.constexpr,
+    SCALE_BLK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    tl.static_assert(SCALE_BLK % BLOCK_N == 0, "a KV tile must lie inside one K scale block")
+    P_SHIFT: tl.constexpr = 8.0 if IS_FP8 else 0.0
+    pid_bh = tl.program_id(0)
+    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)  # heaviest (last) query blocks first
+    b = pid_bh // num_heads
+    h = pid_bh % num_heads
+    hk = h // GROUP
+    if VARLEN:
+        q_start = tl.load(CU_Q + b)
+        seqlen_q = tl.load(CU_Q + b + 1) - q_start
+        k_start = tl.load(CU_K + b)
+        seqlen_k = tl.load(CU_K + b + 1) - k_start
+    else:
+        q_start = b * 0  # a tensor zero (int literals have no .to())
+        seqlen_q = seqlen_q_dense
+        k_start = b * 0
+        seqlen_k = seqlen_k_dense
+    start_m = pid_m * BLOCK_M
+    if start_m >= seqlen_q:
+        return
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_dqk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = offs_m < seqlen_q
+
+    # 64-bit base offsets: B * S * H * D can exceed 2^31 at long context
+    q_base = Q + b.to(tl.int64) * stride_qb + (q_start + start_m).to(tl.int64) * stride_qs + h.to(tl.int64) * stride_qh
+    k_base = K + b.to(tl.int64) * stride_kb + k_start.to(tl.int64) * stride_ks + hk.to(tl.int64) * stride_kh
+    v_base = V + b.to(tl.int64) * stride_vb + k_start.to(tl.int64) * stride_vs + hk.to(tl.int64) * stride_vh
+    q = _load_tile(q_base + tl.arange(0, BLOCK_M)[:, None] * stride_qs + offs_dqk[None, :] * stride_qd,
+                   row_ok[:, None], offs_dqk[None, :] < HEAD_DIM_QK, True, BLOCK_DQK != HEAD_DIM_QK)
+    q = _upcast(q, DOT_UPCAST)
+    if IS_FP8:
+        q_scale = tl.load(QS + b * stride_qsb + h * stride_qsh + (offs_m // SCALE_BLK) * stride_qsn,
+                          mask=row_ok, other=1.0)
+        c_row = q_scale * qk_scale
+    else:
+        c_row = tl.full([BLOCK_M], 1.0, tl.float32) * qk_scale
+
+    m_i = tl.full([BLOCK_M], NEG_INF, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+
+    causal_offset = seqlen_k - seqlen_q  # bottom-right alignment
+    n_end = seqlen_k
+    n_full = (seqlen_k // BLOCK_N) * BLOCK_N
+    if CAUSAL:
+        last_visible = start_m + BLOCK_M + causal_offset  # keys < this are seen by some row
+        if last_visible < n_end:
+            n_end = last_visible
+        if n_end < 0:
+            n_end = 0
+        # blocks whose every key is visible to the block's first row need no mask
+        first_row_sees = start_m + causal_offset + 1
+        if first_row_sees < 0:
+            first_row_sees = 0
+        if (first_row_sees // BLOCK_N) * BLOCK_N < n_full:
+            n_full = (first_row_sees // BLOCK_N) * BLOCK_N
+    k_scale_ptr = KS + b * stride_ksb + hk * stride_ksh
+
+    for start_n in range(0, n_full, BLOCK_N):
+        k_scale = tl.load(k_scale_ptr + (start_n // SCALE_BLK) * stride_ksn) if IS_FP8 else 1.0
+        acc, l_i, m_i = _attend_kv_block(
+            acc, l_i, m_i, q, c_row,
+            k_base + tl.cast(start_n, tl.int64) * stride_ks, v_base + tl.cast(start_n, tl.int64) * stride_vs, k_scale,
+            start_n, offs_m, offs_n, offs_dqk, offs_dv, seqlen_k, causal_offset,
+            stride_ks, stride_kd, stride_vs, stride_vd,
+            HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV,
+            False, CAUSAL, IS_FP8, DOT_UPCAST, EXACT_FP8_ROUND, P_SHIFT)
+    for start_n in range(n_full, n_end, BLOCK_N):
+        k_scale = tl.load(k_scale_ptr + (start_n // SCALE_BLK) * stride_ksn) if IS_FP8 else 1.0
+        acc, l_i, m_i = _attend_kv_block(
+            acc, l_i, m_i, q, c_row,
+            k_base + tl.cast(start_n, tl.int64) * stride_ks, v_base + tl.cast(start_n, tl.int64) * stride_vs, k_scale,
+            start_n, offs_m, offs_n, offs_dqk, offs_dv, seqlen_k, causal_offset,
+            stride_ks, stride_kd, stride_vs, stride_vd,
+            HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV,
+            True, CAUSAL, IS_FP8, DOT_UPCAST, EXACT_FP8_ROUND, P_SHIFT)
+
+    # epilogue: normalize, V per-channel descale, store O (and LSE)
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    if IS_FP8:
+        v_scale = tl.load(VS + b * stride_vsb + hk * stride_vsh + offs_dv * stride_vsd,
+                          mask=offs_dv < HEAD_DIM_V, other=1.0)
+        out = out * v_scale[None, :]
+    o_base = O + b.to(tl.int64) * stride_ob + (q_start + start_m).to(tl.int64) * stride_os + h.to(tl.int64) * stride_oh
+    tl.store(o_base + tl.arange(0, BLOCK_M)[:, None] * stride_os + offs_dv[None, :] * stride_od,
+             out.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
+    if RETURN_LSE:
+        lse = (m_i - P_SHIFT + tl.math.log2(l_i)) * 0.6931471805599453
+        if HAS_KMEAN:  # K was stored as K - mean: add back softmax_scale * q . mean
+            k_mean = tl.load(KMEAN + b * stride_kmb + hk * stride_kmh + offs_dqk * stride_kmd,
+                             mask=offs_dqk < HEAD_DIM_QK, other=0.0)
+            q_dot_mean = tl.sum(q.to(tl.float32) * k_mean[None, :], 1)
+            if IS_FP8:
+                q_dot_mean = q_dot_mean * q_scale
+            lse = lse + q_dot_mean * sm_scale
+        lse_ptrs = LSE + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + (q_start + offs_m).to(tl.int64) * stride_ls
+        tl.store(lse_ptrs, lse, mask=row_ok)
+
+
+def _configs():
+    shapes = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
+        (128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2),
+        (64, 64, 4, 3), (64, 128, 4, 2), (128, 32, 4, 3), (64, 32, 4, 2),
+    ]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
+
+
+_attn_fwd_tuned = triton.autotune(
+    configs=_configs(),
+    key=["HEAD_DIM_QK", "HEAD_DIM_V", "IS_FP8", "CAUSAL", "VARLEN", "GROUP", "SEQ_BUCKET", "RETURN_LSE"],
+)(_attn_fwd)
+
+#: tile used under the CPU interpreter (no autotuning there: every config would run)
+INTERPRETER_TILE = {"BLOCK_M": 32, "BLOCK_N": 32}
+
+
+def _interpreting(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu"
+
+
+def _fp8_mma_available(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def _strides4(t: torch.Tensor, varlen: bool):
+    """(batch, seq, head, dim) strides; varlen tensors have no batch axis."""
+    return (0, *t.stride()) if varlen else t.stride()
+
+
+def run(problem):
+    """Launch the portable kernel for a validated :class:`leanfa.api.Problem`; returns (out, lse)."""
+    p = problem
+    q, k, v = p.q, p.k, p.v
+    dev = q.device
+    if p.varlen:
+        out = torch.empty((q.shape[0], p.heads, p.head_dim_v), dtype=p.out_dtype, device=dev)
+        lse = torch.empty((p.heads, q.shape[0]), dtype=torch.float32, device=dev) if p.return_lse else None
+        lse_strides = (0, *lse.stride()) if lse is not None else (0, 0, 0)
+        total_q = q.shape[0]
+    else:
+        out = torch.empty((p.batch, p.max_seqlen_q, p.heads, p.head_dim_v), dtype=p.out_dtype, device=dev)
+        lse = torch.empty((p.batch, p.heads, p.max_seqlen_q), dtype=torch.float32, device=dev) if p.return_lse else None
+        lse_strides = lse.stride() if lse is not None else (0, 0, 0)
+        total_q = p.batch * p.max_seqlen_q
+    if total_q == 0 or p.batch == 0:
+        return out, lse
+    q_scale, k_scale = p.q_scale, p.k_scale
+    # a one-block table serves every token: stride 0 keeps token // 128 in bounds
+    qs_strides = (q_scale.stride(0), q_scale.stride(1), q_scale.stride(2) if q_scale.shape[2] > 1 else 0)
+    ks_strides = (k_scale.stride(0), k_scale.stride(1), k_scale.stride(2) if k_scale.shape[2] > 1 else 0)
+    k_mean = p.k_mean
+    has_kmean = k_mean is not None and p.return_lse
+    km = k_mean if k_mean is not None else q_scale
+    km_strides = k_mean.stride() if k_mean is not None else (0, 0, 0)
+    cu_q = p.cu_seqlens_q if p.varlen else q_scale
+    cu_k = p.cu_seqlens_k if p.varlen else q_scale
+    interp = _interpreting(q)
+    args = dict(
+        GROUP=p.heads // p.kv_heads,
+        HEAD_DIM_QK=p.head_dim_qk, HEAD_DIM_V=p.head_dim_v,
+        BLOCK_DQK=triton.next_power_of_2(p.head_dim_qk), BLOCK_DV=triton.next_power_of_2(p.head_dim_v),
+        SEQ_BUCKET=min(triton.next_power_of_2(p.max_seqlen_q), 1 << 15),
+        CAUSAL=p.causal, VARLEN=p.varlen,
+        IS_FP8=p.is_fp8, DOT_UPCAST=2 if interp else (1 if p.is_fp8 and not _fp8_mma_available(dev) else 0),
+        EXACT_FP8_ROUND=interp,
+        RETURN_LSE=p.return_lse, HAS_KMEAN=has_kmean, SCALE_BLK=SCALE_BLOCK,
+    )
+    kernel = _attn_fwd if interp else _attn_fwd_tuned
+    if interp:
+        args.update(INTERPRETER_TILE)
+
+    def grid(meta):
+        return (p.batch * p.heads, triton.cdiv(p.max_seqlen_q, meta["BLOCK_M"]))
+
+    kernel[grid](
+        q, k, v, out, lse if lse is not None else out, q_scale, k_scale, p.v_scale, km, cu_q, cu_k,
+        p.softmax_scale * LOG2E, p.softmax_scale,
+        p.max_seqlen_q if not p.varlen else 0, k.shape[1] if not p.varlen else 0, p.heads,
+        *_strides4(q, p.varlen), *_strides4(k, p.varlen), *_strides4(v, p.varlen), *_strides4(out, p.varlen),
+        *lse_strides, *qs_strides, *ks_strides, *p.v_scale.stride(), *km_strides,
+        **args,
+    )
+    return out, lse

@@ -1,0 +1,305 @@
+"""FP8 (e4m3) quantization of Q, K, V built for attention accuracy.
+
+* Q and K: one scale per block of 128 tokens of each head (``granularity="block"``), per head
+  (``"head"``) or per tensor (``"tensor"``); ``descale = amax / 448``.
+* K smoothing (``smooth_k=True``): the per-channel mean of K over each sequence is subtracted
+  before quantizing. Every score of a query row shifts by the same ``q·mean``, so softmax is
+  unchanged; the outliers that live in the mean stop eating the e4m3 range. The mean is kept
+  (``FP8QKV.k_mean``) so the kernels can still return the exact LSE.
+* V: one scale per channel of each head (``"block"``/``"head"``) or per tensor, and V is
+  written *transposed* (``(B, Hkv, Dv, S)`` storage, returned as a ``(B, S, Hkv, Dv)`` view with
+  ``stride(1) == 1``) — the K-major operand FP8 matrix instructions need for P·V.
+* Conversion saturates: values beyond ±448 clamp, never become NaN.
+
+All passes are Triton kernels: a per-channel statistics pass (K mean, V amax) and a quantize
+pass per 128-token block that also computes the block's scale when ``granularity="block"``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .kernels.fp8 import E4M3_MAX, to_e4m3
+from .scales import SCALE_BLOCK, num_scale_blocks
+
+GRANULARITIES = ("block", "head", "tensor")
+FP8_DTYPE = torch.float8_e4m3fn
+#: V is stored transposed with its token axis padded to this many elements (16-byte rows)
+V_TOKEN_ALIGN = 16
+
+
+@dataclass(frozen=True)
+class FP8QKV:
+    """Quantized Q/K/V and their float32 descales; pass it straight to ``flash_attn_func``.
+
+    ``q``/``k``: ``(B, S, H, D)`` (or packed ``(total, H, D)``) float8_e4m3fn. ``v``: same
+    logical shape, stored transposed. Descales: per-block ``(B, H, ceil(S/128))``, per-head
+    ``(B, H)`` or a 0-d tensor; ``v_descale`` ``(B, Hkv, Dv)`` or 0-d. ``k_mean``:
+    ``(B, Hkv, Dqk)`` float32 mean subtracted from K, or None.
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    q_descale: torch.Tensor
+    k_descale: torch.Tensor
+    v_descale: torch.Tensor
+    k_mean: torch.Tensor | None
+    granularity: str
+
+    def descales(self) -> dict:
+        """Keyword arguments for ``flash_attn_func(q, k, v, **quantized.descales())``."""
+        return dict(q_descale=self.q_descale, k_descale=self.k_descale, v_descale=self.v_descale,
+                    k_mean=self.k_mean)
+
+
+@triton.jit
+def _channel_stats(
+    X, CU, SUM, AMAX, seqlen_dense, num_heads,
+    stride_xb, stride_xs, stride_xh, stride_xd,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    VARLEN: tl.constexpr, WANT_SUM: tl.constexpr, WANT_AMAX: tl.constexpr,
+):
+    """Per (batch, head): sum over the sequence of each channel and/or max |x| per channel."""
+    pid = tl.program_id(0)
+    b = pid // num_heads
+    h = pid % num_heads
+    if VARLEN:
+        start = tl.load(CU + b)
+        seqlen = tl.load(CU + b + 1) - start
+    else:
+        start = b * 0  # a tensor zero (int literals have no .to())
+        seqlen = seqlen_dense
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_s = tl.arange(0, BLOCK_S)
+    base = X + b.to(tl.int64) * stride_xb + start.to(tl.int64) * stride_xs + h.to(tl.int64) * stride_xh
+    total = tl.zeros([BLOCK_D], tl.float32)
+    amax = tl.zeros([BLOCK_D], tl.float32)
+    for s0 in range(0, seqlen, BLOCK_S):
+        rows = s0 + offs_s
+        x = tl.load(base + rows[:, None].to(tl.int64) * stride_xs + offs_d[None, :] * stride_xd,
+                    mask=(rows[:, None] < seqlen) & (offs_d[None, :] < HEAD_DIM), other=0.0).to(tl.float32)
+        if WANT_SUM:
+            total += tl.sum(x, 0)
+        if WANT_AMAX:
+            amax = tl.maximum(amax, tl.max(tl.abs(x), 0))
+    out = pid * HEAD_DIM + offs_d
+    if WANT_SUM:
+        tl.store(SUM + out, total / tl.maximum(seqlen, 1).to(tl.float32), mask=offs_d < HEAD_DIM)
+    if WANT_AMAX:
+        tl.store(AMAX + out, amax, mask=offs_d < HEAD_DIM)
+
+
+@triton.jit
+def _quantize_blocks(
+    X, Y, CU, MEAN, SCALE, CH_SCALE, seqlen_dense, num_heads,
+    stride_xb, stride_xs, stride_xh, stride_xd,
+    stride_yb, stride_ys, stride_yh, stride_yd,
+    stride_sb, stride_sh, stride_sn,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    VARLEN: tl.constexpr, SUBTRACT_MEAN: tl.constexpr, COMPUTE_SCALE: tl.constexpr,
+    CHANNEL_SCALE: tl.constexpr, EXACT_ROUND: tl.constexpr,
+):
+    """Quantize one block of BLOCK_S tokens of one head to e4m3.
+
+    COMPUTE_SCALE: the block's descale (amax / 448) is computed here and written to SCALE;
+    otherwise it is read from SCALE (stride 0 for a per-head/per-tensor table). CHANNEL_SCALE:
+    divide by a per-channel descale CH_SCALE[b, h, d] instead (V).
+    """
+    blk = tl.program_id(0)
+    pid = tl.program_id(1)
+    b = pid // num_heads
+    h = pid % num_heads
+    if VARLEN:
+        start = tl.load(CU + b)
+        seqlen = tl.load(CU + b + 1) - start
+    else:
+        start = b * 0  # a tensor zero (int literals have no .to())
+        seqlen = seqlen_dense
+    s0 = blk * BLOCK_S
+    if s0 >= seqlen:
+        return
+    offs_d = tl.arange(0, BLOCK_D)
+    rows = s0 + tl.arange(0, BLOCK_S)
+    mask = (rows[:, None] < seqlen) & (offs_d[None, :] < HEAD_DIM)
+    xb = X + b.to(tl.int64) * stride_xb + start.to(tl.int64) * stride_xs + h.to(tl.int64) * stride_xh
+    x = tl.load(xb + rows[:, None].to(tl.int64) * stride_xs + offs_d[None, :] * stride_xd,
+                mask=mask, other=0.0).to(tl.float32)
+    if SUBTRACT_MEAN:
+        mean = tl.load(MEAN + pid * HEAD_DIM + offs_d, mask=offs_d < HEAD_DIM, other=0.0)
+        x = tl.where(mask, x - mean[None, :], 0.0)
+    if CHANNEL_SCALE:
+        ch = tl.load(CH_SCALE + pid * HEAD_DIM + offs_d, mask=offs_d < HEAD_DIM, other=1.0)
+        x = x / ch[None, :]
+    else:
+        scale_ptr = SCALE + b * stride_sb + h * stride_sh + blk * stride_sn
+        if COMPUTE_SCALE:
+            amax = tl.max(tl.max(tl.abs(x), 1), 0)
+            descale = tl.where(amax > 0.0, amax / E4M3_MAX, 1.0)
+            tl.store(scale_ptr, descale)
+        else:
+            descale = tl.load(scale_ptr)
+        x = x / descale
+    yb = Y + b.to(tl.int64) * stride_yb + start.to(tl.int64) * stride_ys + h.to(tl.int64) * stride_yh
+    tl.store(yb + rows[:, None].to(tl.int64) * stride_ys + offs_d[None, :] * stride_yd,
+             to_e4m3(x, True, EXACT_ROUND), mask=mask)
+
+
+def _strides(t: torch.Tensor, varlen: bool):
+    return (0, *t.stride()) if varlen else t.stride()
+
+
+class _Seqs:
+    """Batch/sequence geometry of one tensor (dense or packed varlen)."""
+
+    def __init__(self, x: torch.Tensor, cu: torch.Tensor | None, max_seqlen: int | None):
+        self.varlen = cu is not None
+        self.cu = cu
+        if self.varlen:
+            self.batch = cu.numel() - 1
+            self.max_seqlen = int(max_seqlen)
+            self.seqlen_dense = 0
+        else:
+            self.batch = x.shape[0]
+            self.max_seqlen = self.seqlen_dense = x.shape[1]
+        self.heads, self.dim = x.shape[-2], x.shape[-1]
+
+    def cu_arg(self, fallback: torch.Tensor) -> torch.Tensor:
+        return self.cu if self.varlen else fallback
+
+
+def _channel_stats_launch(x, seqs: _Seqs, want_sum: bool, want_amax: bool):
+    n = seqs.batch * seqs.heads
+    mean = torch.empty((seqs.batch, seqs.heads, seqs.dim), dtype=torch.float32, device=x.device)
+    amax = torch.empty_like(mean) if want_amax else mean
+    if n:
+        _channel_stats[(n,)](
+            x, seqs.cu_arg(mean), mean, amax, seqs.seqlen_dense, seqs.heads, *_strides(x, seqs.varlen),
+            HEAD_DIM=seqs.dim, BLOCK_D=triton.next_power_of_2(seqs.dim), BLOCK_S=64 if seqs.dim <= 128 else 32,
+            VARLEN=seqs.varlen, WANT_SUM=want_sum, WANT_AMAX=want_amax)
+    return mean, amax
+
+
+def _quantize_launch(x, y, seqs: _Seqs, *, mean=None, scale=None, compute_scale=False, ch_scale=None):
+    n = seqs.batch * seqs.heads
+    if n == 0:
+        return
+    nblk = num_scale_blocks(seqs.max_seqlen)
+    dummy = torch.empty(1, dtype=torch.float32, device=x.device)
+    if scale is not None:
+        s_strides = (scale.stride(0), scale.stride(1), scale.stride(2) if scale.shape[2] > 1 else 0)
+    else:
+        s_strides = (0, 0, 0)
+    _quantize_blocks[(nblk, n)](
+        x, y, seqs.cu_arg(dummy), mean if mean is not None else dummy,
+        scale if scale is not None else dummy, ch_scale if ch_scale is not None else dummy,
+        seqs.seqlen_dense, seqs.heads, *_strides(x, seqs.varlen), *_strides(y, seqs.varlen), *s_strides,
+        HEAD_DIM=seqs.dim, BLOCK_D=triton.next_power_of_2(seqs.dim), BLOCK_S=SCALE_BLOCK,
+        VARLEN=seqs.varlen, SUBTRACT_MEAN=mean is not None, COMPUTE_SCALE=compute_scale,
+        CHANNEL_SCALE=ch_scale is not None, EXACT_ROUND=x.device.type == "cpu",
+        num_warps=8 if seqs.dim > 128 else 4)
+
+
+def _quantize_qk(x: torch.Tensor, seqs: _Seqs, granularity: str, mean):
+    y = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
+    nblk = num_scale_blocks(seqs.max_seqlen)
+    table = torch.empty((seqs.batch, seqs.heads, nblk), dtype=torch.float32, device=x.device)
+    if granularity == "block":
+        _quantize_launch(x, y, seqs, mean=mean, scale=table, compute_scale=True)
+        return y, table
+    # head / tensor: block amax first (descales written to `table`), then reduce and apply
+    scratch = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
+    table.fill_(0.0)  # blocks past a short sequence's end stay 0 and do not affect the max
+    _quantize_launch(x, scratch, seqs, mean=mean, scale=table, compute_scale=True)
+    if granularity == "head":
+        descale = table.amax(dim=2)  # (B, H)
+        apply = descale.unsqueeze(-1)
+    else:
+        descale = table.amax()
+        apply = descale.reshape(1, 1, 1).expand(seqs.batch, seqs.heads, 1)
+    descale = torch.where(descale > 0, descale, torch.ones_like(descale))
+    apply = torch.where(apply > 0, apply, torch.ones_like(apply))
+    _quantize_launch(x, y, seqs, mean=mean, scale=apply)
+    return y, descale
+
+
+def _quantize_v(v: torch.Tensor, seqs: _Seqs, granularity: str):
+    """V with per-channel (or per-tensor) scales, written transposed."""
+    _, amax = _channel_stats_launch(v, seqs, want_sum=False, want_amax=True)
+    if granularity == "tensor":
+        descale = amax.amax() / E4M3_MAX
+        descale = torch.where(descale > 0, descale, torch.ones_like(descale))
+        ch = descale.reshape(1, 1, 1).expand_as(amax).contiguous()
+    else:
+        descale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+        ch = descale
+    tokens = v.shape[0] if seqs.varlen else v.shape[1]
+    padded = -(-max(tokens, 1) // V_TOKEN_ALIGN) * V_TOKEN_ALIGN
+    if seqs.varlen:  # storage (Hkv, Dv, total) -> view (total, Hkv, Dv)
+        store = torch.empty((seqs.heads, seqs.dim, padded), dtype=FP8_DTYPE, device=v.device)
+        y = store.permute(2, 0, 1)[:tokens]
+    else:  # storage (B, Hkv, Dv, S) -> view (B, S, Hkv, Dv)
+        store = torch.empty((seqs.batch, seqs.heads, seqs.dim, padded), dtype=FP8_DTYPE, device=v.device)
+        y = store.permute(0, 3, 1, 2)[:, :tokens]
+    _quantize_launch(v, y, seqs, ch_scale=ch)
+    return y, descale
+
+
+def _check(q, k, v, granularity, cu_q, cu_k, max_q, max_k):
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    varlen = cu_q is not None or cu_k is not None
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise TypeError(f"quantize_fp8 takes bf16/fp16/fp32 {name}, got {t.dtype}")
+        if t.dim() != (3 if varlen else 4):
+            raise ValueError(f"{name} must have rank {3 if varlen else 4}, got shape {tuple(t.shape)}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+    if varlen:
+        if cu_q is None or cu_k is None or max_q is None or max_k is None:
+            raise ValueError("varlen quantization needs cu_seqlens_q, cu_seqlens_k, max_seqlen_q and max_seqlen_k")
+        for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
+            if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1:
+                raise TypeError(f"{name} must be a 1-D int32 tensor")
+        if cu_q.numel() != cu_k.numel():
+            raise ValueError("cu_seqlens_q and cu_seqlens_k must have the same length")
+    if k.shape[-2] != v.shape[-2] or k.shape[:-2] != v.shape[:-2]:
+        raise ValueError(f"k and v must agree on tokens and heads, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must have the same head_dim, got {q.shape[-1]} and {k.shape[-1]}")
+
+
+def quantize_fp8(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    granularity: str = "block",
+    smooth_k: bool = True,
+    *,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+) -> FP8QKV:
+    """Quantize BF16/FP16/FP32 Q, K, V to float8_e4m3fn for :func:`leanfa.flash_attn_func`.
+
+    Dense inputs are ``(B, S, H, D)``; packed varlen inputs ``(total, H, D)`` with
+    ``cu_seqlens_*``/``max_seqlen_*`` (scales and means are then per sequence).
+    """
+    _check(q, k, v, granularity, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    sq = _Seqs(q, cu_seqlens_q, max_seqlen_q)
+    sk = _Seqs(k, cu_seqlens_k, max_seqlen_k)
+    sv = _Seqs(v, cu_seqlens_k, max_seqlen_k)
+    k_mean = _channel_stats_launch(k, sk, want_sum=True, want_amax=False)[0] if smooth_k else None
+    q8, q_descale = _quantize_qk(q, sq, granularity, None)
+    k8, k_descale = _quantize_qk(k, sk, granularity, k_mean)
+    v8, v_descale = _quantize_v(v, sv, granularity)
+    return FP8QKV(q=q8, k=k8, v=v8, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                  k_mean=k_mean, granularity=granularity)

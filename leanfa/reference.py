@@ -1,0 +1,118 @@
+"""Float64 reference attention with exactly leanfa's semantics.
+
+Same arguments as :func:`leanfa.flash_attn_func` / :func:`leanfa.flash_attn_varlen_func`
+(GQA, bottom-right causal mask, descales, K-smoothing mean, LSE), computed in float64 on the
+inputs' device and chunked over queries so a 32K-token check fits in GPU memory. Rows that
+see no key give output 0 and LSE ``-inf``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import scales
+
+
+def _dequantize(x: torch.Tensor, token_scale: torch.Tensor, seqlen: int) -> torch.Tensor:
+    """x (S, H, D) of one sequence times its per-token-block scale table (H, nblk)."""
+    x = x.double()
+    # a one-block table (per tensor / per head) applies to every token
+    idx = (torch.arange(seqlen, device=x.device) // scales.SCALE_BLOCK).clamp(max=token_scale.shape[-1] - 1)
+    per_token = token_scale.double()[:, idx]  # (H, S)
+    return x * per_token.transpose(0, 1).unsqueeze(-1)
+
+
+def _one_sequence(q, k, v, *, causal, scale, q_tab, k_tab, v_tab, k_mean, chunk):
+    """q (Sq, Hq, D), k (Sk, Hkv, D), v (Sk, Hkv, Dv) of one sequence -> out (Sq,Hq,Dv), lse (Hq,Sq)."""
+    sq, hq, _ = q.shape
+    sk, hkv, dv = v.shape
+    group = hq // hkv
+    qd = _dequantize(q, q_tab, sq)  # (Sq, Hq, D)
+    kd = _dequantize(k, k_tab, sk)
+    if k_mean is not None:  # undo K smoothing: the real K is the stored K plus the mean
+        kd = kd + k_mean.double().unsqueeze(0)
+    vd = v.double() * v_tab.double().unsqueeze(0)
+    kd = kd.repeat_interleave(group, dim=1).permute(1, 2, 0)  # (Hq, D, Sk)
+    vd = vd.repeat_interleave(group, dim=1).permute(1, 0, 2)  # (Hq, Sk, Dv)
+    out = torch.zeros((sq, hq, dv), dtype=torch.float64, device=q.device)
+    lse = torch.full((hq, sq), -math.inf, dtype=torch.float64, device=q.device)
+    if sq == 0:
+        return out, lse
+    cols = torch.arange(sk, device=q.device)
+    for start in range(0, sq, chunk):
+        stop = min(sq, start + chunk)
+        s = torch.matmul(qd[start:stop].permute(1, 0, 2), kd) * scale  # (Hq, c, Sk)
+        if causal:
+            rows = torch.arange(start, stop, device=q.device) + (sk - sq)
+            s = s.masked_fill(cols[None, None, :] > rows[None, :, None], -math.inf)
+        row_lse = torch.logsumexp(s, dim=-1)  # (Hq, c); -inf for empty rows
+        p = torch.exp(s - row_lse.nan_to_num(neginf=0.0).unsqueeze(-1))
+        p = torch.where(torch.isneginf(row_lse).unsqueeze(-1), torch.zeros_like(p), p)
+        out[start:stop] = torch.matmul(p, vd).permute(1, 0, 2)
+        lse[:, start:stop] = row_lse
+    return out, lse
+
+
+def attention_ref(
+    q,
+    k=None,
+    v=None,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    k_mean: torch.Tensor | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    return_lse: bool = False,
+    chunk_size: int = 2048,
+):
+    """Float64 attention. Dense: q (B,Sq,Hq,D) -> out (B,Sq,Hq,Dv), lse (B,Hq,Sq).
+    Varlen (``cu_seqlens_*`` given): q (total_q,Hq,D) -> out (total_q,Hq,Dv), lse (Hq,total_q).
+    ``q`` may be an :class:`leanfa.FP8QKV` (then k, v and descales come from it)."""
+    from .quant import FP8QKV
+
+    if isinstance(q, FP8QKV):
+        q, k, v, q_descale, k_descale, v_descale, k_mean = (
+            q.q, q.k, q.v, q.q_descale, q.k_descale, q.v_descale, q.k_mean)
+    varlen = cu_seqlens_q is not None
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    hq, hkv, dv = q.shape[-2], k.shape[-2], v.shape[-1]
+    if varlen:
+        cq = [int(x) for x in cu_seqlens_q.tolist()]
+        ck = [int(x) for x in cu_seqlens_k.tolist()]
+        batch = len(cq) - 1
+        spans = [((cq[b], cq[b + 1]), (ck[b], ck[b + 1])) for b in range(batch)]
+        max_q = max(1, max(b - a for a, b in zip(cq, cq[1:])))
+        max_k = max(1, max(b - a for a, b in zip(ck, ck[1:])))
+    else:
+        batch = q.shape[0]
+        max_q, max_k = q.shape[1], k.shape[1]
+    dev = q.device
+    q_tab = scales.token_scale_table("q_descale", q_descale, batch=batch, heads=hq, kv_heads=hkv,
+                                     max_seqlen=max_q, device=dev)
+    k_tab = scales.token_scale_table("k_descale", k_descale, batch=batch, heads=hkv, kv_heads=hkv,
+                                     max_seqlen=max_k, device=dev)
+    v_tab = scales.channel_scale_table("v_descale", v_descale, batch=batch, kv_heads=hkv,
+                                       head_dim=dv, device=dev)
+    outs, lses = [], []
+    for b in range(batch):
+        if varlen:
+            (qa, qb), (ka, kb) = spans[b]
+            qs, ks, vs = q[qa:qb], k[ka:kb], v[ka:kb]
+        else:
+            qs, ks, vs = q[b], k[b], v[b]
+        o, l = _one_sequence(qs, ks, vs, causal=causal, scale=scale, q_tab=q_tab[b], k_tab=k_tab[b],
+                             v_tab=v_tab[b], k_mean=None if k_mean is None else k_mean[b],
+                             chunk=chunk_size)
+        outs.append(o)
+        lses.append(l)
+    if varlen:
+        out, lse = torch.cat(outs, 0), torch.cat(lses, 1)
+    else:
+        out, lse = torch.stack(outs, 0), torch.stack(lses, 0)
+    return (out, lse) if return_lse else out

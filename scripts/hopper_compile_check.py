@@ -1,0 +1,78 @@
+#!/usr/bin/env python
+"""Compile every Hopper kernel variant for sm90 on a machine without a GPU (AOT), and print
+registers / spills / shared memory per variant; fail if a variant does not compile, spills,
+exceeds shared memory, or has no ``wgmma.mma_async`` in its PTX.
+
+    python scripts/hopper_compile_check.py            # all variants
+    python scripts/hopper_compile_check.py -k bf16    # names containing "bf16"
+    python scripts/hopper_compile_check.py --dump DIR # also write ttgir/ptx per variant
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+
+from leanfa.kernels.hopper.aot import Variant, compile_variant  # noqa: E402
+
+SMEM_LIMIT = 227 * 1024
+
+
+def variants():
+    out = []
+    for dtype, (dqk, dv), causal in itertools.product(("fp8", "bf16"), ((128, 128), (192, 128)), (True, False)):
+        out.append(Variant(dtype, dqk, dv, causal))
+    out.append(Variant("fp8", 128, 128, True, return_lse=True, k_mean=True))
+    out.append(Variant("bf16", 128, 128, True, return_lse=True))
+    out.append(Variant("bf16", 128, 128, True, v_kmajor=True))
+    out.append(Variant("fp8", 192, 128, True, return_lse=True, out_dtype=torch.float32))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("-k", default="", help="only variants whose name contains this")
+    ap.add_argument("--dump", default=None)
+    a = ap.parse_args()
+    bad = 0
+    print(f"{'variant':40s} {'regs':>5s} {'spill':>9s} {'smem':>8s} {'wgmma':>6s} {'time':>6s}  status")
+    for v in variants():
+        if a.k not in v.name:
+            continue
+        t0 = time.time()
+        try:
+            r = compile_variant(v)
+        except Exception as e:  # noqa: BLE001
+            bad += 1
+            print(f"{v.name:40s} COMPILE ERROR: {type(e).__name__}: {str(e).splitlines()[-1][:200]}")
+            traceback.print_exc(limit=1)
+            continue
+        problems = []
+        if r.spill_stores or r.spill_loads:
+            problems.append("SPILLS")
+        if r.shared > SMEM_LIMIT:
+            problems.append("SMEM>227K")
+        if r.wgmma_ptx == 0:
+            problems.append("NO-WGMMA")
+        bad += bool(problems)
+        print(f"{r.name:40s} {r.regs:5d} {r.spill_stores:4d}/{r.spill_loads:<4d} {r.shared:8d} {r.wgmma_ptx:6d} "
+              f"{time.time() - t0:5.1f}s  {' '.join(problems) or 'ok'}")
+        if a.dump:
+            os.makedirs(a.dump, exist_ok=True)
+            base = os.path.join(a.dump, r.name.replace("/", "_"))
+            open(base + ".ttgir", "w").write(r.ttgir)
+            open(base + ".ptx", "w").write(r.ptx)
+    print("ALL OK" if not bad else f"{bad} variant(s) FAILED")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
