@@ -8,7 +8,7 @@ Generation model (per head, before RoPE; ``z`` are fresh N(0, 1) draws per eleme
 
     q = q_scale * s_h * z + q_bias                (s_h: per-head temperature)
     k = k_scale * z + k_bias  (+ a * u on sink tokens)
-    v = v_scale * c * t_df                        (c: per-channel scale, t_df: Student-t)
+    v = v_scale * c * t_df                        (c: per-channel scale, t_df: Student-t row)
 
 then RoPE (rotate-half convention, as HF Llama) on the trailing ``rope_dims`` channels of Q
 and K, with positions ``0..Sk-1`` for K and the last ``Sq`` of them for Q (flash-attn's
@@ -16,38 +16,45 @@ bottom-right alignment when ``Sq < Sk``). The features:
 
 * **K bias and outlier channels** -- ``k_bias`` is a per-channel constant (std
   ``k_bias_scale``) plus ``n_outlier_channels`` channels of magnitude ``outlier_scale``,
-  placed in *slow* channels: the non-RoPE channels and the lowest-frequency quarter of the
-  RoPE pairs, which barely rotate, so they stay large and near-constant after RoPE. A per-
-  channel constant in K shifts every score of a query equally: it does not change the
-  attention output, only the range a quantizer must cover.
+  placed in *slow* channels: the non-RoPE channels and the lowest-frequency eighth of the
+  RoPE pairs, which barely rotate, so they stay large and near-constant after RoPE. A
+  constant in a non-rotating K channel shifts all scores of a query equally: it leaves the
+  attention output alone and only widens the range a quantizer must cover (in rotating
+  channels it turns into a slowly varying function of distance).
 * **Attention sinks** -- the first ``sink_tokens`` keys get ``a * u`` added, ``u`` a unit
-  vector over the slowest channels and ``a = sink_scale * (typical key norm)``, and every
-  query gets a bias along the ``u`` of its KV head, so that an average query scores a sink
+  vector over 8 no-RoPE channels (else the 4 slowest RoPE pairs) and ``a = sink_scale *
+  (typical key norm)``, and every query's bias gets a component along the ``u`` of its KV
+  head (its own component there replaced), so that an average query scores a sink
   ``sink_logit`` logits above an ordinary key (queries' token noise along ``u`` is damped to
   ``SINK_Q_NOISE`` of its std). Sink values are multiplied by ``sink_v_scale`` (real sinks
   carry near-zero values).
-* **Heavy-tailed V** -- Student-t with ``v_tail_df`` degrees of freedom (the chi-square is
-  drawn with the Wilson-Hilferty approximation from a second normal), per-channel scales
-  ``exp(0.3 N(0, 1))``.
+* **Heavy-tailed V** -- each (token, head) row is multivariate Student-t with ``v_tail_df``
+  degrees of freedom (normals divided by one ``sqrt(chi2 / df)`` per row): every element is
+  Student-t and some tokens have a large V norm. Per-channel scales ``exp(0.3 N(0, 1))``.
 * **Peaky softmax** -- scores ``q.k / sqrt(Dqk)`` of ordinary keys have a per-row std of about
   ``sqrt((q_scale^2 + q_bias_scale^2)) * k_scale`` logits (times the per-head temperature
   ``s_h = exp(q_head_spread N(0, 1))``), so a few keys dominate, and the sink takes a large
   share of the mass on most rows. Calibrated for the default softmax scale ``Dqk**-0.5``.
 * **MLA** (``shared_rope_k``) -- the RoPE part of K is one vector shared by all heads, as
-  DeepSeek's ``k_pe``.
+  DeepSeek's ``k_pe``; the outlier channels are then among the no-RoPE channels.
 
 Presets (``PRESETS``; fields documented on :class:`Profile`). The magnitudes follow
 published observations qualitatively; they are not fitted to a checkpoint (use
 :func:`capture` for the real thing)::
 
-    name             heads kv  Dqk Dv  rope theta (dims)  outliers (n x scale)  k_bias  sink (scale, logit)  V df
-    gaussian          16   16  128 128 none               -                     0       -                    gaussian
-    llama3-8b         32    8  128 128 500000 (128)       4 x 8                 0.5     1 tok (4, 10)        5
-    mistral-7b        32    8  128 128 10000 (128)        4 x 6                 0.5     1 tok (4, 10)        5
-    qwen2.5-7b        28    4  128 128 1000000 (128)      6 x 40                4       1 tok (3, 11)        4
-    deepseek-v3-mla  128  128  192 128 10000 (64 of 192)  4 x 6                 0.5     1 tok (4, 10)        5
+    name            heads kv  Dqk Dv  rope theta (dims)  outliers k_bias sink (scale, logit) V df
+    gaussian         16   16  128 128 none               -        0      -                   normal
+    llama3-8b        32    8  128 128 500000 (128)       4 x 8    0.5    1 token (4, 10)     5
+    mistral-7b       32    8  128 128 10000 (128)        4 x 6    0.5    1 token (4, 10)     5
+    qwen2.5-7b       28    4  128 128 1000000 (128)      6 x 40   1.0    1 token (3, 11)     4
+    deepseek-v3-mla 128  128  192 128 10000 (64 of 192)  4 x 6    0.5    1 token (4, 10)     5
 
-``gaussian`` is plain N(0, 1) Q, K, V (no RoPE, bias, sink). ``mistral-7b`` is Mistral-7B
+All but ``gaussian`` share q_scale 1.5, k_scale 1.3, q_bias_scale 0.5, sink_v_scale 0.05,
+q_head_spread 0.25, v_scale 1; ``gaussian`` has q/k/v scales 1 and everything else off.
+At 2K tokens their ordinary-key scores have a per-row std of 1-3 logits, and the sink takes
+a median 0-0.95 of a row's attention depending on the head (less at longer contexts).
+
+``mistral-7b`` is Mistral-7B
 v0.1 (theta 10000; v0.2/v0.3 use 1e6 like Qwen): its fast-rotating RoPE makes the outlier
 channels and the sink fade at long distances, a regime the other presets lack; its 4096-token
 sliding window is not modelled (the generator only makes Q/K/V). ``deepseek-v3-mla`` is MLA
@@ -59,7 +66,9 @@ Reproducibility: values depend only on (profile, shapes, seed), never on the dev
 thread count. They are drawn on the CPU in float32 by blocks of ``BLOCK`` rows, each block
 with its own ``torch.Generator`` seeded from (seed, tensor, batch, block), blocks in parallel
 threads, then cast to ``dtype`` and moved to ``device``. Rows are prefix-stable: a longer
-``seqlen`` extends a shorter one. 16K tokens x 32 heads x 128 takes about 1-2 s on 16 cores.
+``seqlen`` extends a shorter one. Throughput is about 70M elements/s per core: llama3-8b at
+16K tokens (100M elements) takes ~1.5 core-seconds, deepseek-v3-mla at 16K tokens (1.07G
+elements, 2 GiB in BF16) ~15, i.e. a second or two on a 16-core host.
 """
 
 from __future__ import annotations
@@ -123,13 +132,14 @@ class Profile:
 
     def __post_init__(self):
         if self.heads % self.kv_heads:
-            raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
+            raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads "
+                             f"({self.kv_heads})")
         if not 0 <= self.rope_dims <= self.head_dim_qk or self.rope_dims % 2:
-            raise ValueError(f"rope_dims must be even and in [0, head_dim_qk], got {self.rope_dims}")
+            raise ValueError(f"rope_dims must be even, in [0, head_dim_qk]: {self.rope_dims}")
 
 
 _MODEL_LIKE = dict(
-    q_scale=1.2, k_scale=1.3, q_bias_scale=0.5, k_bias_scale=0.5, n_outlier_channels=4,
+    q_scale=1.5, k_scale=1.3, q_bias_scale=0.5, k_bias_scale=0.5, n_outlier_channels=4,
     outlier_scale=8.0, sink_tokens=1, sink_scale=4.0, sink_logit=10.0, sink_v_scale=0.05,
     v_tail_df=5.0, q_head_spread=0.25,
 )
@@ -142,7 +152,7 @@ PRESETS: dict[str, Profile] = {
         Profile("mistral-7b", 32, 8, rope_theta=10000.0, **{**_MODEL_LIKE, "outlier_scale": 6.0}),
         Profile(
             "qwen2.5-7b", 28, 4, rope_theta=1000000.0,
-            **{**_MODEL_LIKE, "k_bias_scale": 4.0, "n_outlier_channels": 6, "outlier_scale": 40.0,
+            **{**_MODEL_LIKE, "k_bias_scale": 1.0, "n_outlier_channels": 6, "outlier_scale": 40.0,
                "sink_scale": 3.0, "sink_logit": 11.0, "v_tail_df": 4.0},
         ),
         Profile(
@@ -166,24 +176,20 @@ def rope_inv_freq(rope_dims: int, theta: float) -> torch.Tensor:
     return theta ** (-torch.arange(0, rope_dims, 2, dtype=torch.float64) / rope_dims)
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float, rope_dims: int | None = None):
+def apply_rope(
+    x: torch.Tensor, positions: torch.Tensor, theta: float, rope_dims: int | None = None
+) -> torch.Tensor:
     """Rotate the trailing ``rope_dims`` channels of ``x`` (``(..., S, H, D)``) as HF Llama does.
 
     Rotate-half convention: pair ``i`` is channels ``(i, i + rope_dims/2)`` of the RoPE part,
     turned by ``positions[s] * theta ** (-2i / rope_dims)``. Leading channels are unchanged.
     Returns a new tensor of ``x``'s dtype; the arithmetic is float32 (angles float64).
     """
-    d = x.shape[-1]
-    r = d if rope_dims is None else rope_dims
-    if r == 0:
-        return x.clone()
-    ang = positions.to(torch.float64)[:, None] * rope_inv_freq(r, theta)  # (S, r/2)
-    cos = ang.cos().float()[:, None, :]  # broadcast over heads
-    sin = ang.sin().float()[:, None, :]
-    xf = x.float()
-    x1, x2 = xf[..., d - r : d - r // 2], xf[..., d - r // 2 :]
-    rot = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return torch.cat((xf[..., : d - r], rot), dim=-1).to(x.dtype)
+    r = x.shape[-1] if rope_dims is None else rope_dims
+    y = x.to(torch.float32, copy=True)
+    if r:
+        _rope_(y, positions, theta, r)
+    return y.to(x.dtype)
 
 
 def _slow_pairs(d: int, r: int, n: int) -> torch.Tensor:
@@ -193,11 +199,11 @@ def _slow_pairs(d: int, r: int, n: int) -> torch.Tensor:
 
 
 def _slow_channels(p: Profile) -> torch.Tensor:
-    """Channels that (almost) do not rotate: the no-RoPE ones and the slowest quarter of pairs."""
+    """Channels that (almost) do not rotate: the no-RoPE ones and the slowest eighth of pairs."""
     d, r = p.head_dim_qk, p.rope_dims
     slow = [torch.arange(d - r)]
     if r:
-        slow.append(_slow_pairs(d, r, max(1, r // 8)))
+        slow.append(_slow_pairs(d, r, max(1, r // 16)))
     return torch.cat(slow)
 
 
@@ -221,12 +227,14 @@ class _Params:
     q_bias: torch.Tensor  # (H, Dqk), includes the sink alignment
     head_scale: torch.Tensor  # (H, 1)
     u_q: torch.Tensor | None  # (H, Dqk) sink direction of each query head's KV head
+    sink_ch: torch.Tensor | None  # channels where the sink directions are non-zero
     k_bias: torch.Tensor  # (Hk, Dqk)
     sink_k: torch.Tensor | None  # (Hk, Dqk), added to sink keys
     v_chan: torch.Tensor  # (Hk, Dv)
 
 
 def _make_params(p: Profile, seed: int) -> _Params:
+    """Draw the per-head constants (biases, outliers, sink directions, scales) of ``p``."""
     g = _generator(seed, p.name, "params", p.heads, p.kv_heads)
     h, hk, d, r = p.heads, p.kv_heads, p.head_dim_qk, p.rope_dims
     group = h // hk
@@ -236,64 +244,88 @@ def _make_params(p: Profile, seed: int) -> _Params:
     if p.shared_rope_k and r:
         k_bias[:, d - r :] = k_bias[:1, d - r :]
     slow = _slow_channels(p)
+    if p.shared_rope_k:  # per-head outliers cannot sit in the shared RoPE part
+        slow = slow[slow < d - r]
     if p.n_outlier_channels:
         for j in range(hk):
             ch = slow[torch.randperm(len(slow), generator=g)[: p.n_outlier_channels]]
             sign = torch.randint(0, 2, (len(ch),), generator=g) * 2 - 1
             k_bias[j, ch] += p.outlier_scale * sign * (1 + 0.1 * torch.randn(len(ch), generator=g))
-    if p.shared_rope_k and r:  # outliers in the shared RoPE part must be shared too
-        k_bias[:, d - r :] = k_bias[:1, d - r :]
-    u_q = sink_k = None
+    u_q = sink_k = sink_ch = None
     if p.sink_tokens:
         # sink direction: 8 no-RoPE channels if there are some, else the 4 slowest RoPE pairs
-        sink_ch = torch.arange(min(8, d - r)) if d > r else _slow_pairs(d, r, 4)
+        sink_ch = torch.arange(min(8, d - r)) if d > r else _slow_pairs(d, r, min(4, r // 2))
         u = torch.zeros(hk, d)
         u[:, sink_ch] = torch.randn(hk, len(sink_ch), generator=g).abs() + 0.5
         u[:, sink_ch] *= torch.randint(0, 2, (hk, len(sink_ch)), generator=g) * 2 - 1
         u /= u.norm(dim=-1, keepdim=True)
-        typical = math.sqrt(d * (p.k_scale**2 + p.k_bias_scale**2) + p.n_outlier_channels * p.outlier_scale**2)
+        typical = math.sqrt(
+            d * (p.k_scale**2 + p.k_bias_scale**2) + p.n_outlier_channels * p.outlier_scale**2
+        )
         a = p.sink_scale * typical
         sink_k = a * u
         u_q = u.repeat_interleave(group, dim=0)
         q_bias = q_bias - (q_bias * u_q).sum(-1, keepdim=True) * u_q  # exact sink alignment
         q_bias = q_bias + (p.sink_logit * math.sqrt(d) / a) * u_q
-    v_chan = torch.exp(0.3 * torch.randn(hk, p.head_dim_v, generator=g)) if p.v_tail_df else torch.ones(hk, p.head_dim_v)
-    return _Params(q_bias, head_scale, u_q, k_bias, sink_k, v_chan)
+    v_chan = torch.ones(hk, p.head_dim_v)
+    if p.v_tail_df:
+        v_chan = torch.exp(0.3 * torch.randn(hk, p.head_dim_v, generator=g))
+    return _Params(q_bias, head_scale, u_q, sink_ch, k_bias, sink_k, v_chan)
 
 
-def _student_t(shape, df: float, g: torch.Generator) -> torch.Tensor:
-    """Student-t draws; the chi-square(df) uses the Wilson-Hilferty cube of a normal."""
+def _student_t_rows(shape, df: float, g: torch.Generator, g2: torch.Generator) -> torch.Tensor:
+    """Multivariate Student-t rows: normals over the last dim, one chi-square(df) per row.
+
+    Every element is exactly Student-t(df); rows sharing the chi-square gives some tokens a
+    large V norm, as in real models, and needs one gamma draw per row only. The normals come
+    from ``g``, the chi-squares from ``g2`` (two streams keep the rows prefix-stable).
+    """
     z = torch.randn(shape, generator=g)
-    c = 2.0 / (9.0 * df)
-    w = (1.0 - c + math.sqrt(c) * torch.randn(shape, generator=g)).clamp_(min=0.05) ** 3
-    return z / w.sqrt_()
+    chi2 = 2 * torch._standard_gamma(torch.full((*shape[:-1], 1), df / 2), generator=g2)
+    return z.mul_(chi2.div_(df).rsqrt_())
+
+
+def _rope_(x: torch.Tensor, pos: torch.Tensor, theta: float, r: int) -> None:
+    """In-place rotate-half RoPE of the trailing ``r`` channels of float32 ``x`` ``(S, H, D)``."""
+    ang = pos.to(torch.float64)[:, None] * rope_inv_freq(r, theta)
+    cos, sin = ang.cos().float()[:, None, :], ang.sin().float()[:, None, :]
+    d = x.shape[-1]
+    x1, x2 = x[..., d - r : d - r // 2], x[..., d - r // 2 :]
+    x1_old = x1 * sin
+    x1.mul_(cos).addcmul_(x2, sin, value=-1)
+    x2.mul_(cos).add_(x1_old)
 
 
 def _fill_block(kind, p, prm, seed, b, j, t0, t1, pos0, out):
     """Draw rows ``t0:t1`` of batch ``b`` of tensor ``kind`` into ``out[b, t0:t1]``."""
     g = _generator(seed, p.name, kind, b, j)
     n, d, r = t1 - t0, p.head_dim_qk, p.rope_dims
-    pos = torch.arange(pos0 + t0, pos0 + t1)
+    sinks = max(0, min(n, p.sink_tokens - t0))  # sink rows in this block
     if kind == "q":
         x = torch.randn(n, p.heads, d, generator=g).mul_(p.q_scale * prm.head_scale)
-        if prm.u_q is not None:  # damp the token noise along the sink direction
-            x -= (1 - SINK_Q_NOISE) * (x * prm.u_q).sum(-1, keepdim=True) * prm.u_q
+        if prm.sink_ch is not None:  # damp the token noise along the sink direction
+            u = prm.u_q[:, prm.sink_ch]
+            xs = x[..., prm.sink_ch]
+            x[..., prm.sink_ch] = xs - (1 - SINK_Q_NOISE) * (xs * u).sum(-1, keepdim=True) * u
         x += prm.q_bias
     elif kind == "k":
         x = torch.randn(n, p.kv_heads, d, generator=g).mul_(p.k_scale)
         if p.shared_rope_k and r:
             x[:, 1:, d - r :] = x[:, :1, d - r :]
         x += prm.k_bias
-        if prm.sink_k is not None and t0 < p.sink_tokens:
-            x[: p.sink_tokens - t0] += prm.sink_k
+        if sinks:
+            x[:sinks] += prm.sink_k
     else:  # v
         shape = (n, p.kv_heads, p.head_dim_v)
-        x = _student_t(shape, p.v_tail_df, g) if p.v_tail_df else torch.randn(shape, generator=g)
+        if p.v_tail_df:
+            x = _student_t_rows(shape, p.v_tail_df, g, _generator(seed, p.name, "v-chi2", b, j))
+        else:
+            x = torch.randn(shape, generator=g)
         x *= p.v_scale * prm.v_chan
-        if t0 < p.sink_tokens:
-            x[: p.sink_tokens - t0] *= p.sink_v_scale
+        if sinks:
+            x[:sinks] *= p.sink_v_scale
     if kind != "v" and r:
-        x = apply_rope(x, pos, p.rope_theta, r)
+        _rope_(x, torch.arange(pos0 + t0, pos0 + t1), p.rope_theta, r)
     out[b, t0:t1] = x
 
 
@@ -305,7 +337,8 @@ def _resolve_heads(heads, kv_heads, ref_heads, ref_kv):
     if heads is None:
         return kv_heads * group, kv_heads
     if kv_heads is None:  # the divisor of heads whose group size is closest to the reference
-        kv_heads = min((k for k in range(heads, 0, -1) if heads % k == 0), key=lambda k: abs(heads // k - group))
+        divisors = [k for k in range(heads, 0, -1) if heads % k == 0]
+        kv_heads = min(divisors, key=lambda k: abs(heads // k - group))
     if heads % kv_heads:
         raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
     return heads, kv_heads
@@ -328,17 +361,23 @@ def make_qkv(
     ``preset`` is a name from :data:`PRESETS`, a :class:`Profile`, or the path of a capture
     file (``"x.safetensors"`` for its first layer, ``"x.safetensors:7"`` for layer 7), whose
     tensors are returned cut or cyclically tiled to the requested batch, lengths and heads
-    (``seed`` is then ignored). ``heads``/``kv_heads`` override the preset's; given only
-    ``heads``, ``kv_heads`` is the divisor of ``heads`` whose group size is closest to the
-    preset's (e.g. 16 -> 4 for llama3-8b, 16 -> 2 for qwen2.5-7b). ``seqlen_k`` (default
-    ``seqlen``) is the key length; queries take the last ``seqlen`` positions. Values are
-    reproducible for (preset, shapes, seed) on any device (see the module docstring).
+    (``seed`` is then ignored; tiles along the sequence restart the RoPE phases, so they are
+    not what a real longer run would give).
+
+    ``heads``/``kv_heads`` override the preset's; given only ``heads``, ``kv_heads`` is the
+    divisor of ``heads`` whose group size is closest to the preset's (e.g. 16 -> 4 for
+    llama3-8b, 16 -> 2 for qwen2.5-7b). ``seqlen_k`` (default ``seqlen``) is the key length;
+    queries take the last ``seqlen`` positions. Values are reproducible for (preset, shapes,
+    seed) on any device (see the module docstring).
     """
     if isinstance(preset, str) and preset not in PRESETS:
         m = re.fullmatch(r"(.+\.safetensors)(?::(\d+))?", preset)
         if m is None:
-            raise ValueError(f"unknown preset {preset!r}; choose from {list_presets()} or a .safetensors capture")
-        return _from_capture(m[1], None if m[2] is None else int(m[2]), batch, seqlen, heads, kv_heads, seqlen_k, device, dtype)
+            raise ValueError(
+                f"unknown preset {preset!r}; choose from {list_presets()} or a .safetensors file"
+            )
+        layer = None if m[2] is None else int(m[2])
+        return _from_capture(m[1], layer, batch, seqlen, heads, kv_heads, seqlen_k, device, dtype)
     p = PRESETS[preset] if isinstance(preset, str) else preset
     h, hk = _resolve_heads(heads, kv_heads, p.heads, p.kv_heads)
     p = replace(p, heads=h, kv_heads=hk)
@@ -348,9 +387,10 @@ def make_qkv(
     q = torch.empty(batch, seqlen, h, p.head_dim_qk, dtype=dtype)
     k = torch.empty(batch, sk, hk, p.head_dim_qk, dtype=dtype)
     v = torch.empty(batch, sk, hk, p.head_dim_v, dtype=dtype)
+    tensors = (("q", q, seqlen, max(0, sk - seqlen)), ("k", k, sk, 0), ("v", v, sk, 0))
     jobs = [
         (kind, p, prm, seed, b, j, j * BLOCK, min(n, (j + 1) * BLOCK), pos0, out)
-        for kind, out, n, pos0 in (("q", q, seqlen, max(0, sk - seqlen)), ("k", k, sk, 0), ("v", v, sk, 0))
+        for kind, out, n, pos0 in tensors
         for b in range(batch)
         for j in range(-(-n // BLOCK))
     ]
@@ -359,7 +399,10 @@ def make_qkv(
 
 
 def _run_parallel(jobs):
-    """Run ``_fill_block`` jobs on a thread pool (torch releases the GIL), one torch thread each."""
+    """Run ``_fill_block`` jobs on a thread pool (torch releases the GIL), one torch thread each.
+
+    torch's intra-op thread count is set to 1 meanwhile (process-wide) and then restored.
+    """
     workers = min(len(jobs), torch.get_num_threads(), os.cpu_count() or 1)
     if workers <= 1:
         for job in jobs:
@@ -384,9 +427,11 @@ def _fit(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
 
 
 def _from_capture(path, layer, batch, seqlen, heads, kv_heads, seqlen_k, device, dtype):
-    q, k, v, meta = load_captured(path, layer)
+    """Captured tensors fitted to the request; queries are the last ``seqlen`` of ``seqlen_k``."""
+    q, k, v, _ = load_captured(path, layer)
     h, hk = _resolve_heads(heads, kv_heads, q.shape[2], k.shape[2])
     sk = seqlen if seqlen_k is None else seqlen_k
+    q = _fit(q, max(seqlen, sk), 1)[:, max(0, sk - seqlen) :][:, :seqlen]
     out = []
     for x, s, nh in ((q, seqlen, h), (k, sk, hk), (v, sk, hk)):
         x = _fit(_fit(_fit(x, batch, 0), s, 1), nh, 2)
@@ -403,7 +448,9 @@ def _rope_theta(config) -> float | None:
     return theta if theta is not None else getattr(config, "rope_theta", None)
 
 
-def capture(model, input_ids: torch.Tensor, layers, path, *, max_tokens: int | None = None) -> dict[str, torch.Tensor]:
+def capture(
+    model, input_ids: torch.Tensor, layers, path, *, max_tokens: int | None = None
+) -> dict[str, torch.Tensor]:
     """Run a Hugging Face causal LM on ``input_ids`` and save the post-RoPE Q/K/V of ``layers``.
 
     Uses transformers' attention-function registry (``AttentionInterface``): the model is
@@ -438,7 +485,8 @@ def capture(model, input_ids: torch.Tensor, layers, path, *, max_tokens: int | N
         calls[0] += 1
         if idx in wanted and idx not in records:
             scale = kwargs.get("scaling") or query.shape[-1] ** -0.5
-            records[idx] = tuple(t.detach().transpose(1, 2).contiguous().cpu() for t in (query, key, value)) + (scale,)
+            bshd = [t.detach().transpose(1, 2).contiguous().cpu() for t in (query, key, value)]
+            records[idx] = (*bshd, scale)
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
     AttentionInterface.register(CAPTURE_IMPL, record_and_attend)

@@ -82,6 +82,12 @@ def make_inputs(case: Case, *, device="cuda", seed: int = 0) -> Inputs:
     return Inputs(q.contiguous(), k.contiguous(), v.contiguous())
 
 
+def input_bytes(case: Case) -> int:
+    """Bytes of one BF16 Q/K/V set of ``case``."""
+    per_token = case.heads * case.head_dim + case.kv_heads * (case.head_dim + case.head_dim_v)
+    return 2 * case.tokens * per_token
+
+
 def copies_for(bytes_per_copy: int, *, l2_bytes: int, factor: int = 4, max_copies: int = 4,
                max_total_bytes: int = 8 << 30) -> int:
     """How many input copies to rotate so the working set is ``factor`` times the L2

@@ -49,8 +49,11 @@ def summarize(times_ms, copies: int) -> Timing:
 
 
 def time_calls(fns, *, warmup_ms: float = 100.0, rep_ms: float = 300.0, min_reps: int = 5,
-               max_reps: int = 1000, sampler=None) -> Timing:
-    """Median GPU time (ms) of one call, rotating over ``fns`` (see module docstring)."""
+               max_reps: int = 1000, max_total_ms: float = 20000.0, sampler=None) -> Timing:
+    """Median GPU time (ms) of one call, rotating over ``fns`` (see module docstring).
+
+    ``max_total_ms`` bounds warm-up plus timed calls for a very slow implementation (then
+    fewer reps are taken, at least 3, and a shorter warm-up, at least 1 call)."""
     import torch
 
     fns = list(fns)
@@ -71,6 +74,9 @@ def time_calls(fns, *, warmup_ms: float = 100.0, rep_ms: float = 300.0, min_reps
 
     n_warm = max(2, int(warmup_ms / est_ms))
     n_rep = min(max_reps, max(min_reps, int(rep_ms / est_ms)))
+    if (n_warm + n_rep) * est_ms > max_total_ms:
+        n_warm = max(1, min(n_warm, int(0.2 * max_total_ms / est_ms)))
+        n_rep = max(3, min(n_rep, int(0.8 * max_total_ms / est_ms)))
     for i in range(n_warm):
         fns[i % len(fns)]()
 

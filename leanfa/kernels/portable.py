@@ -18,6 +18,8 @@ the blocks that cross it; the grid launches the heaviest query blocks first.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -243,6 +245,9 @@ _attn_fwd_tuned = triton.autotune(
 
 #: tile used under the CPU interpreter (no autotuning there: every config would run)
 INTERPRETER_TILE = {"BLOCK_M": 32, "BLOCK_N": 32}
+#: below this many (query x key) pairs per sequence a fixed tile is used instead of autotuning
+AUTOTUNE_MIN_WORK = 1024 * 1024
+SMALL_TILE = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
 
 
 def _interpreting(t: torch.Tensor) -> bool:
@@ -260,21 +265,39 @@ def _strides4(t: torch.Tensor, varlen: bool):
 
 def run(problem):
     """Launch the portable kernel for a validated :class:`leanfa.api.Problem`; returns (out, lse)."""
+    out, lse = allocate_outputs(problem)
+    _launch(problem, out, lse)
+    return out, lse
+
+
+def allocate_outputs(problem):
+    """Output (and LSE) buffers; filled with NaN first when ``LEANFA_POISON_OUTPUTS=1`` so a
+    test can prove every element was written."""
+    p = problem
+    dev = p.q.device
+    if p.varlen:
+        out = torch.empty((p.q.shape[0], p.heads, p.head_dim_v), dtype=p.out_dtype, device=dev)
+        lse = torch.empty((p.heads, p.q.shape[0]), dtype=torch.float32, device=dev) if p.return_lse else None
+    else:
+        out = torch.empty((p.batch, p.max_seqlen_q, p.heads, p.head_dim_v), dtype=p.out_dtype, device=dev)
+        lse = torch.empty((p.batch, p.heads, p.max_seqlen_q), dtype=torch.float32, device=dev) if p.return_lse else None
+    if os.environ.get("LEANFA_POISON_OUTPUTS", "0") == "1":
+        out.fill_(float("nan"))
+        if lse is not None:
+            lse.fill_(float("nan"))
+    return out, lse
+
+
+def _launch(problem, out, lse):
     p = problem
     q, k, v = p.q, p.k, p.v
     dev = q.device
     if p.varlen:
-        out = torch.empty((q.shape[0], p.heads, p.head_dim_v), dtype=p.out_dtype, device=dev)
-        lse = torch.empty((p.heads, q.shape[0]), dtype=torch.float32, device=dev) if p.return_lse else None
         lse_strides = (0, *lse.stride()) if lse is not None else (0, 0, 0)
-        total_q = q.shape[0]
     else:
-        out = torch.empty((p.batch, p.max_seqlen_q, p.heads, p.head_dim_v), dtype=p.out_dtype, device=dev)
-        lse = torch.empty((p.batch, p.heads, p.max_seqlen_q), dtype=torch.float32, device=dev) if p.return_lse else None
         lse_strides = lse.stride() if lse is not None else (0, 0, 0)
-        total_q = p.batch * p.max_seqlen_q
-    if total_q == 0 or p.batch == 0:
-        return out, lse
+    if out.numel() == 0:
+        return
     q_scale, k_scale = p.q_scale, p.k_scale
     # a one-block table serves every token: stride 0 keeps token // 128 in bounds
     qs_strides = (q_scale.stride(0), q_scale.stride(1), q_scale.stride(2) if q_scale.shape[2] > 1 else 0)
@@ -296,9 +319,14 @@ def run(problem):
         EXACT_FP8_ROUND=interp,
         RETURN_LSE=p.return_lse, HAS_KMEAN=has_kmean, SCALE_BLK=SCALE_BLOCK,
     )
-    kernel = _attn_fwd if interp else _attn_fwd_tuned
     if interp:
+        kernel = _attn_fwd
         args.update(INTERPRETER_TILE)
+    elif p.max_seqlen_q * max(p.max_seqlen_k, 1) < AUTOTUNE_MIN_WORK:
+        kernel = _attn_fwd  # small problems: a fixed tile, no autotuning sweep
+        args.update(SMALL_TILE)
+    else:
+        kernel = _attn_fwd_tuned
 
     def grid(meta):
         return (p.batch * p.heads, triton.cdiv(p.max_seqlen_q, meta["BLOCK_M"]))
@@ -311,4 +339,3 @@ def run(problem):
         *lse_strides, *qs_strides, *ks_strides, *p.v_scale.stride(), *km_strides,
         **args,
     )
-    return out, lse

@@ -1,11 +1,78 @@
-"""Hand-scheduled Hopper (sm90) attention kernels in Gluon. Not implemented yet."""
+"""Hand-scheduled Hopper (sm90) attention forward in Gluon (``triton.experimental.gluon``).
+
+One concern per module: :mod:`.layouts` (register/shared layouts), :mod:`.pipeline` (TMA +
+mbarrier K/V ring), :mod:`.masking` (which key blocks a tile visits, diagonal/tail masks),
+:mod:`.softmax` (Lean-P online softmax), :mod:`.kernel` (the kernel), :mod:`.launch` (host:
+descriptors and launch), :mod:`.aot` (compile for sm90 without a GPU).
+
+:func:`supports` says whether a validated :class:`leanfa.api.Problem` can run here, and why
+not; anything it rejects runs on the portable kernel instead -- never a wrong answer.
+"""
 
 from __future__ import annotations
 
+import os
+
+import torch
+import triton
+
+from . import launch as _launch
+
+TESTED_TRITON = ("3.6.",)
+HEAD_DIMS = ((128, 128), (192, 128))
+IN_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
 
 def supports(problem) -> tuple[bool, str]:
-    return False, "the Hopper kernels are not implemented yet"
+    """Whether the Hopper kernel can run ``problem``; if not, the reason."""
+    if not triton.__version__.startswith(TESTED_TRITON):
+        return False, f"the Hopper kernel is tested on triton 3.6.x only (found {triton.__version__})"
+    q, k, v = problem.q, problem.k, problem.v
+    if q.device.type != "cuda":
+        return False, f"the Hopper kernel needs CUDA tensors (got {q.device})"
+    if torch.version.hip is not None:
+        return False, "the Hopper kernel needs an NVIDIA GPU"
+    cap = torch.cuda.get_device_capability(q.device)
+    if cap != (9, 0):
+        return False, f"the Hopper kernel needs an sm90 GPU (found sm{cap[0]}{cap[1]})"
+    if problem.varlen:
+        return False, "varlen is not implemented in the Hopper kernel yet"
+    dims = (problem.head_dim_qk, problem.head_dim_v)
+    if dims not in HEAD_DIMS:
+        return False, f"head dims {dims[0]}/{dims[1]} are not implemented in the Hopper kernel (128/128, 192/128)"
+    if q.dtype not in IN_DTYPES:
+        return False, f"dtype {q.dtype} is not supported by the Hopper kernel"
+    if problem.out_dtype not in OUT_DTYPES:
+        return False, f"out_dtype {problem.out_dtype} is not supported by the Hopper kernel"
+    kmajor = _launch.v_is_kmajor(v)
+    if problem.is_fp8 and not kmajor:
+        return False, ("FP8 V must be stored transposed (v.stride(1) == 1, as quantize_fp8 writes it): "
+                       "FP8 wgmma needs a K-major B operand")
+    views = [("q", q, *_launch._bshd_as_bhsd(q)), ("k", k, *_launch._bshd_as_bhsd(k))]
+    views.append(("v", v, *(_launch._v_kmajor_dims(v) if kmajor else _launch._bshd_as_bhsd(v))))
+    for name, t, shape, strides in views:
+        why = _launch.tma_layout_problem(name, t, shape, strides)
+        if why:
+            return False, why
+    if problem.max_seqlen_q >= 2**31 or problem.max_seqlen_k >= 2**31:
+        return False, "sequence too long"
+    return True, ""
 
 
-def run(problem):  # pragma: no cover - unreachable while supports() is False
-    raise NotImplementedError
+def run(problem):
+    """Run a problem :func:`supports` accepted; return ``(out, lse or None)``."""
+    q, k, v = problem.q, problem.k, problem.v
+    B, Sq, Hq, _ = q.shape
+    out = torch.empty((B, Sq, Hq, problem.head_dim_v), dtype=problem.out_dtype, device=q.device)
+    lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device) if problem.return_lse else None
+    if os.environ.get("LEANFA_POISON_OUTPUTS", "0") == "1":  # tests: unwritten elements show as NaN
+        out.fill_(float("nan"))
+        if lse is not None:
+            lse.fill_(float("nan"))
+    plan = _launch.make_plan(q, k, v, out, lse, problem.q_scale, problem.k_scale, problem.v_scale,
+                             problem.k_mean, causal=problem.causal, softmax_scale=problem.softmax_scale,
+                             return_lse=problem.return_lse)
+    with torch.cuda.device(q.device):
+        _launch.launch(plan)
+    return out, lse

@@ -18,7 +18,6 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
     mbarrier,
     warpgroup_mma,
     warpgroup_mma_wait,
@@ -30,7 +29,7 @@ from .pipeline import (
     alloc_barriers,
     as_2d,
     invalidate_barriers,
-    k_tile,
+    wait_k,
     load_kv,
     load_q,
     v_tile,
@@ -41,20 +40,32 @@ SCALE_BLOCK = gl.constexpr(128)  # tokens per Q/K scale block (leanfa.scales.SCA
 
 
 @gluon.jit
-def _attend_blocks(lo, hi, n_end, q2d, k_desc, v_desc, k_bufs, v_bufs, k_bars, v_bars,
+def _qk(q_smem, k_bufs, slot, s_zero, QK_CHUNKS: gl.constexpr):
+    """S = Q K^T, chained over the head-dim chunks (async wgmmas, one wait)."""
+    s = warpgroup_mma(as_2d(q_smem.index(0)), as_2d(k_bufs.index(slot * QK_CHUNKS)).permute((1, 0)), s_zero,
+                      use_acc=False, is_async=True)
+    for c in gl.static_range(1, QK_CHUNKS):
+        s = warpgroup_mma(as_2d(q_smem.index(c)), as_2d(k_bufs.index(slot * QK_CHUNKS + c)).permute((1, 0)), s,
+                          is_async=True)
+    return warpgroup_mma_wait(0, deps=(s, ))
+
+
+@gluon.jit
+def _attend_blocks(lo, hi, n_end, q_smem, k_desc, v_desc, k_bufs, v_bufs, k_bars, v_bars,
                    b, hkv, acc, m_i, l_i, c_q, k_scale_ptr, stride_ksb, stride_ksh, stride_ksblk,
                    offs_m, seqlen_q, seqlen_k,
                    MASK: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr,
                    V_KMAJOR: gl.constexpr, STAGES: gl.constexpr, P_OFFSET: gl.constexpr,
                    num_warps: gl.constexpr):
     """Run key blocks ``[lo, hi)``; ``MASK`` for the diagonal/tail blocks."""
-    BLOCK_M: gl.constexpr = q2d.shape[0]
+    BLOCK_M: gl.constexpr = q_smem.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+    QK_CHUNKS: gl.constexpr = q_smem.shape[0]
     BITS: gl.constexpr = 8 if IS_FP8 else 16
     s_layout: gl.constexpr = wgmma_layout(num_warps, BLOCK_N, BITS)
     o_layout: gl.constexpr = acc.type.layout
     p_layout: gl.constexpr = a_operand_layout(o_layout, BITS)
-    p_dtype: gl.constexpr = q2d.dtype
+    p_dtype: gl.constexpr = q_smem.dtype
     offs_n0 = gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
     k_scale_row = k_scale_ptr + b * stride_ksb + hkv * stride_ksh
 
@@ -63,31 +74,29 @@ def _attend_blocks(lo, hi, n_end, q2d, k_desc, v_desc, k_bufs, v_bufs, k_bars, v
         gl.thread_barrier()
         nxt = j + STAGES - 1
         if nxt < n_end:
-            load_kv(k_desc, v_desc, b, hkv, nxt, k_bufs, v_bufs, k_bars, v_bars, STAGES, V_KMAJOR)
+            load_kv(k_desc, v_desc, b, hkv, nxt, k_bufs, v_bufs, k_bars, v_bars, STAGES, V_KMAJOR, QK_CHUNKS)
         c = c_q * gl.load(k_scale_row + ((j * BLOCK_N) // SCALE_BLOCK) * stride_ksblk)
 
         # S = Q K^T
-        kT = k_tile(k_bufs, k_bars, j, STAGES)
-        s = warpgroup_mma(q2d, kT, gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout),
-                          use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(0, deps=(s, ))
+        slot = wait_k(k_bars, j, STAGES)
+        s = _qk(q_smem, k_bufs, slot, gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), QK_CHUNKS)
         if MASK:
             s = mask_scores(s, offs_m, j * BLOCK_N + offs_n0, seqlen_q, seqlen_k, CAUSAL)
 
         # Lean P
         p, m_i, l_i, alpha = online_softmax_step(s, c, m_i, l_i, P_OFFSET)
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         p_op = gl.convert_layout(p.to(p_dtype), p_layout)
 
-        # O += P V
+        # O = O * alpha + P V
         v = v_tile(v_bufs, v_bars, j, STAGES, V_KMAJOR)
         if IS_FP8:
-            pv = warpgroup_mma(p_op, v, gl.zeros_like(acc),
-                               use_acc=False, is_async=True)
+            # two-level accumulation: this block's PV in a fresh fp32 tile, folded in by one FFMA
+            pv = warpgroup_mma(p_op, v, gl.zeros_like(acc), use_acc=False, is_async=True)
             pv = warpgroup_mma_wait(0, deps=(pv, ))
-            acc = acc + pv
+            acc = gl.fma(acc, alpha_o, pv)
         else:
-            acc = warpgroup_mma(p_op, v, acc, is_async=True)
+            acc = warpgroup_mma(p_op, v, acc * alpha_o, is_async=True)
             acc = warpgroup_mma_wait(0, deps=(acc, ))
     return acc, m_i, l_i
 
@@ -104,13 +113,14 @@ def attn_fwd_kernel(
     seqlen_q, seqlen_k, num_heads, group_size, num_m_tiles,
     qk_scale,  # softmax_scale * log2(e)
     sm_scale,  # softmax_scale (for the K-mean LSE correction)
-    HEAD_DV: gl.constexpr,
+    HEAD_DQK: gl.constexpr, HEAD_DV: gl.constexpr,
     CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
     RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, STAGES: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
-    HEAD_DQK: gl.constexpr = q_desc.block_type.shape[3]
+    DCHUNK: gl.constexpr = q_desc.block_type.shape[3]
+    QK_CHUNKS: gl.constexpr = HEAD_DQK // DCHUNK
     BITS: gl.constexpr = 8 if IS_FP8 else 16
     P_OFFSET: gl.constexpr = 8.0 if IS_FP8 else 0.0
     s_layout: gl.constexpr = wgmma_layout(num_warps, k_desc.block_type.shape[2], BITS)
@@ -125,8 +135,8 @@ def attn_fwd_kernel(
     m_start = pid_m * BLOCK_M
 
     # Shared memory: Q, the K/V ring, barriers.
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
-    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [QK_CHUNKS] + q_desc.block_type.shape, q_desc.layout)
+    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES * QK_CHUNKS] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     q_bar = alloc_barriers(1)
     k_bars = alloc_barriers(STAGES)
@@ -135,10 +145,10 @@ def attn_fwd_kernel(
     n_full, n_end = kv_block_range(m_start, seqlen_q, seqlen_k, BLOCK_M, k_desc.block_type.shape[2], CAUSAL)
 
     # Prologue: Q, then the first STAGES-1 key blocks.
-    load_q(q_desc, b, h, m_start, q_bar.index(0), q_smem)
+    load_q(q_desc, b, h, m_start, q_bar.index(0), q_smem, QK_CHUNKS)
     for i in gl.static_range(STAGES - 1):
         if i < n_end:
-            load_kv(k_desc, v_desc, b, hkv, i, k_bufs, v_bufs, k_bars, v_bars, STAGES, V_KMAJOR)
+            load_kv(k_desc, v_desc, b, hkv, i, k_bufs, v_bufs, k_bars, v_bars, STAGES, V_KMAJOR, QK_CHUNKS)
 
     # Q's dequant scale is one number per tile (BLOCK_M == SCALE_BLOCK), folded into c.
     c_q = qk_scale * gl.load(q_scale_ptr + b * stride_qsb + h * stride_qsh + (m_start // SCALE_BLOCK) * stride_qsblk)
@@ -148,13 +158,12 @@ def attn_fwd_kernel(
     l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
 
     mbarrier.wait(q_bar.index(0), 0)
-    q2d = as_2d(q_smem)
     # Unmasked blocks, then the diagonal and tail blocks.
-    acc, m_i, l_i = _attend_blocks(0, n_full, n_end, q2d, k_desc, v_desc, k_bufs, v_bufs, k_bars, v_bars,
+    acc, m_i, l_i = _attend_blocks(0, n_full, n_end, q_smem, k_desc, v_desc, k_bufs, v_bufs, k_bars, v_bars,
                                    b, hkv, acc, m_i, l_i, c_q, k_scale_ptr, stride_ksb, stride_ksh,
                                    stride_ksblk, offs_m, seqlen_q, seqlen_k,
                                    False, CAUSAL, IS_FP8, V_KMAJOR, STAGES, P_OFFSET, num_warps)
-    acc, m_i, l_i = _attend_blocks(n_full, n_end, n_end, q2d, k_desc, v_desc, k_bufs, v_bufs, k_bars, v_bars,
+    acc, m_i, l_i = _attend_blocks(n_full, n_end, n_end, q_smem, k_desc, v_desc, k_bufs, v_bufs, k_bars, v_bars,
                                    b, hkv, acc, m_i, l_i, c_q, k_scale_ptr, stride_ksb, stride_ksh,
                                    stride_ksblk, offs_m, seqlen_q, seqlen_k,
                                    True, CAUSAL, IS_FP8, V_KMAJOR, STAGES, P_OFFSET, num_warps)
@@ -165,20 +174,23 @@ def attn_fwd_kernel(
     offs_d = gl.arange(0, HEAD_DV, gl.SliceLayout(0, o_layout))
     v_scale = gl.load(v_scale_ptr + b * stride_vsb + hkv * stride_vsh + offs_d * stride_vsd)
     out = acc * gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout))[:, None] * v_scale[None, :]
-    o_ptrs = out_ptr + b * stride_ob + h * stride_oh + offs_mo[:, None] * stride_os + offs_d[None, :]
+    o_base = out_ptr + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
+    o_ptrs = o_base + offs_mo.to(gl.int64)[:, None] * stride_os + offs_d[None, :]
     gl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=offs_mo[:, None] < seqlen_q)
 
     if RETURN_LSE:
         if HAS_KMEAN:
             # K was smoothed (K - mean): add back softmax_scale * <q_row, mean> per row.
             r_layout: gl.constexpr = rows_layout(num_warps)
-            qv = q2d.load(r_layout).to(gl.float32)
-            offs_k = gl.arange(0, HEAD_DQK, gl.SliceLayout(0, r_layout))
-            km = gl.load(k_mean_ptr + b * stride_kmb + hkv * stride_kmh + offs_k * stride_kmd)
-            q_deq = c_q / qk_scale
-            corr = gl.sum(qv * km[None, :], axis=1) * (q_deq * sm_scale)
+            offs_k = gl.arange(0, DCHUNK, gl.SliceLayout(0, r_layout))
+            dot = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, r_layout))
+            for c in gl.static_range(QK_CHUNKS):
+                qv = as_2d(q_smem.index(c)).load(r_layout).to(gl.float32)
+                km = gl.load(k_mean_ptr + b * stride_kmb + hkv * stride_kmh + (c * DCHUNK + offs_k) * stride_kmd)
+                dot += gl.sum(qv * km[None, :], axis=1)
+            corr = dot * ((c_q / qk_scale) * sm_scale)
             lse = lse + gl.convert_layout(corr, gl.SliceLayout(1, s_layout))
-        gl.store(lse_ptr + pid_bh * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
+        gl.store(lse_ptr + pid_bh.to(gl.int64) * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
 
     invalidate_barriers(q_bar, 1)
     invalidate_barriers(k_bars, STAGES)

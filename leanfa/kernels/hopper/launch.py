@@ -67,11 +67,16 @@ def tma_layout_problem(name: str, t: torch.Tensor, shape, strides) -> str | None
     return None
 
 
+def qk_chunk(dqk: int) -> int:
+    """TMA box width along the Q/K head dim: boxes must be powers of two (192 -> 3 x 64)."""
+    return dqk if dqk & (dqk - 1) == 0 else 64
+
+
 def stages_for(dqk: int, dv: int, elt: int) -> int:
     """Deepest K/V ring that fits shared memory (with room for layout-conversion scratch)."""
     q_bytes = BLOCK_M * dqk * elt
     stage = BLOCK_N * (dqk + dv) * elt
-    scratch = 32 * 1024
+    scratch = 8 * 1024
     stages = 4
     while stages > 2 and q_bytes + stages * stage + scratch > SMEM_LIMIT:
         stages -= 1
@@ -97,8 +102,9 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
     Sk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
     is_fp8 = q.dtype == torch.float8_e4m3fn
     kmajor = v_is_kmajor(v)
-    q_desc = _desc(q, *_bshd_as_bhsd(q), [1, 1, BLOCK_M, Dqk])
-    k_desc = _desc(k, *_bshd_as_bhsd(k), [1, 1, BLOCK_N, Dqk])
+    dchunk = qk_chunk(Dqk)
+    q_desc = _desc(q, *_bshd_as_bhsd(q), [1, 1, BLOCK_M, dchunk])
+    k_desc = _desc(k, *_bshd_as_bhsd(k), [1, 1, BLOCK_N, dchunk])
     if kmajor:
         v_desc = _desc(v, *_v_kmajor_dims(v), [1, 1, Dv, BLOCK_N])
     else:
@@ -118,7 +124,7 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
         float(softmax_scale * LOG2E), float(softmax_scale),
     )
     constexprs = dict(
-        HEAD_DV=Dv, CAUSAL=bool(causal), IS_FP8=is_fp8, V_KMAJOR=kmajor,
+        HEAD_DQK=Dqk, HEAD_DV=Dv, CAUSAL=bool(causal), IS_FP8=is_fp8, V_KMAJOR=kmajor,
         RETURN_LSE=bool(return_lse), HAS_KMEAN=has_kmean,
         STAGES=stages_for(Dqk, Dv, q.element_size()), num_warps=NUM_WARPS,
     )

@@ -35,21 +35,26 @@ def as_2d(buf):
 
 
 @gluon.jit
-def load_q(q_desc, b, h, m_start, bar, q_smem):
-    mbarrier.expect(bar, q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [b, h, m_start, 0], bar, q_smem)
+def load_q(q_desc, b, h, m_start, bar, q_smem, QK_CHUNKS: gl.constexpr):
+    """Q tile as ``QK_CHUNKS`` boxes along the head dim (TMA boxes are powers of two: 192 = 3 x 64)."""
+    DCHUNK: gl.constexpr = q_desc.block_type.shape[3]
+    mbarrier.expect(bar, QK_CHUNKS * q_desc.block_type.nbytes)
+    for c in gl.static_range(QK_CHUNKS):
+        tma.async_copy_global_to_shared(q_desc, [b, h, m_start, c * DCHUNK], bar, q_smem.index(c))
 
 
 @gluon.jit
 def load_kv(k_desc, v_desc, b, hkv, block, k_bufs, v_bufs, k_bars, v_bars,
-            STAGES: gl.constexpr, V_KMAJOR: gl.constexpr):
-    """Issue the TMA loads of key block ``block`` into its ring slot."""
+            STAGES: gl.constexpr, V_KMAJOR: gl.constexpr, QK_CHUNKS: gl.constexpr):
+    """Issue the TMA loads of key block ``block`` into its ring slot (K: ``QK_CHUNKS`` boxes)."""
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+    DCHUNK: gl.constexpr = k_desc.block_type.shape[3]
     slot = block % STAGES
     n0 = block * BLOCK_N
     kb = k_bars.index(slot)
-    mbarrier.expect(kb, k_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [b, hkv, n0, 0], kb, k_bufs.index(slot))
+    mbarrier.expect(kb, QK_CHUNKS * k_desc.block_type.nbytes)
+    for c in gl.static_range(QK_CHUNKS):
+        tma.async_copy_global_to_shared(k_desc, [b, hkv, n0, c * DCHUNK], kb, k_bufs.index(slot * QK_CHUNKS + c))
     vb = v_bars.index(slot)
     mbarrier.expect(vb, v_desc.block_type.nbytes)
     if V_KMAJOR:
@@ -59,11 +64,11 @@ def load_kv(k_desc, v_desc, b, hkv, block, k_bufs, v_bufs, k_bars, v_bars,
 
 
 @gluon.jit
-def k_tile(k_bufs, k_bars, block, STAGES: gl.constexpr):
-    """Wait for key block ``block``; return it as the K-major B operand ``[D, BLOCK_N]`` of QK^T."""
+def wait_k(k_bars, block, STAGES: gl.constexpr):
+    """Wait for key block ``block``; return its ring slot."""
     slot = block % STAGES
     mbarrier.wait(k_bars.index(slot), (block // STAGES) & 1)
-    return as_2d(k_bufs.index(slot)).permute((1, 0))
+    return slot
 
 
 @gluon.jit

@@ -1,0 +1,344 @@
+"""``leanfa bench | accuracy | profile``: argument parsing and the three commands.
+
+``leanfa.cli`` dispatches here with :func:`main`. Every command needs a CUDA GPU (profile
+also Nsight Compute); without one it prints a one-line reason and returns 2. ``--help``,
+``--list`` (implementations and whether they can run here) and ``bench --dry-run`` (the
+cases a run would time) work anywhere.
+
+The one command for a GPU session (about 5 minutes on an H200)::
+
+    leanfa bench --quick                 # standard + models + varlen at S = 1K, 4K, 16K
+
+and the full sweeps (each under 10 minutes)::
+
+    leanfa bench --sweep standard
+    leanfa bench --sweep models,varlen
+    leanfa accuracy
+    leanfa profile --model llama3-8b --seqlen 8192
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+COMMANDS = ("bench", "accuracy", "profile")
+DEFAULT_PROFILE_IMPLS = "leanfa-hopper-fp8-kernel,leanfa-portable-fp8-kernel,cudnn-fp8,cudnn-bf16"
+
+
+def _csv(text: str | None) -> list[str] | None:
+    if text is None:
+        return None
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    return items or None
+
+
+def _ints(text: str | None) -> list[int] | None:
+    items = _csv(text)
+    if items is None:
+        return None
+    out = []
+    for t in items:
+        t = t.lower()
+        mult = 1024 if t.endswith("k") else 1
+        out.append(int(t.rstrip("k")) * mult)
+    return out
+
+
+def _bool(text: str) -> bool:
+    t = text.lower()
+    if t in ("1", "true", "yes", "causal"):
+        return True
+    if t in ("0", "false", "no", "full"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--impl", help="comma list of implementation names, families or globs "
+                                  "(e.g. 'leanfa-*,cudnn-fp8'); default: all")
+    p.add_argument("--precision", default="fp8,bf16", help="comma list of fp8,bf16 (default both)")
+    p.add_argument("--out", help="output folder (default bench/results/<date>-<gpu>/)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--list", action="store_true", help="list implementations and exit")
+
+
+def build_parser(command: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"leanfa {command}", description=__doc__.split("\n\n")[0])
+    if command == "bench":
+        _common(p)
+        p.add_argument("--sweep", default="standard,models,varlen",
+                       help="comma list of standard,models,varlen (default all three)")
+        p.add_argument("--seqlens", help="comma list overriding the sweeps' sequence lengths "
+                                         "(e.g. 1k,4k,16k)")
+        p.add_argument("--causal", choices=("both", "true", "false"),
+                       help="masks to run (default: both for standard, causal for models/varlen)")
+        p.add_argument("--models", help="comma list of model presets for the models sweep")
+        p.add_argument("--quick", action="store_true",
+                       help="S = 1K, 4K, 16K only and short timing (~5 min for all sweeps on H200)")
+        p.add_argument("--warmup-ms", type=float, help="warm-up per row (default 200, quick 50)")
+        p.add_argument("--rep-ms", type=float, help="timed time per row (default 1000, quick 150)")
+        p.add_argument("--tol-bf16", type=float, help="check tolerance, relative L2 (default 2e-2)")
+        p.add_argument("--tol-fp8", type=float, help="check tolerance, relative L2 (default 2.5e-1)")
+        p.add_argument("--no-gemm", action="store_true", help="skip the GEMM reference rates")
+        p.add_argument("--no-plots", action="store_true")
+        p.add_argument("--no-progress", action="store_true")
+        p.add_argument("--name", help="file stem (default bench[-<sweeps>][-quick])")
+        p.add_argument("--dry-run", action="store_true", help="print the cases and exit")
+    elif command == "accuracy":
+        _common(p)
+        p.add_argument("--profiles", help="comma list of activation presets (default: all)")
+        p.add_argument("--inputs", action="append", default=[], metavar="FILE.safetensors",
+                       help="captured activations (repeatable)")
+        p.add_argument("--seqlen", type=int, default=2048)
+        p.add_argument("--batch", type=int, default=1)
+        p.add_argument("--causal", type=_bool, default=True)
+        p.add_argument("--no-plots", action="store_true")
+    elif command == "profile":
+        p.add_argument("--impl", default=DEFAULT_PROFILE_IMPLS,
+                       help=f"comma list of implementations, profiled one by one (default "
+                            f"{DEFAULT_PROFILE_IMPLS})")
+        p.add_argument("--model", help="model preset: sets heads, head dims and the activations")
+        p.add_argument("--preset", default="gaussian")
+        p.add_argument("--seqlen", type=int, default=8192)
+        p.add_argument("--batch", type=int, help="default 16384 // seqlen (at least 1)")
+        p.add_argument("--heads", type=int, default=16)
+        p.add_argument("--kv-heads", type=int)
+        p.add_argument("--head-dim", type=int, default=128)
+        p.add_argument("--head-dim-v", type=int)
+        p.add_argument("--causal", type=_bool, default=True)
+        p.add_argument("--warmup", type=int, default=3, help="calls before the profiled one")
+        p.add_argument("--kernel-regex", help="profile only kernels matching (ncu --kernel-name regex:)")
+        p.add_argument("--launch-skip", type=int, default=0)
+        p.add_argument("--launch-count", type=int)
+        p.add_argument("--skip-kernels", help="regex of kernels to leave out of the report "
+                                              "(e.g. 'quant')")
+        p.add_argument("--keep-report", action="store_true", help="keep the .ncu-rep next to the results")
+        p.add_argument("--out", help="output folder (default bench/results/<date>-<gpu>/)")
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--list", action="store_true", help="list implementations and exit")
+    return p
+
+
+def _missing_requirements(command: str) -> str | None:
+    """One-line reason this machine cannot run ``command``, or None."""
+    try:
+        import torch
+    except ImportError:
+        return f"leanfa {command} needs torch; it is not installed"
+    if not torch.cuda.is_available():
+        return f"leanfa {command} needs a CUDA GPU; none found"
+    if command == "profile":
+        from .profile import find_ncu
+
+        if find_ncu() is None:
+            return "leanfa profile needs Nsight Compute (ncu) on PATH; none found"
+    return None
+
+
+def _print_impls(impls) -> int:
+    for i in impls:
+        ok, why = i.available()
+        state = "available" if ok else f"unavailable ({why})"
+        print(f"{i.name:<28} {i.precision:<5} {i.variant:<7} {state}: {i.description}")
+    return 0
+
+
+def _select_impls(args):
+    from .impls import all_impls, select
+
+    precisions = _csv(args.precision)
+    bad = [p for p in precisions or [] if p not in ("fp8", "bf16")]
+    if bad:
+        raise ValueError(f"--precision takes fp8,bf16; got {bad}")
+    impls = select(all_impls(), _csv(args.impl), precisions)
+    if not impls:
+        raise ValueError(f"no implementation matches --impl {args.impl!r} --precision {args.precision!r}")
+    return impls
+
+
+def main(command: str, argv: list[str]) -> int:
+    """Run ``leanfa <command> <argv>``; returns the exit status."""
+    if command not in COMMANDS:
+        print(f"leanfa: unknown command {command!r} (choose from {', '.join(COMMANDS)})", file=sys.stderr)
+        return 2
+    try:
+        args = build_parser(command).parse_args(argv)
+    except SystemExit as e:  # --help, or a usage error already printed by argparse
+        return int(e.code or 0) if not isinstance(e.code, str) else 2
+    try:
+        if command == "profile" and args.list:
+            from .impls import all_impls
+
+            return _print_impls(all_impls())
+        if command != "profile" and args.list:
+            return _print_impls(_select_impls(args))
+        if command == "bench" and args.dry_run:
+            return _dry_run(args)
+        reason = _missing_requirements(command)
+        if reason:
+            print(reason, file=sys.stderr)
+            return 2
+        return {"bench": _bench, "accuracy": _accuracy, "profile": _profile}[command](args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"leanfa {command}: {e}", file=sys.stderr)
+        return 2
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+def _cases(args):
+    from .shapes import SWEEPS, build_cases
+
+    sweeps = _csv(args.sweep) or list(SWEEPS)
+    return sweeps, build_cases(sweeps, quick=args.quick, seqlens=_ints(args.seqlens), causal=args.causal,
+                               models=_csv(args.models))
+
+
+def _dry_run(args) -> int:
+    sweeps, cases = _cases(args)
+    impls = _select_impls(args)
+    from .shapes import flops
+
+    for c in cases:
+        print(f"{c.name:<70} {flops(c) / 1e12:8.2f} TFLOP")
+    print(f"{len(cases)} cases x {len(impls)} implementations ({', '.join(i.name for i in impls)})")
+    return 0
+
+
+def _out_dir(args) -> str:
+    from .env import default_out_dir
+
+    return args.out or default_out_dir()
+
+
+def _stem(sweeps, quick: bool) -> str:
+    from .shapes import SWEEPS
+
+    stem = "bench" if sorted(sweeps) == sorted(SWEEPS) else "bench-" + "+".join(sweeps)
+    return stem + ("-quick" if quick else "")
+
+
+def _bench(args) -> int:
+    from .env import environment
+    from .gemm import gemm_rates
+    from .report import write_bench
+    from .runner import BenchConfig, add_ratios, run_bench
+
+    sweeps, cases = _cases(args)
+    impls = _select_impls(args)
+    cfg = BenchConfig.quick(seed=args.seed) if args.quick else BenchConfig(seed=args.seed)
+    if args.warmup_ms is not None:
+        cfg.warmup_ms = args.warmup_ms
+    if args.rep_ms is not None:
+        cfg.rep_ms = args.rep_ms
+    if args.tol_bf16 is not None:
+        cfg.check_tol["bf16"] = args.tol_bf16
+    if args.tol_fp8 is not None:
+        cfg.check_tol["fp8"] = args.tol_fp8
+    out_dir = _out_dir(args)
+    stem = args.name or _stem(sweeps, args.quick)
+    env = environment()
+    print(f"leanfa bench: {len(cases)} cases x {len(impls)} implementations on {env.get('gpu')} "
+          f"-> {out_dir}/{stem}.*", flush=True)
+    gemm = {}
+    if not args.no_gemm:
+        gemm = gemm_rates(warmup_ms=cfg.warmup_ms, rep_ms=max(cfg.rep_ms, 300.0), seed=args.seed)
+        for k, g in gemm.items():
+            print(f"GEMM {k}: " + (f"{g['tflops']:.0f} TFLOP/s at {g.get('sm_clock_mhz')} MHz, "
+                                   f"{g.get('power_w')} W" if "tflops" in g else g.get("error", "")))
+    payload = {"kind": "bench", "env": env, "config": cfg.to_dict(), "argv": sys.argv[1:],
+               "sweeps": sweeps, "quick": args.quick, "gemm": gemm,
+               "impls": [{**i.to_dict(), "description": i.description, "baseline": i.baseline}
+                         for i in impls], "rows": []}
+
+    def save(rows, plots=False):
+        payload["rows"] = add_ratios([dict(r) for r in rows], gemm)
+        return write_bench(out_dir, {**payload, "stem": stem}, plots=plots, stem=stem)
+
+    rows = run_bench(cases, impls, cfg, progress=not args.no_progress,
+                     on_case_done=lambda rows: save(rows))
+    files = save(rows, plots=not args.no_plots)
+    counts = {s: sum(r["status"] == s for r in payload["rows"]) for s in ("ok", "n/a", "FAILED")}
+    print(f"rows: {counts['ok']} ok, {counts['n/a']} n/a, {counts['FAILED']} FAILED")
+    for f in files:
+        print(f"wrote {f}")
+    return 1 if counts["ok"] == 0 and counts["FAILED"] else 0
+
+
+def _accuracy(args) -> int:
+    from .accuracy import default_impls, list_profiles, run_accuracy
+    from .env import environment
+    from .report import write_accuracy
+
+    impls = _select_impls(args)
+    if not args.impl:
+        impls = default_impls(impls)
+    profiles = _csv(args.profiles) or list_profiles()
+    for f in args.inputs:
+        if not os.path.exists(f):
+            raise FileNotFoundError(f"--inputs {f}: no such file")
+    env = environment()
+    rows = run_accuracy(profiles, args.inputs, impls, batch=args.batch, seqlen=args.seqlen,
+                        causal=args.causal, seed=args.seed)
+    payload = {"kind": "accuracy", "env": env, "argv": sys.argv[1:], "seqlen": args.seqlen,
+               "batch": args.batch, "causal": args.causal, "rows": rows}
+    for f in write_accuracy(_out_dir(args), payload, plots=not args.no_plots):
+        print(f"wrote {f}")
+    return 0 if any(r["status"] == "ok" for r in rows) else 1
+
+
+def _profile(args) -> int:
+    from .env import environment
+    from .impls import NotApplicable, all_impls
+    from .profile import profile
+    from .profile_child import child_args
+    from .shapes import MODELS, STANDARD_TOKENS, Case
+
+    if args.model:
+        if args.model not in MODELS:
+            raise ValueError(f"unknown --model {args.model!r}; choose from {tuple(MODELS)}")
+        hq, hkv, dqk, dv = MODELS[args.model]
+        preset = args.model
+    else:
+        hq, dqk = args.heads, args.head_dim
+        hkv, dv, preset = args.kv_heads or hq, args.head_dim_v or dqk, args.preset
+    batch = args.batch or max(1, STANDARD_TOKENS // args.seqlen)
+    case = Case("profile", args.model or f"d{dqk}", preset, batch, args.seqlen, hq, hkv, dqk, dv,
+                args.causal)
+    names = _csv(args.impl) or []
+    known = {i.name for i in all_impls()}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"unknown implementation(s) {unknown}; see leanfa profile --list")
+    env, out_dir, status = environment(), _out_dir(args), 1
+    for name in names:
+        stem = f"profile-{name}-{case.label}-S{case.seqlen}-{'causal' if case.causal else 'full'}"
+        try:
+            payload, files = profile(child_args(case, name, args.warmup, args.seed), out_dir=out_dir,
+                                     stem=stem, env=env, case_name=case.name, impl=name,
+                                     kernel_regex=args.kernel_regex, launch_skip=args.launch_skip,
+                                     launch_count=args.launch_count, skip_regex=args.skip_kernels,
+                                     keep_report=args.keep_report)
+        except NotApplicable as e:
+            print(f"{name}: n/a ({e})")
+            continue
+        except Exception as e:
+            print(f"{name}: FAILED ({type(e).__name__}: {e})", file=sys.stderr)
+            continue
+        status = 0
+        for k in payload["kernels"]:
+            m = k["metrics"]
+            print(f"{name}: {k['short_name'][:60]:<60} " + ", ".join(
+                f"{lbl}={m[lbl]:.4g}" for lbl in ("duration_us", "sm_clock_mhz", "tensor_gmma_pct",
+                                                   "tensor_pct", "xu_pct", "issue_pct", "registers")
+                if isinstance(m.get(lbl), float)))
+        for f in files:
+            print(f"wrote {f}")
+    return status
+
+
+if __name__ == "__main__":  # python -m leanfa.bench.cli bench --quick
+    sys.exit(main(sys.argv[1], sys.argv[2:]) if len(sys.argv) > 1 else main("", []))

@@ -1,0 +1,401 @@
+"""Registry of attention implementations the benchmark compares, all on the same BF16 inputs.
+
+Each :class:`Impl` turns a case's inputs into a :class:`Prepared` call: ``run()`` is what
+is timed, ``output(result)`` gives the attention output as a tensor in the input layout
+(``(B, S, Hq, Dv)``, or packed ``(total, Hq, Dv)``) for the accuracy check. Anything that
+costs time but is not part of the measured call (building a cuDNN graph, quantizing inputs
+for a "kernel" row) happens in ``prepare``.
+
+Rows:
+
+* ``leanfa-<backend>-fp8``: :func:`leanfa.attention` with ``precision="fp8"``: BF16 in, BF16
+  out, the quantization (per-block Q/K scales, K smoothing, per-channel V) inside the timing;
+* ``leanfa-<backend>-fp8-kernel``: ``flash_attn_func(quantize_fp8(q, k, v))``, the kernel
+  alone on inputs quantized beforehand;
+* ``leanfa-<backend>-bf16``: ``flash_attn_func`` on the BF16 inputs;
+* ``cudnn-bf16``: torch SDPA forced to ``SDPBackend.CUDNN_ATTENTION`` (varlen: cuDNN
+  frontend graph with ragged offsets) — the BF16 baseline;
+* ``cudnn-fp8``: cuDNN frontend ``sdpa_fp8`` on per-tensor-quantized inputs (the kernel
+  alone, FP8 output) — the FP8 baseline; ``cudnn-fp8-e2e`` adds the per-tensor
+  quantization of Q/K/V and the dequantization of the output to the timing;
+* ``sdpa-flash-bf16``: torch SDPA ``FLASH_ATTENTION`` (FlashAttention-2; varlen through
+  ``torch.nn.attention.varlen.varlen_attn``);
+* ``fa3-bf16`` / ``fa3-fp8`` (``flash_attn_interface``), ``flashinfer-bf16``, ``fa4-bf16``
+  (``flash_attn.cute``) when importable.
+
+A case an implementation cannot run raises :class:`NotApplicable` (reported "n/a" with
+the reason); so does a ``ValueError`` from leanfa (e.g. ``backend="hopper"`` on a shape the
+Hopper kernel does not cover).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import importlib.util
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from . import cudnn_graphs
+from .inputs import Inputs
+from .shapes import Case
+
+FP8 = torch.float8_e4m3fn
+LEANFA_BACKENDS = ("hopper", "portable")
+
+
+class NotApplicable(Exception):
+    """This implementation cannot run this case (reason in the message)."""
+
+
+@dataclass
+class Prepared:
+    run: Callable[[], Any]
+    output: Callable[[Any], torch.Tensor] = field(default=lambda r: r)
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Impl:
+    name: str
+    family: str  # leanfa | cudnn | sdpa-flash | fa3 | flashinfer | fa4
+    precision: str  # fp8 | bf16
+    variant: str  # "kernel": inputs already in the kernel's format; "e2e": BF16 in, BF16 out
+    description: str
+    prepare: Callable[[Case, Inputs], Prepared]
+    available: Callable[[], tuple[bool, str]] = field(default=lambda: (True, ""))
+    #: the row that same-precision rows are compared to (cuDNN)
+    baseline: bool = False
+
+    def to_dict(self) -> dict:
+        return {"impl": self.name, "family": self.family, "precision": self.precision,
+                "variant": self.variant}
+
+
+def _module_available(name: str) -> tuple[bool, str]:
+    try:
+        found = importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        found = False
+    return (True, "") if found else (False, f"python module {name!r} not installed")
+
+
+# ---------------------------------------------------------------------------------- leanfa
+def _leanfa():
+    from leanfa import api
+
+    return api
+
+
+def _leanfa_available() -> tuple[bool, str]:
+    try:
+        _leanfa()
+    except Exception as e:
+        return False, f"leanfa.api not importable ({type(e).__name__}: {e})"
+    return True, ""
+
+
+def _varlen_kw(x: Inputs) -> dict:
+    return dict(cu_seqlens_q=x.cu_seqlens, cu_seqlens_k=x.cu_seqlens, max_seqlen_q=x.max_seqlen,
+                max_seqlen_k=x.max_seqlen)
+
+
+def _leanfa_call(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """leanfa raises ValueError for a call a backend does not cover: that is 'n/a'."""
+    def run():
+        try:
+            return fn()
+        except ValueError as e:
+            raise NotApplicable(str(e)) from e
+    return run
+
+
+def _leanfa_bf16(backend: str):
+    def prepare(case: Case, x: Inputs) -> Prepared:
+        lf = _leanfa()
+        if x.varlen:
+            return Prepared(_leanfa_call(lambda: lf.flash_attn_varlen_func(
+                x.q, x.k, x.v, x.cu_seqlens, x.cu_seqlens, x.max_seqlen, x.max_seqlen,
+                causal=case.causal, backend=backend)))
+        return Prepared(_leanfa_call(lambda: lf.flash_attn_func(x.q, x.k, x.v, causal=case.causal,
+                                                                backend=backend)))
+    return prepare
+
+
+def _leanfa_fp8_e2e(backend: str):
+    def prepare(case: Case, x: Inputs) -> Prepared:
+        lf = _leanfa()
+        kw = _varlen_kw(x) if x.varlen else {}
+        return Prepared(_leanfa_call(lambda: lf.attention(x.q, x.k, x.v, causal=case.causal,
+                                                          precision="fp8", backend=backend, **kw)))
+    return prepare
+
+
+def _leanfa_fp8_kernel(backend: str):
+    def prepare(case: Case, x: Inputs) -> Prepared:
+        lf = _leanfa()
+        if x.varlen:
+            quant = lf.quantize_fp8(x.q, x.k, x.v, granularity="block", smooth_k=True, **_varlen_kw(x))
+            return Prepared(_leanfa_call(lambda: lf.flash_attn_varlen_func(
+                quant, None, None, x.cu_seqlens, x.cu_seqlens, x.max_seqlen, x.max_seqlen,
+                causal=case.causal, backend=backend)))
+        quant = lf.quantize_fp8(x.q, x.k, x.v, granularity="block", smooth_k=True)
+        return Prepared(_leanfa_call(lambda: lf.flash_attn_func(quant, causal=case.causal,
+                                                                backend=backend)))
+    return prepare
+
+
+# ------------------------------------------------------------------------------ torch SDPA
+def _no_kernel(e: Exception) -> bool:
+    msg = str(e).lower()
+    return any(s in msg for s in ("no available kernel", "not supported", "unsupported",
+                                  "only support", "head_dim"))
+
+
+def _sdpa(backend_name: str):
+    """torch SDPA forced to one backend; GQA via enable_gqa, else K/V heads repeated."""
+    def prepare(case: Case, x: Inputs) -> Prepared:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        import torch.nn.functional as F
+
+        if x.varlen:
+            if backend_name == "CUDNN_ATTENTION":
+                return _cudnn_graph_prepare(case, x, fp8=False, e2e=False)
+            return _varlen_flash(case, x)
+        backend = getattr(SDPBackend, backend_name)
+        q, k, v = (t.transpose(1, 2) for t in (x.q, x.k, x.v))  # (B, H, S, D) views
+
+        def make(kk, vv, gqa):
+            def run():
+                with sdpa_kernel(backend):
+                    return F.scaled_dot_product_attention(q, kk, vv, is_causal=case.causal,
+                                                          enable_gqa=gqa)
+            return run
+
+        gqa = case.heads != case.kv_heads
+        run, note = make(k, v, gqa), ""
+        try:
+            run()
+        except RuntimeError as e:
+            if not gqa:
+                if _no_kernel(e):
+                    raise NotApplicable(f"SDPA {backend_name}: {str(e).splitlines()[0]}") from e
+                raise
+            group = case.heads // case.kv_heads
+            k2, v2 = (t.repeat_interleave(group, dim=1) for t in (k, v))
+            run, note = make(k2, v2, False), "K/V heads repeated for GQA"
+            try:
+                run()
+            except RuntimeError as e2:
+                if _no_kernel(e2):
+                    raise NotApplicable(f"SDPA {backend_name}: {str(e2).splitlines()[0]}") from e2
+                raise
+        return Prepared(run, lambda o: o.transpose(1, 2), note)
+    return prepare
+
+
+def _varlen_flash(case: Case, x: Inputs) -> Prepared:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError as e:
+        raise NotApplicable("torch.nn.attention.varlen.varlen_attn not in this torch") from e
+    params = inspect.signature(varlen_attn).parameters
+    kw: dict = {}
+    if "is_causal" in params:
+        kw["is_causal"] = case.causal
+    elif case.causal:
+        kw["window_size"] = (-1, 0)
+    k, v, note = x.k, x.v, ""
+    if case.heads != case.kv_heads:
+        if "enable_gqa" in params:
+            kw["enable_gqa"] = True
+        else:
+            group = case.heads // case.kv_heads
+            k, v = (t.repeat_interleave(group, dim=1) for t in (x.k, x.v))
+            note = "K/V heads repeated for GQA"
+    return Prepared(lambda: varlen_attn(x.q, k, v, x.cu_seqlens, x.cu_seqlens, x.max_seqlen,
+                                        x.max_seqlen, **kw), note=note)
+
+
+# ----------------------------------------------------------------------- cuDNN frontend
+def _cudnn_graph_prepare(case: Case, x: Inputs, *, fp8: bool, e2e: bool) -> Prepared:
+    """cuDNN frontend SDPA on these inputs (see :mod:`leanfa.bench.cudnn_graphs`)."""
+    cg = cudnn_graphs
+    dev = x.q.device
+    scale = case.head_dim ** -0.5
+    ragged = x.varlen
+    b = len(case.seqlens) if ragged else case.batch
+    s = x.max_seqlen if ragged else case.seqlen
+    try:
+        graph = cg.get_graph(fp8=fp8, batch=b, heads=case.heads, kv_heads=case.kv_heads, seqlen=s,
+                             head_dim=case.head_dim, head_dim_v=case.head_dim_v, causal=case.causal,
+                             softmax_scale=scale, ragged=ragged, device=dev)
+    except cg.Unsupported as e:
+        raise NotApplicable(str(e)) from e
+    named: dict = {}
+    if ragged:
+        named.update(cg.ragged_tensors(x.cu_seqlens, case.heads, case.kv_heads, case.head_dim,
+                                       case.head_dim_v))
+    out_shape = x.q.shape[:-1] + (case.head_dim_v,)
+    if not fp8:
+        o = torch.empty(out_shape, dtype=torch.bfloat16, device=dev)
+        named.update(q=x.q, k=x.k, v=x.v, o=o)
+        pack = graph.variant_pack(named)
+
+        def run_bf16():
+            graph.execute(pack)
+            return o
+        return Prepared(run_bf16)
+
+    q8, dq = cg.quantize_per_tensor(x.q)
+    k8, dk = cg.quantize_per_tensor(x.k)
+    v8, dv = cg.quantize_per_tensor(x.v)
+    o8 = torch.empty(out_shape, dtype=FP8, device=dev)
+    scale_o = cg.scalar(1.0, dev)
+    amax_s, amax_o = cg.scalar(0.0, dev), cg.scalar(0.0, dev)
+    named.update(q=q8, k=k8, v=v8, o=o8, descale_q=dq, descale_k=dk, descale_v=dv,
+                 descale_s=cg.scalar(1.0 / cg.SCALE_S, dev), scale_s=cg.scalar(cg.SCALE_S, dev),
+                 scale_o=scale_o, amax_s=amax_s, amax_o=amax_o)
+    pack = graph.variant_pack(named)
+    graph.execute(pack)  # calibration: amax(O) before scale_o, as delayed scaling would have it
+    scale_o.copy_(cg.FP8_MAX / amax_o.clamp_min(1e-12))
+    note = "per-tensor scales, FP8 output; scale_o from a calibration call"
+
+    if not e2e:
+        def run_kernel():
+            graph.execute(pack)
+            return o8
+        return Prepared(run_kernel, lambda o: o.float() / scale_o.reshape(()), note)
+
+    def run_e2e():
+        for src, dst, desc in ((x.q, q8, dq), (x.k, k8, dk), (x.v, v8, dv)):
+            x8, d = cg.quantize_per_tensor(src)
+            dst.copy_(x8)
+            desc.copy_(d)
+        graph.execute(pack)
+        return (o8.float() / scale_o.reshape(())).to(torch.bfloat16)
+    return Prepared(run_e2e, note=note + "; quantization and dequantization timed")
+
+
+def _cudnn_fp8(e2e: bool):
+    def prepare(case: Case, x: Inputs) -> Prepared:
+        return _cudnn_graph_prepare(case, x, fp8=True, e2e=e2e)
+    return prepare
+
+
+# -------------------------------------------------------------------- flash-attn 3 / 4, FlashInfer
+def _fa3(fp8: bool):
+    def prepare(case: Case, x: Inputs) -> Prepared:
+        import flash_attn_interface as fa3
+
+        q, k, v, kw = x.q, x.k, x.v, {"causal": case.causal}
+        note = ""
+        if fp8:
+            nb = len(case.seqlens) if x.varlen else case.batch
+            descales = []
+            tensors = []
+            for t in (x.q, x.k, x.v):
+                t8, d = cudnn_graphs.quantize_per_tensor(t)
+                tensors.append(t8)
+                descales.append(d.reshape(1, 1).expand(nb, case.kv_heads).contiguous())
+            q, k, v = tensors
+            kw.update(q_descale=descales[0], k_descale=descales[1], v_descale=descales[2])
+            note = "per-tensor scales"
+
+        def first(r):
+            return r[0] if isinstance(r, tuple) else r
+        if x.varlen:
+            return Prepared(lambda: first(fa3.flash_attn_varlen_func(
+                q, k, v, x.cu_seqlens, x.cu_seqlens, x.max_seqlen, x.max_seqlen, **kw)), note=note)
+        return Prepared(lambda: first(fa3.flash_attn_func(q, k, v, **kw)), note=note)
+    return prepare
+
+
+def _fa4(case: Case, x: Inputs) -> Prepared:
+    from flash_attn.cute import interface as fa4
+
+    if x.varlen:
+        raise NotApplicable("varlen not wired for flash-attn 4 here")
+    return Prepared(lambda: fa4.flash_attn_func(x.q, x.k, x.v, causal=case.causal)[0])
+
+
+def _flashinfer(case: Case, x: Inputs) -> Prepared:
+    import flashinfer
+
+    dev = x.q.device
+    if x.varlen:
+        indptr = x.cu_seqlens
+        q, k, v = x.q, x.k, x.v
+    else:
+        b, s = case.batch, case.seqlen
+        indptr = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=dev)
+        q, k, v = (t.reshape(b * s, t.shape[2], t.shape[3]) for t in (x.q, x.k, x.v))
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+    w = flashinfer.prefill.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")
+    w.plan(indptr, indptr, case.heads, case.kv_heads, case.head_dim, head_dim_vo=case.head_dim_v,
+           causal=case.causal, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+    shape = x.q.shape[:-1] + (case.head_dim_v,)
+    return Prepared(lambda: w.run(q, k, v), lambda o: o.reshape(shape))
+
+
+# ---------------------------------------------------------------------------- registry
+def _cuda_sdpa_available() -> tuple[bool, str]:
+    return (True, "") if torch.cuda.is_available() else (False, "no CUDA device")
+
+
+def all_impls() -> list[Impl]:
+    impls: list[Impl] = []
+    for b in LEANFA_BACKENDS:
+        impls += [
+            Impl(f"leanfa-{b}-fp8", "leanfa", "fp8", "e2e",
+                 f"leanfa.attention(precision='fp8', backend='{b}'): quantization + kernel",
+                 _leanfa_fp8_e2e(b), _leanfa_available),
+            Impl(f"leanfa-{b}-fp8-kernel", "leanfa", "fp8", "kernel",
+                 f"flash_attn_func(quantize_fp8(q, k, v), backend='{b}'): kernel alone",
+                 _leanfa_fp8_kernel(b), _leanfa_available),
+            Impl(f"leanfa-{b}-bf16", "leanfa", "bf16", "kernel",
+                 f"flash_attn_func(bf16, backend='{b}')", _leanfa_bf16(b), _leanfa_available),
+        ]
+    impls += [
+        Impl("cudnn-bf16", "cudnn", "bf16", "kernel", "torch SDPA, CUDNN_ATTENTION backend",
+             _sdpa("CUDNN_ATTENTION"), _cuda_sdpa_available, baseline=True),
+        Impl("cudnn-fp8", "cudnn", "fp8", "kernel",
+             "cuDNN frontend sdpa_fp8, per-tensor scales, FP8 output (kernel alone)",
+             _cudnn_fp8(False), cudnn_graphs.available, baseline=True),
+        Impl("cudnn-fp8-e2e", "cudnn", "fp8", "e2e",
+             "cudnn-fp8 plus per-tensor quantization of Q/K/V and dequantized BF16 output",
+             _cudnn_fp8(True), cudnn_graphs.available),
+        Impl("sdpa-flash-bf16", "sdpa-flash", "bf16", "kernel",
+             "torch SDPA, FLASH_ATTENTION backend (FlashAttention-2)", _sdpa("FLASH_ATTENTION"),
+             _cuda_sdpa_available),
+        Impl("fa3-bf16", "fa3", "bf16", "kernel", "flash_attn_interface.flash_attn_func (FA3)",
+             _fa3(False), lambda: _module_available("flash_attn_interface")),
+        Impl("fa3-fp8", "fa3", "fp8", "kernel", "FA3 on per-tensor-quantized FP8 inputs",
+             _fa3(True), lambda: _module_available("flash_attn_interface")),
+        Impl("flashinfer-bf16", "flashinfer", "bf16", "kernel",
+             "flashinfer BatchPrefillWithRaggedKVCacheWrapper", _flashinfer,
+             lambda: _module_available("flashinfer")),
+        Impl("fa4-bf16", "fa4", "bf16", "kernel", "flash_attn.cute.interface.flash_attn_func (FA4)",
+             _fa4, lambda: _module_available("flash_attn.cute")),
+    ]
+    return impls
+
+
+def select(impls: list[Impl], patterns=None, precisions=None) -> list[Impl]:
+    """Impls whose name or family matches one of ``patterns`` (shell globs, e.g.
+    ``leanfa-*``; None: all) and whose precision is in ``precisions`` (None: all)."""
+    out = []
+    for impl in impls:
+        if precisions and impl.precision not in precisions:
+            continue
+        if patterns and not any(fnmatch.fnmatch(impl.name, p) or impl.family == p for p in patterns):
+            continue
+        out.append(impl)
+    return out
+
+
+def baseline_for(precision: str) -> str:
+    """The name of the row a row of ``precision`` is compared to."""
+    return {"fp8": "cudnn-fp8", "bf16": "cudnn-bf16"}[precision]

@@ -1,0 +1,35 @@
+"""Shared test helpers: fresh random inputs, relative error, tolerances."""
+
+from __future__ import annotations
+
+import torch
+
+# Tolerances on relative L2 error vs float64, per input precision:
+# bf16/fp16 operands and P rounded to 16 bits give ~3-6e-3; FP8 e4m3 has 3 mantissa bits
+# (2^-4 relative rounding) on Q, K, P and V, ~4-6e-2 on Gaussian data.
+TOL = {torch.bfloat16: 1.5e-2, torch.float16: 5e-3, torch.float8_e4m3fn: 9e-2}
+
+
+def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out = out.double()
+    ref = ref.double()
+    assert not torch.isnan(out).any(), "output has NaN (unwritten or broken)"
+    denom = ref.norm().item()
+    return (out - ref).norm().item() / max(denom, 1e-30)
+
+
+def randn(shape, dtype, device, gen_seed=None, scale=1.0):
+    g = torch.Generator().manual_seed(gen_seed) if gen_seed is not None else None
+    return (torch.randn(shape, generator=g) * scale).to(dtype).to(device)
+
+
+def qkv(b, sq, sk, hq, hkv, dqk, dv, dtype, device, k_outliers=False, seed=None):
+    """Fresh random q/k/v; with k_outliers, K gets a per-channel bias and two huge channels."""
+    q = randn((b, sq, hq, dqk), torch.float32, "cpu", seed)
+    k = randn((b, sk, hkv, dqk), torch.float32, "cpu", None if seed is None else seed + 1)
+    v = randn((b, sk, hkv, dv), torch.float32, "cpu", None if seed is None else seed + 2)
+    if k_outliers:
+        k = k + torch.randn(dqk) * 2.0
+        k[..., 3] += 40.0
+        k[..., 17] -= 25.0
+    return q.to(dtype).to(device), k.to(dtype).to(device), v.to(dtype).to(device)

@@ -1,0 +1,151 @@
+"""flash_attn_func / flash_attn_varlen_func / attention against the float64 reference.
+
+Runs the real Triton kernels: on the GPU when there is one, else under TRITON_INTERPRET=1
+(small shapes). Outputs are poisoned with NaN before each launch (conftest), inputs are fresh
+random draws, and every check compares against float64.
+"""
+
+import math
+
+import pytest
+import torch
+
+import leanfa
+from leanfa.reference import attention_ref
+
+from helpers import TOL, qkv, rel_l2
+
+BF16, FP16, FP8 = torch.bfloat16, torch.float16, torch.float8_e4m3fn
+
+SHAPES = [  # (B, Sq, Sk, Hq, Hkv, Dqk, Dv)
+    (1, 70, 70, 2, 2, 128, 128),
+    (2, 33, 90, 4, 2, 128, 128),   # Sq < Sk, GQA 2
+    (1, 90, 33, 4, 1, 128, 128),   # Sq > Sk (rows with no key when causal), MQA
+    (1, 1, 45, 2, 2, 64, 64),      # single query (decode-like)
+    (1, 40, 40, 2, 1, 192, 128),   # MLA head dims
+    (1, 37, 37, 1, 1, 256, 256),
+]
+
+
+def _check_lse(lse, ref_lse, tol):
+    assert not torch.isnan(lse).any()
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), "rows with no key must have LSE -inf"
+    if finite.any():
+        assert (lse.double() - ref_lse)[finite].abs().max().item() < tol
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [BF16, FP16])
+def test_half_precision(device, shape, causal, dtype):
+    b, sq, sk, hq, hkv, dqk, dv = shape
+    q, k, v = qkv(b, sq, sk, hq, hkv, dqk, dv, dtype, device)
+    out, lse = leanfa.flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    ref, ref_lse = attention_ref(q, k, v, causal=causal, return_lse=True)
+    assert out.shape == (b, sq, hq, dv) and out.dtype == dtype
+    assert lse.shape == (b, hq, sq) and lse.dtype == torch.float32
+    assert rel_l2(out, ref) < TOL[dtype]
+    _check_lse(lse, ref_lse, 1e-3)
+    if causal and sq > sk:  # the first sq - sk rows see nothing
+        assert torch.all(out[:, : sq - sk] == 0)
+
+
+@pytest.mark.parametrize("granularity", ["block", "head", "tensor"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_quantized(device, granularity, causal):
+    q, k, v = qkv(2, 150, 150, 4, 2, 128, 128, BF16, device)
+    quant = leanfa.quantize_fp8(q, k, v, granularity=granularity)
+    out, lse = leanfa.flash_attn_func(quant, causal=causal, return_lse=True)
+    ref, ref_lse = attention_ref(q, k, v, causal=causal, return_lse=True)
+    assert out.dtype == BF16
+    assert rel_l2(out, ref) < TOL[FP8]
+    _check_lse(lse, ref_lse, 0.25)  # LSE carries the FP8 rounding of the scores
+
+
+def test_fp8_raw_descales(device):
+    """Per-tensor and per-head (B, Hkv) descales on plain FP8 inputs, FA3 style."""
+    q, k, v = qkv(2, 64, 80, 4, 2, 128, 128, torch.float32, device)
+    b, hkv = 2, 2
+    qd = torch.tensor([0.02, 0.03, 0.025, 0.04], device=device).reshape(b, hkv)
+    kd = torch.tensor(0.05, device=device)
+    vd = torch.tensor([0.03, 0.02, 0.05, 0.01], device=device).reshape(b, hkv)
+    grp = lambda d: d.repeat_interleave(2, dim=1)[:, None, :, None]  # noqa: E731
+    q8 = (q / grp(qd)).to(FP8)
+    k8 = (k / kd).to(FP8)
+    v8 = (v / vd[:, None, :, None]).to(FP8)
+    out = leanfa.flash_attn_func(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, causal=True)
+    ref = attention_ref(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, causal=True)
+    assert rel_l2(out, ref) < 4e-2  # only P is rounded to e4m3 here
+    unscaled = attention_ref(q, k, v, causal=True)
+    assert rel_l2(out, unscaled) < TOL[FP8]
+
+
+def test_fp8_smoothing_helps_outlier_k(device):
+    q, k, v = qkv(1, 256, 256, 2, 2, 128, 128, BF16, device, k_outliers=True)
+    ref, ref_lse = attention_ref(q, k, v, causal=True, return_lse=True)
+    errs = {}
+    for smooth in (False, True):
+        out, lse = leanfa.attention(q, k, v, causal=True, precision="fp8", return_lse=True,
+                                    granularity="tensor", smooth_k=smooth)
+        errs[smooth] = rel_l2(out, ref)
+        # the LSE carries q's FP8 rounding times the outlier channel (40 * 3% / sqrt(128) ...)
+        _check_lse(lse, ref_lse, 1.0)
+    assert errs[True] < errs[False]
+    assert errs[True] < TOL[FP8]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen(device, precision, causal):
+    lens_q = [5, 0, 1, 70, 33]
+    lens_k = [9, 3, 1, 70, 20]  # includes Sq > Sk (rows with no key when causal) and an empty q
+    cu_q = torch.tensor([0] + list(torch.tensor(lens_q).cumsum(0)), dtype=torch.int32)
+    cu_k = torch.tensor([0] + list(torch.tensor(lens_k).cumsum(0)), dtype=torch.int32)
+    q = torch.randn(sum(lens_q), 4, 128).to(BF16).to(device)
+    k = torch.randn(sum(lens_k), 2, 128).to(BF16).to(device)
+    v = torch.randn(sum(lens_k), 2, 128).to(BF16).to(device)
+    cu_q, cu_k = cu_q.to(device), cu_k.to(device)
+    out, lse = leanfa.attention(q, k, v, causal=causal, precision=precision, return_lse=True,
+                                cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k))
+    ref, ref_lse = attention_ref(q, k, v, causal=causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, return_lse=True)
+    assert out.shape == (sum(lens_q), 4, 128) and lse.shape == (4, sum(lens_q))
+    assert rel_l2(out, ref) < TOL[FP8 if precision == "fp8" else BF16]
+    _check_lse(lse, ref_lse, 0.3 if precision == "fp8" else 1e-3)
+
+
+def test_noncontiguous_inputs(device):
+    """Sliced / transposed views are taken as they are (strides passed to the kernel)."""
+    base = torch.randn(1, 4, 64, 3 * 128).to(BF16).to(device)  # (B, H, S, 3D): heads-major storage
+    q, k, v = (base[..., i * 128:(i + 1) * 128].transpose(1, 2) for i in range(3))
+    assert not q.is_contiguous()
+    out = leanfa.flash_attn_func(q, k, v, causal=True)
+    ref = attention_ref(q, k, v, causal=True)
+    assert rel_l2(out, ref) < TOL[BF16]
+
+
+def test_softmax_scale_and_out_dtype(device):
+    q, k, v = qkv(1, 48, 48, 2, 2, 64, 64, BF16, device)
+    out = leanfa.flash_attn_func(q, k, v, softmax_scale=0.3, out_dtype=torch.float32)
+    assert out.dtype == torch.float32
+    assert rel_l2(out, attention_ref(q, k, v, softmax_scale=0.3)) < TOL[BF16]
+
+
+def test_huge_logits_no_overflow(device):
+    """Scores of +-1e4 (max-subtraction must keep exp2 finite)."""
+    q, k, v = qkv(1, 40, 40, 1, 1, 64, 64, torch.float32, device)
+    q = (q * 30).to(BF16)
+    k = (k * 30).to(BF16)
+    out = leanfa.flash_attn_func(q, k, v.to(BF16), causal=True)
+    ref = attention_ref(q, k, v.to(BF16), causal=True)
+    assert torch.isfinite(out).all()
+    assert rel_l2(out, ref) < TOL[BF16]
+
+
+def test_causal_first_row_sees_first_key(device):
+    """A hand-checkable case: with Sq == Sk, query 0 attends only key 0."""
+    q, k, v = qkv(1, 20, 20, 1, 1, 64, 64, BF16, device)
+    out = leanfa.flash_attn_func(q, k, v, causal=True)
+    assert torch.allclose(out[0, 0, 0].float(), v[0, 0, 0].float(), atol=1e-2)
+    assert math.isclose(1.0, 1.0)

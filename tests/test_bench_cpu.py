@@ -1,0 +1,446 @@
+"""CPU tests of the measurement system (leanfa/bench): CLI without a GPU, FLOP counting,
+sweeps, report writers, the ncu CSV parser, and the check-then-time loop end to end with a
+fake timer (leanfa's portable kernel runs in Triton's interpreter; see conftest.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from leanfa.bench import cli, errors, profile, report, shapes
+from leanfa.bench.impls import Impl, NotApplicable, Prepared, all_impls, select
+from leanfa.bench.inputs import Inputs, copies_for, input_bytes, make_inputs
+from leanfa.bench.runner import BenchConfig, add_ratios, run_bench
+from leanfa.bench.timing import Timing, quantile, summarize
+
+NO_GPU = not torch.cuda.is_available()
+
+# ------------------------------------------------------------------------------------- CLI
+
+
+@pytest.mark.skipif(not NO_GPU, reason="checks the no-GPU path")
+@pytest.mark.parametrize("command", ["bench", "accuracy", "profile"])
+def test_cli_without_gpu_exits_nonzero_with_one_line(command, capsys):
+    assert cli.main(command, []) != 0
+    err = capsys.readouterr().err.strip()
+    assert err == f"leanfa {command} needs a CUDA GPU; none found"
+
+
+def test_cli_help_unknown_and_bad_args(capsys):
+    assert cli.main("bench", ["--help"]) == 0
+    assert "--quick" in capsys.readouterr().out
+    assert cli.main("frobnicate", []) == 2
+    assert cli.main("bench", ["--no-such-flag"]) == 2
+    assert cli.main("bench", ["--dry-run", "--sweep", "nope"]) == 2
+    assert "unknown sweep" in capsys.readouterr().err
+
+
+def test_cli_dry_run_quick_lists_cases(capsys):
+    assert cli.main("bench", ["--dry-run", "--quick"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1].startswith("25 cases x ")
+    assert sum("/S16384/" in line for line in out) == 8  # 4 standard + 4 models
+    assert cli.main("bench", ["--dry-run", "--sweep", "standard", "--seqlens", "2k", "--causal", "true",
+                              "--impl", "cudnn-*"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1].startswith("2 cases x 3 implementations")
+
+
+def test_cli_list(capsys):
+    assert cli.main("bench", ["--list", "--precision", "fp8"]) == 0
+    out = capsys.readouterr().out
+    assert "cudnn-fp8" in out and "cudnn-bf16" not in out
+
+
+# ----------------------------------------------------------------------------- FLOPs/shapes
+
+
+def test_flops_conventions():
+    f = shapes.attention_flops
+    assert f(2, 16, 1024, 1024, 128, 128, False) == 2 * 2 * 16 * 1024 * 1024 * 256
+    assert f(2, 16, 1024, 1024, 128, 128, True) == 2 * 16 * 1024 * 1024 * 256
+    assert f(1, 16, 4096, 4096, 192, 128, False) == 2 * 16 * 4096 * 4096 * 320  # MLA
+    assert f(1, 8, 100, 300, 64, 64, True) == 2 * 8 * 100 * 300 * 128  # Sq != Sk: not halved
+    case = shapes.Case("varlen", "x", "gaussian", 3, 7, 4, 2, 128, 128, True, (7, 3, 5))
+    assert shapes.flops(case) == sum(2 * 4 * s * s * 256 / 2 for s in (7, 3, 5))
+    assert shapes.flops(case.__class__(**{**case.__dict__, "causal": False})) == sum(
+        2 * 4 * s * s * 256 for s in (7, 3, 5))
+
+
+def test_standard_sweep_shapes():
+    cases = shapes.standard_cases()
+    assert len(cases) == 2 * 2 * 7
+    for c in cases:
+        assert c.heads == c.kv_heads == 16 and c.batch * c.seqlen == max(16384, c.seqlen)
+        assert (c.head_dim, c.head_dim_v) in ((128, 128), (192, 128))
+    assert {c.seqlen for c in cases} == {512, 1024, 2048, 4096, 8192, 16384, 32768}
+    assert {c.causal for c in cases} == {True, False}
+
+
+def test_model_and_varlen_shapes():
+    cases = shapes.build_cases(["models", "varlen"])
+    models = [c for c in cases if c.sweep == "models"]
+    assert {(c.label, c.heads, c.kv_heads, c.head_dim, c.head_dim_v) for c in models} == {
+        ("llama3-8b", 32, 8, 128, 128), ("mistral-7b", 32, 8, 128, 128),
+        ("qwen2.5-7b", 28, 4, 128, 128), ("deepseek-v3-mla", 128, 128, 192, 128)}
+    assert all(c.causal for c in cases)
+    (var,) = [c for c in cases if c.varlen]
+    assert var.tokens == 16384 and len(set(var.seqlens)) == len(var.seqlens) > 4
+    quick = shapes.build_cases(quick=True)
+    assert {c.seqlen for c in quick if not c.varlen} == set(shapes.QUICK_SEQLENS)
+    assert len(shapes.build_cases(["standard"], causal="false", seqlens=[4096])) == 2
+    with pytest.raises(ValueError):
+        shapes.build_cases(["models"], models=["gpt-5"])
+
+
+def test_gaussian_inputs_and_rotation_sizes():
+    case = shapes.Case("standard", "mla", "gaussian", 2, 16, 4, 2, 192, 128, True)
+    x = make_inputs(case, device="cpu", seed=1)
+    assert x.q.shape == (2, 16, 4, 192) and x.v.shape == (2, 16, 2, 128)
+    assert x.q.dtype == torch.bfloat16 and x.q.abs().sum() > 0
+    assert x.nbytes() == input_bytes(case)
+    assert torch.equal(make_inputs(case, device="cpu", seed=1).k, x.k)
+    assert copies_for(192 << 20, l2_bytes=60 << 20) == 2
+    assert copies_for(1 << 20, l2_bytes=60 << 20) == 4
+    assert copies_for(1 << 34, l2_bytes=60 << 20) == 1
+
+
+# ------------------------------------------------------------------------- metrics, timing
+
+
+def test_error_metrics_and_head_subset():
+    ref = torch.ones(1, 2, 2, 4, dtype=torch.float64)
+    out = ref.clone()
+    out[0, 0, 0, 0] = 2.0
+    m = errors.error_metrics(out, ref)
+    assert m["max_abs"] == 1.0
+    assert m["rel_l2"] == pytest.approx(1.0 / 4.0)  # ||diff||=1, ||ref||=sqrt(16)
+    assert m["worst_row_rel"] == pytest.approx(0.5)  # row norm 2
+    assert errors.error_metrics(out * float("nan"), ref)["rel_l2"] == float("inf")
+    assert errors.head_subset(32, 8) == ([0, 31], [0, 7])
+    assert errors.head_subset(28, 4) == ([0, 27], [0, 3])
+    assert errors.head_subset(1, 1) == ([0], [0])
+
+
+def test_timing_summary():
+    t = summarize([3.0, 1.0, 2.0, 10.0, 4.0], copies=2)
+    assert t.median_ms == 3.0 and t.reps == 5 and t.copies == 2
+    assert quantile([0.0, 10.0], 0.2) == pytest.approx(2.0)
+
+
+def test_nvml_sampler_degrades_without_gpu():
+    from leanfa.bench.power import NvmlSampler
+
+    s = NvmlSampler()
+    with s:
+        pass
+    summary = s.summary()
+    if not s.available:
+        assert summary["sm_clock_mhz"] is None and summary["nvml_samples"] == 0
+
+
+def test_per_tensor_fp8_quantization():
+    from leanfa.bench.cudnn_graphs import FP8_MAX, quantize_per_tensor
+
+    x = torch.randn(2, 64, 4, 32).to(torch.bfloat16) * 3
+    x8, d = quantize_per_tensor(x)
+    assert x8.dtype == torch.float8_e4m3fn and d.shape == (1, 1, 1, 1)
+    assert x8.float().abs().max() == FP8_MAX
+    assert errors.error_metrics(x8.float() * d, x.float())["rel_l2"] < 0.05
+
+
+def test_gpu_slug():
+    from leanfa.bench.env import gpu_slug
+
+    assert gpu_slug("NVIDIA H200") == "h200"
+    assert gpu_slug("NVIDIA GeForce RTX 4090") == "geforce-rtx-4090"
+
+
+def test_registry_selection():
+    impls = all_impls()
+    names = [i.name for i in impls]
+    assert len(names) == len(set(names))
+    assert {"leanfa-hopper-fp8", "leanfa-portable-fp8-kernel", "cudnn-fp8", "cudnn-bf16",
+            "sdpa-flash-bf16"} <= set(names)
+    assert [i.name for i in select(impls, ["cudnn"], ["fp8"])] == ["cudnn-fp8", "cudnn-fp8-e2e"]
+    assert all(i.family == "leanfa" for i in select(impls, ["leanfa-*"]))
+    assert {i.name for i in impls if i.baseline} == {"cudnn-fp8", "cudnn-bf16"}
+
+
+# ------------------------------------------------------------------ the loop, end to end
+
+
+class _FakeSampler:
+    def start(self):
+        return self
+
+    def stop(self):
+        pass
+
+    def summary(self):
+        return {"sm_clock_mhz": 1700.0, "power_w": 600.0}
+
+
+def _fake_timer(ms_by_call):
+    def timer(fns, **kw):
+        for f in fns:
+            f()
+        return Timing(ms_by_call, ms_by_call, ms_by_call, 7, len(fns))
+    return timer
+
+
+def _math_sdpa(name, precision):
+    """A stand-in baseline: torch SDPA math on CPU (GQA by enable_gqa)."""
+    def prepare(case, x: Inputs):
+        if x.varlen:
+            raise NotApplicable("dense only")
+        q, k, v = (t.transpose(1, 2) for t in (x.q, x.k, x.v))
+        return Prepared(lambda: torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=case.causal, enable_gqa=True), lambda o: o.transpose(1, 2))
+    return Impl(name, "cudnn", precision, "kernel", "math SDPA stand-in", prepare, baseline=True)
+
+
+def _zeros(case, x):
+    return Prepared(lambda: torch.zeros(x.q.shape[:-1] + (case.head_dim_v,)))
+
+
+def _not_applicable(case, x):
+    raise NotApplicable("does not do this")
+
+
+def test_run_bench_end_to_end_on_cpu(tmp_path):
+    cases = [shapes.Case("standard", "d64", "gaussian", 1, 64, 4, 2, 64, 64, True),
+             shapes.Case("varlen", "d64", "gaussian", 3, 40, 4, 2, 64, 64, True, (40, 17, 7))]
+    impls = [i for i in all_impls() if i.name in ("leanfa-portable-bf16", "leanfa-portable-fp8")]
+    impls += [_math_sdpa("cudnn-bf16", "bf16"),
+              Impl("broken-bf16", "x", "bf16", "kernel", "all zeros", _zeros),
+              Impl("never-bf16", "x", "bf16", "kernel", "n/a", _not_applicable)]
+    cfg = BenchConfig(device="cpu", max_copies=2)
+    rows = run_bench(cases, impls, cfg, timer=_fake_timer(2.0), sampler_factory=_FakeSampler,
+                     progress=False, log=None)
+    gemm = {"bf16": {"tflops": 700.0}, "fp8": {"tflops": 1300.0}}
+    rows = add_ratios(rows, gemm)
+    by = {(r["sweep"], r["impl"]): r for r in rows}
+    assert len(rows) == len(cases) * len(impls)
+    for sweep in ("standard", "varlen"):
+        ok = by[(sweep, "leanfa-portable-bf16")]
+        assert ok["status"] == "ok", ok
+        assert ok["check_rel_l2"] < 2e-2 and ok["sm_clock_mhz"] == 1700.0
+        assert ok["tflops"] == pytest.approx(ok["flops"] / 2e-3 / 1e12)
+        if sweep == "standard":
+            assert ok["ratio_cudnn"] == pytest.approx(1.0)
+            assert by[(sweep, "cudnn-bf16")]["status"] == "ok"
+        else:
+            assert by[(sweep, "cudnn-bf16")]["status"] == "n/a" and "ratio_cudnn" not in ok
+        assert ok["pct_gemm"] == pytest.approx(100 * ok["tflops"] / 700.0)
+        fp8 = by[(sweep, "leanfa-portable-fp8")]
+        assert fp8["status"] == "ok" and "ratio_cudnn" not in fp8  # no cudnn-fp8 row here
+        assert by[(sweep, "broken-bf16")]["status"] == "FAILED"
+        assert "check" in by[(sweep, "broken-bf16")]["error"]
+        assert by[(sweep, "never-bf16")]["status"] == "n/a"
+    files = report.write_bench(str(tmp_path), {"env": {"gpu": "cpu"}, "config": cfg.to_dict(),
+                                               "gemm": gemm, "rows": rows}, stem="bench-test")
+    assert json.loads((tmp_path / "bench-test.json").read_text())["rows"][0]["impl"]
+    assert any(f.endswith("bench-test-standard.png") for f in files)
+
+
+# -------------------------------------------------------------------------------- reports
+
+
+def _synthetic_rows():
+    rows = []
+    for causal in (True, False):
+        for s in (1024, 4096, 16384):
+            case = shapes.Case("standard", "d128", "gaussian", 16384 // s, s, 16, 16, 128, 128, causal)
+            for impl, prec, tf in (("leanfa-hopper-fp8", "fp8", 900.0), ("cudnn-fp8", "fp8", 800.0),
+                                   ("leanfa-hopper-bf16", "bf16", 560.0), ("cudnn-bf16", "bf16", 550.0)):
+                rows.append({**case.to_dict(), "case": case.name, "impl": impl, "family": impl.split("-")[0],
+                             "precision": prec, "variant": "kernel", "status": "ok", "tflops": tf + s / 100,
+                             "time_ms": 1.0, "sm_clock_mhz": 1700.0, "power_w": 650.0,
+                             "check_rel_l2": 0.03})
+            rows.append({**case.to_dict(), "case": case.name, "impl": "fa3-bf16", "family": "fa3",
+                         "precision": "bf16", "variant": "kernel", "status": "n/a",
+                         "reason": "python module 'flash_attn_interface' not installed"})
+    vcase = shapes.varlen_cases()[0]
+    rows.append({**vcase.to_dict(), "case": vcase.name, "impl": "cudnn-bf16", "family": "cudnn",
+                 "precision": "bf16", "variant": "kernel", "status": "FAILED", "error": "boom | bad"})
+    rows.append({**vcase.to_dict(), "case": vcase.name, "impl": "leanfa-hopper-bf16", "family": "leanfa",
+                 "precision": "bf16", "variant": "kernel", "status": "ok", "tflops": 400.0,
+                 "time_ms": 2.0, "sm_clock_mhz": 1650.0, "power_w": 600.0})
+    return rows
+
+
+def test_bench_writers(tmp_path):
+    rows = add_ratios(_synthetic_rows(), {"fp8": {"tflops": 1200.0}, "bf16": {"tflops": 700.0},
+                                          })
+    payload = {"env": {"gpu": "NVIDIA H200", "torch": "2.11", "git_commit": "abc"},
+               "gemm": {"bf16": {"tflops": 700.0, "sm_clock_mhz": 1470.0, "power_w": 690.0},
+                        "fp8": {"error": "RuntimeError: no fp8"}}, "rows": rows,
+               "config": BenchConfig.quick().to_dict()}
+    files = report.write_bench(str(tmp_path), payload)
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert len(data["rows"]) == len(rows)
+    md = (tmp_path / "bench.md").read_text()
+    assert "## standard" in md and "## varlen" in md and "## Not applicable" in md
+    assert "| d128 | 1024 | B16 | 16/16 | 128/128 | causal |" in md
+    assert "910 (1.12x)" in md  # (900+10.24)/(800+10.24)
+    assert "boom \\| bad" in md  # pipes escaped
+    for sweep in ("standard", "varlen"):
+        png = tmp_path / f"bench-{sweep}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(files) == 4
+
+
+def test_accuracy_and_profile_writers(tmp_path):
+    rows = []
+    for p, base in (("gaussian", 0.054), ("llama3-8b", 0.15)):
+        rows += [{"profile": p, "shape": "B1 S2048", "impl": "cudnn-fp8", "precision": "fp8", "status": "ok",
+                  "rel_l2": base, "max_abs": 0.1, "worst_row_rel": 0.3, "ratio_cudnn_fp8": 1.0},
+                 {"profile": p, "shape": "B1 S2048", "impl": "leanfa-portable-fp8", "precision": "fp8",
+                  "status": "ok", "rel_l2": base / 3, "max_abs": 0.05, "worst_row_rel": 0.1,
+                  "ratio_cudnn_fp8": 1 / 3},
+                 {"profile": p, "shape": "B1 S2048", "impl": "fa3-fp8", "precision": "fp8", "status": "n/a",
+                  "reason": "not installed"}]
+    files = report.write_accuracy(str(tmp_path), {"env": {"gpu": "H200"}, "rows": rows})
+    assert json.loads((tmp_path / "accuracy.json").read_text())["rows"][1]["ratio_cudnn_fp8"] < 1
+    md = (tmp_path / "accuracy.md").read_text()
+    assert "| gaussian | 5.40e-02 | 1.80e-02 |" in md
+    assert (tmp_path / "accuracy.png").read_bytes()[:4] == b"\x89PNG" and len(files) == 3
+    kernels = profile.summarize_kernels(profile.parse_ncu_csv(WIDE_CSV))
+    files = report.write_profile(str(tmp_path), {"env": {}, "impl": "cudnn-fp8", "kernels": kernels,
+                                                 "dropped_metrics": ["sm__pipe_xu_cycles_active.avg"]},
+                                 stem="profile-x")
+    md = (tmp_path / "profile-x.md").read_text()
+    assert "attn_fwd" in md and "tensor_gmma_pct" in md and "sm__pipe_xu" in md
+
+
+# ------------------------------------------------------------------------------- ncu CSV
+
+WIDE_CSV = """==PROF== Connected to process 1234
+some program output
+"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","gpu__time_duration.sum","smsp__cycles_elapsed.avg.per_second","sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active","sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active","launch__registers_per_thread","launch__shared_mem_per_block_dynamic","launch__grid_size"
+"","","","","","","","msecond","Ghz","%","%","register/thread","Kbyte/block",""
+"0","1234","python","h","quantize_kernel(float*, int)","1","7","0.0105","1.755","0","12.5","32","0","1,024"
+"1","1234","python","h","attn_fwd<128, true>(Params)","1","7","1.234","1.7","71.25","40.1","168","200.704","132"
+==PROF== Disconnected from process 1234
+"""
+
+LONG_CSV = """"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"
+"0","1","python","h","sdpa_kernel","1","7","(384, 1, 1)","(132, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","usecond","2,345.5"
+"0","1","python","h","sdpa_kernel","1","7","(384, 1, 1)","(132, 1, 1)","0","9.0","Command line profiler metrics","sm__cycles_elapsed.avg.per_second","cycle/nsecond","1.65"
+"0","1","python","h","sdpa_kernel","1","7","(384, 1, 1)","(132, 1, 1)","0","9.0","Command line profiler metrics","sm__warps_active.avg.pct_of_peak_sustained_active","%","18.7"
+"""
+
+
+def test_ncu_wide_csv_with_units_row():
+    kernels = profile.parse_ncu_csv(WIDE_CSV)
+    assert [k["id"] for k in kernels] == [0, 1]
+    assert kernels[1]["metrics"]["gpu__time_duration.sum"] == (1.234, "msecond")
+    s = profile.summarize_kernels(kernels)
+    attn = s[1]["metrics"]
+    assert s[1]["short_name"] == "attn_fwd<128, true>"
+    assert attn["duration_us"] == pytest.approx(1234.0)
+    assert attn["sm_clock_mhz"] == pytest.approx(1700.0)
+    assert attn["tensor_gmma_pct"] == 71.25 and attn["xu_pct"] == 40.1
+    assert attn["registers"] == 168 and attn["smem_dynamic_bytes"] == pytest.approx(200704)
+    assert s[0]["metrics"]["grid_size"] == 1024  # thousands separator
+    assert len(profile.summarize_kernels(kernels, skip_regex="quant")) == 1
+
+
+def test_ncu_long_csv():
+    (k,) = profile.summarize_kernels(profile.parse_ncu_csv(LONG_CSV))
+    assert k["metrics"]["duration_us"] == pytest.approx(2345.5)
+    assert k["metrics"]["sm_clock_mhz"] == pytest.approx(1650.0)  # second candidate
+    assert k["metrics"]["occupancy_pct"] == 18.7
+
+
+def test_ncu_metric_filtering_and_command():
+    names = profile.candidate_metrics()
+    keep, drop = profile.accepted(names, {"gpu__time_duration", "sm__inst_executed_pipe_xu"})
+    assert "launch__registers_per_thread" in keep and "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active" in keep
+    assert "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active" in drop
+    assert profile.accepted(names, set()) == (names, [])
+    msg = "==ERROR== Failed to find metric sm__pipe_xu_cycles_active.avg.pct_of_peak_sustained_active"
+    assert profile.rejected_metrics(msg) == ["sm__pipe_xu_cycles_active.avg.pct_of_peak_sustained_active"]
+    cmd = profile.ncu_command("ncu", ["--impl", "x"], "/tmp/r", ["a.sum", "b.avg"], kernel_regex="attn",
+                              launch_skip=2, launch_count=1, python="python")
+    assert cmd[:3] == ["ncu", "--clock-control", "none"] and "--profile-from-start" in cmd
+    assert "a.sum,b.avg" in cmd and "regex:attn" in cmd
+    assert cmd[-4:] == ["-m", "leanfa.bench.profile_child", "--impl", "x"]
+
+
+def test_profile_child_args_round_trip():
+    from leanfa.bench.profile_child import child_args, parse
+
+    case = shapes.Case("profile", "llama3-8b", "llama3-8b", 2, 8192, 32, 8, 128, 128, False)
+    a = parse(child_args(case, "cudnn-fp8", warmup=2, seed=5))
+    assert (a.impl, a.preset, a.batch, a.seqlen, a.heads, a.kv_heads, a.head_dim, a.head_dim_v) == (
+        "cudnn-fp8", "llama3-8b", 2, 8192, 32, 8, 128, 128)
+    assert a.no_causal and a.warmup == 2 and a.seed == 5
+
+
+FAKE_NCU = '''#!{python}
+import sys
+args = sys.argv[1:]
+if "--query-metrics" in args:
+    print('"Metric Name","Metric Description","Metric Unit"')
+    for n in {bases!r}:
+        print('"%s","d",""' % n)
+    sys.exit(0)
+if "--import" in args:
+    sys.stdout.write(open({csv!r}).read())
+    sys.exit(0)
+metrics = args[args.index("--metrics") + 1].split(",")
+bad = [m for m in metrics if m.startswith("sm__pipe_xu")]
+if bad:
+    print("==ERROR== Failed to find metric " + bad[0])
+    sys.exit(1)
+open(args[args.index("-o") + 1] + ".ncu-rep", "w").write("rep")
+print("==PROF== Disconnected")
+'''
+
+
+def test_profile_orchestration_with_fake_ncu(tmp_path, monkeypatch):
+    import sys
+
+    csv_path = tmp_path / "export.csv"
+    csv_path.write_text(WIDE_CSV)
+    bases = ["gpu__time_duration", "smsp__cycles_elapsed", "sm__pipe_tensor_op_gmma_cycles_active",
+             "sm__pipe_xu_cycles_active", "sm__warps_active"]
+    ncu = tmp_path / "ncu"
+    ncu.write_text(FAKE_NCU.format(python=sys.executable, bases=bases, csv=str(csv_path)))
+    ncu.chmod(0o755)
+    monkeypatch.setattr(profile, "find_ncu", lambda: str(ncu))
+    payload, files = profile.profile(["--impl", "x"], out_dir=str(tmp_path / "out"), stem="prof",
+                                     env={"gpu": "fake"}, case_name="c", impl="x", skip_regex="quant",
+                                     log=None)
+    assert "sm__pipe_xu_cycles_active.avg.pct_of_peak_sustained_active" in payload["dropped_metrics"]
+    assert "sm__inst_issued.avg.pct_of_peak_sustained_active" in payload["dropped_metrics"]  # not queried
+    assert payload["metric_names"]["xu_pct"] is None and payload["metric_names"]["duration_us"]
+    (k,) = payload["kernels"]
+    assert k["metrics"]["tensor_gmma_pct"] == 71.25
+    assert (tmp_path / "out" / "prof.md").exists() and len(files) == 2
+
+
+def test_sdpa_impl_and_accuracy_rows_on_cpu():
+    from leanfa.bench import impls as impls_mod
+    from leanfa.bench.accuracy import accuracy_rows
+
+    case = shapes.Case("accuracy", "llama3-8b", "llama3-8b", 1, 48, 4, 2, 128, 128, True)
+    x = make_inputs(case, device="cpu", seed=3)  # model-like activations from leanfa.activations
+    assert x.q.shape == (1, 48, 4, 128) and x.k.shape == (1, 48, 2, 128)
+    math_sdpa = Impl("cudnn-bf16", "cudnn", "bf16", "kernel", "SDPA math (CPU stand-in)",
+                     impls_mod._sdpa("MATH"), baseline=True)
+    fp8_fake = Impl("cudnn-fp8", "cudnn", "fp8", "kernel", "bf16 output posing as FP8",
+                    impls_mod._sdpa("MATH"))
+    leanfa_fp8 = next(i for i in all_impls() if i.name == "leanfa-portable-fp8")
+    rows = accuracy_rows(case, x, [math_sdpa, fp8_fake, leanfa_fp8,
+                                   Impl("never", "x", "bf16", "kernel", "", _not_applicable)])
+    by = {r["impl"]: r for r in rows}
+    assert by["cudnn-bf16"]["status"] == "ok" and by["cudnn-bf16"]["rel_l2"] < 1e-2
+    assert by["leanfa-portable-fp8"]["status"] == "ok" and by["leanfa-portable-fp8"]["rel_l2"] < 0.1
+    assert by["leanfa-portable-fp8"]["ratio_cudnn_fp8"] == pytest.approx(
+        by["leanfa-portable-fp8"]["rel_l2"] / by["cudnn-fp8"]["rel_l2"])
+    assert by["never"]["status"] == "n/a"

@@ -1,0 +1,92 @@
+"""quantize_fp8: scales, K smoothing, V transposed layout, saturation, varlen."""
+
+import pytest
+import torch
+
+import leanfa
+from leanfa.quant import E4M3_MAX, FP8_DTYPE, _quantize_launch, _Seqs
+from leanfa.scales import SCALE_BLOCK
+
+
+def _dequant_qk(x8, descale, seqlen):
+    if descale.dim() == 3:
+        idx = torch.arange(seqlen, device=x8.device) // SCALE_BLOCK
+        per_tok = descale[:, :, idx].permute(0, 2, 1)  # (B, S, H)
+        return x8.float() * per_tok[..., None]
+    if descale.dim() == 2:
+        return x8.float() * descale[:, None, :, None]
+    return x8.float() * descale
+
+
+@pytest.mark.parametrize("granularity", ["block", "head", "tensor"])
+def test_roundtrip_and_shapes(device, granularity):
+    b, s, hq, hkv, d = 2, 300, 4, 2, 128
+    q = torch.randn(b, s, hq, d).to(torch.bfloat16).to(device)
+    k = (torch.randn(b, s, hkv, d) + 3.0).to(torch.bfloat16).to(device)
+    v = torch.randn(b, s, hkv, d).to(torch.bfloat16).to(device)
+    qt = leanfa.quantize_fp8(q, k, v, granularity=granularity, smooth_k=True)
+    assert qt.q.dtype == qt.k.dtype == qt.v.dtype == FP8_DTYPE
+    assert qt.q.shape == q.shape and qt.k.shape == k.shape and qt.v.shape == v.shape
+    assert qt.v.stride(1) == 1, "V must be stored transposed (token axis contiguous)"
+    nblk = -(-s // SCALE_BLOCK)
+    expect = {"block": (b, hq, nblk), "head": (b, hq), "tensor": ()}[granularity]
+    assert tuple(qt.q_descale.shape) == expect
+    assert torch.allclose(qt.k_mean, k.float().mean(dim=1), atol=1e-3)
+    for x8, desc, ref in ((qt.q, qt.q_descale, q.float()), (qt.k, qt.k_descale, k.float() - qt.k_mean[:, None])):
+        back = _dequant_qk(x8, desc, s)
+        rel = (back - ref).norm() / ref.norm()
+        assert rel < 0.05, rel  # e4m3 rounding: ~2.7% rms
+        assert x8.float().abs().max() <= E4M3_MAX
+    vd = qt.v_descale if qt.v_descale.dim() == 0 else qt.v_descale[:, None]
+    back_v = qt.v.float() * vd
+    assert (back_v - v.float()).norm() / v.float().norm() < 0.05
+
+
+def test_block_scales_are_block_amax(device):
+    x = torch.randn(1, 256, 1, 64)
+    x[0, 130, 0, 5] = 1000.0  # only the second block sees the outlier
+    x = x.to(device)
+    qt = leanfa.quantize_fp8(x, x, x, granularity="block", smooth_k=False)
+    d = qt.q_descale[0, 0].cpu()
+    assert torch.allclose(d[1], torch.tensor(1000.0 / E4M3_MAX))
+    assert d[0] < 5.0 / E4M3_MAX * 1.5
+
+
+def test_saturating_conversion(device):
+    """Values beyond +-448 after scaling clamp to +-448; nothing becomes NaN."""
+    x = torch.tensor([1000.0, -1000.0, 448.0, 500.0, 3.0, -0.001, 0.0, 1e6] * 16).reshape(1, 128, 1, 1)
+    x = x.expand(1, 128, 1, 64).contiguous().to(device)
+    y = torch.empty(x.shape, dtype=FP8_DTYPE, device=device)
+    seqs = _Seqs(x, None, None)
+    ones = torch.ones(1, 1, 1, device=device)
+    _quantize_launch(x, y, seqs, scale=ones)
+    yf = y.float().cpu()
+    assert not torch.isnan(yf).any()
+    assert yf[0, 0, 0, 0] == 448.0 and yf[0, 1, 0, 0] == -448.0 and yf[0, 7, 0, 0] == 448.0
+    assert yf[0, 4, 0, 0] == 3.0
+
+
+def test_zero_input_gives_unit_scale(device):
+    z = torch.zeros(1, 16, 1, 64, device=device)
+    qt = leanfa.quantize_fp8(z, z, z)
+    assert torch.all(qt.q_descale == 1.0) and torch.all(qt.v_descale == 1.0)
+    assert torch.all(qt.q.float() == 0)
+
+
+def test_varlen_means_are_per_sequence(device):
+    lens = [3, 130, 0, 7]
+    cu = torch.tensor([0, 3, 133, 133, 140], dtype=torch.int32, device=device)
+    k = torch.randn(sum(lens), 2, 64)
+    k[3:133] += 5.0
+    k = k.to(device)
+    qt = leanfa.quantize_fp8(k, k, k, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=130, max_seqlen_k=130)
+    assert qt.q_descale.shape == (4, 2, 2)
+    assert torch.allclose(qt.k_mean[1].cpu(), k[3:133].mean(0).cpu(), atol=1e-4)
+    assert torch.allclose(qt.k_mean[0].cpu(), k[0:3].mean(0).cpu(), atol=1e-4)
+    assert qt.v.shape == k.shape and qt.v.stride(0) == 1
+
+
+def test_bad_granularity():
+    x = torch.randn(1, 4, 1, 64)
+    with pytest.raises(ValueError, match="granularity"):
+        leanfa.quantize_fp8(x, x, x, granularity="row")
