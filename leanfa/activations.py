@@ -448,6 +448,13 @@ def _rope_theta(config) -> float | None:
     return theta if theta is not None else getattr(config, "rope_theta", None)
 
 
+def _set_attn_implementation(model, name: str) -> None:
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(name)
+    else:  # older transformers: the config attribute is read at every forward
+        model.config._attn_implementation = name
+
+
 def capture(
     model, input_ids: torch.Tensor, layers, path, *, max_tokens: int | None = None
 ) -> dict[str, torch.Tensor]:
@@ -469,7 +476,6 @@ def capture(
     from safetensors.torch import save_file
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     ids = input_ids if input_ids.dim() == 2 else input_ids[None]
     if max_tokens is not None:
@@ -490,14 +496,19 @@ def capture(
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
     AttentionInterface.register(CAPTURE_IMPL, record_and_attend)
-    AttentionMaskInterface.register(CAPTURE_IMPL, sdpa_mask)  # the mask SDPA expects
+    try:  # transformers >= 4.53 builds masks per implementation: ask for SDPA's
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+        AttentionMaskInterface.register(CAPTURE_IMPL, sdpa_mask)
+    except ImportError:
+        pass
     previous = model.config._attn_implementation
     try:
-        model.set_attn_implementation(CAPTURE_IMPL)
+        _set_attn_implementation(model, CAPTURE_IMPL)
         with torch.no_grad():
             model(input_ids=ids.to(model.device), use_cache=False)
     finally:
-        model.set_attn_implementation(previous)
+        _set_attn_implementation(model, previous)
     missing = [i for i in wanted if i not in records]
     if missing:
         raise RuntimeError(f"layers {missing} were not reached by the attention function")

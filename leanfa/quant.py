@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kernels.fp8 import E4M3_MAX, to_e4m3
+from .kernels.fp8 import E4M3_MAX, E4M3_MAX_C, to_e4m3
 from .scales import SCALE_BLOCK, num_scale_blocks
 
 GRANULARITIES = ("block", "head", "tensor")
@@ -139,7 +139,7 @@ def _quantize_blocks(
         scale_ptr = SCALE + b * stride_sb + h * stride_sh + blk * stride_sn
         if COMPUTE_SCALE:
             amax = tl.max(tl.max(tl.abs(x), 1), 0)
-            descale = tl.where(amax > 0.0, amax / E4M3_MAX, 1.0)
+            descale = tl.where(amax > 0.0, amax / E4M3_MAX_C, 1.0)
             tl.store(scale_ptr, descale)
         else:
             descale = tl.load(scale_ptr)

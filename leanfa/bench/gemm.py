@@ -34,8 +34,9 @@ def gemm_rates(*, n: int = GEMM_N, device="cuda", warmup_ms: float = 200.0, rep_
     flop = 2.0 * n ** 3
     out: dict = {}
 
-    def measure(name, fn):
+    def measure(name, make):
         try:
+            fn = make()
             sampler = NvmlSampler(device_index)
             t = time_calls([fn], warmup_ms=warmup_ms, rep_ms=rep_ms, min_reps=10, sampler=sampler)
             out[name] = {"tflops": flop / (t.median_ms * 1e-3) / 1e12, **t.to_dict(),
@@ -43,15 +44,19 @@ def gemm_rates(*, n: int = GEMM_N, device="cuda", warmup_ms: float = 200.0, rep_
         except Exception as e:  # e.g. no FP8 GEMM on this GPU
             out[name] = {"error": f"{type(e).__name__}: {e}", "n": n}
 
-    a, b = _operands(torch.bfloat16, n, device, seed)
-    measure("bf16", lambda: torch.matmul(a, b))
-    del a, b
+    def bf16_gemm():
+        a, b = _operands(torch.bfloat16, n, device, seed)
+        return lambda: torch.matmul(a, b)
 
-    a8, b8 = _operands(torch.float8_e4m3fn, n, device, seed)
-    b8t = b8.t()  # (N, K) row-major seen as (K, N) column-major
-    one = torch.ones((), dtype=torch.float32, device=device)
-    measure("fp8", lambda: torch._scaled_mm(a8, b8t, scale_a=one, scale_b=one, out_dtype=torch.bfloat16,
-                                            use_fast_accum=True))
+    def fp8_gemm():
+        a8, b8 = _operands(torch.float8_e4m3fn, n, device, seed)
+        b8t = b8.t()  # (N, K) row-major seen as (K, N) column-major, as cuBLASLt wants
+        one = torch.ones((), dtype=torch.float32, device=device)
+        return lambda: torch._scaled_mm(a8, b8t, scale_a=one, scale_b=one, out_dtype=torch.bfloat16,
+                                        use_fast_accum=True)
+
+    measure("bf16", bf16_gemm)
+    measure("fp8", fp8_gemm)
     if "fp8" in out:
         out["fp8"]["use_fast_accum"] = True
     return out

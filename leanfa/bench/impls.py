@@ -155,45 +155,58 @@ def _no_kernel(e: Exception) -> bool:
 
 
 def _sdpa(backend_name: str):
-    """torch SDPA forced to one backend; GQA via enable_gqa, else K/V heads repeated."""
+    """torch SDPA forced to one backend; GQA via enable_gqa, else K/V heads repeated.
+    For cuDNN, a shape SDPA has no kernel for (and varlen) goes to the cuDNN frontend."""
     def prepare(case: Case, x: Inputs) -> Prepared:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-        import torch.nn.functional as F
+        try:
+            return _sdpa_prepare(backend_name, case, x)
+        except NotApplicable as e:
+            if backend_name != "CUDNN_ATTENTION" or x.varlen or not cudnn_graphs.available()[0]:
+                raise
+            p = _cudnn_graph_prepare(case, x, fp8=False, e2e=False)
+            p.note = f"cuDNN frontend graph ({e})"[:300]
+            return p
+    return prepare
 
-        if x.varlen:
-            if backend_name == "CUDNN_ATTENTION":
-                return _cudnn_graph_prepare(case, x, fp8=False, e2e=False)
-            return _varlen_flash(case, x)
-        backend = getattr(SDPBackend, backend_name)
-        q, k, v = (t.transpose(1, 2) for t in (x.q, x.k, x.v))  # (B, H, S, D) views
 
-        def make(kk, vv, gqa):
-            def run():
-                with sdpa_kernel(backend):
-                    return F.scaled_dot_product_attention(q, kk, vv, is_causal=case.causal,
-                                                          enable_gqa=gqa)
-            return run
+def _sdpa_prepare(backend_name: str, case: Case, x: Inputs) -> Prepared:
+    """SDPA on (B, H, S, D) views of the inputs; a trial call picks enable_gqa or repeated heads."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
 
-        gqa = case.heads != case.kv_heads
-        run, note = make(k, v, gqa), ""
+    if x.varlen:
+        if backend_name == "CUDNN_ATTENTION":
+            return _cudnn_graph_prepare(case, x, fp8=False, e2e=False)
+        return _varlen_flash(case, x)
+    backend = getattr(SDPBackend, backend_name)
+    q, k, v = (t.transpose(1, 2) for t in (x.q, x.k, x.v))  # (B, H, S, D) views
+
+    def make(kk, vv, gqa):
+        def run():
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, kk, vv, is_causal=case.causal,
+                                                      enable_gqa=gqa)
+        return run
+
+    gqa = case.heads != case.kv_heads
+    run, note = make(k, v, gqa), ""
+    try:
+        run()
+    except RuntimeError as e:
+        if not gqa:
+            if _no_kernel(e):
+                raise NotApplicable(f"SDPA {backend_name}: {str(e).splitlines()[0]}") from e
+            raise
+        group = case.heads // case.kv_heads
+        k2, v2 = (t.repeat_interleave(group, dim=1) for t in (k, v))
+        run, note = make(k2, v2, False), "K/V heads repeated for GQA"
         try:
             run()
-        except RuntimeError as e:
-            if not gqa:
-                if _no_kernel(e):
-                    raise NotApplicable(f"SDPA {backend_name}: {str(e).splitlines()[0]}") from e
-                raise
-            group = case.heads // case.kv_heads
-            k2, v2 = (t.repeat_interleave(group, dim=1) for t in (k, v))
-            run, note = make(k2, v2, False), "K/V heads repeated for GQA"
-            try:
-                run()
-            except RuntimeError as e2:
-                if _no_kernel(e2):
-                    raise NotApplicable(f"SDPA {backend_name}: {str(e2).splitlines()[0]}") from e2
-                raise
-        return Prepared(run, lambda o: o.transpose(1, 2), note)
-    return prepare
+        except RuntimeError as e2:
+            if _no_kernel(e2):
+                raise NotApplicable(f"SDPA {backend_name}: {str(e2).splitlines()[0]}") from e2
+            raise
+    return Prepared(run, lambda o: o.transpose(1, 2), note)
 
 
 def _varlen_flash(case: Case, x: Inputs) -> Prepared:

@@ -89,6 +89,19 @@ def device_info(device_index: int = 0) -> dict:
     return info
 
 
+def _field_value(nv, v) -> float:
+    """The number in an nvmlFieldValue_t, whatever its value type."""
+    member = {
+        getattr(nv, "NVML_VALUE_TYPE_DOUBLE", 0): "dVal",
+        getattr(nv, "NVML_VALUE_TYPE_UNSIGNED_INT", 1): "uiVal",
+        getattr(nv, "NVML_VALUE_TYPE_UNSIGNED_LONG", 2): "ulVal",
+        getattr(nv, "NVML_VALUE_TYPE_UNSIGNED_LONG_LONG", 3): "ullVal",
+        getattr(nv, "NVML_VALUE_TYPE_SIGNED_LONG_LONG", 4): "sllVal",
+        getattr(nv, "NVML_VALUE_TYPE_SIGNED_INT", 5): "siVal",
+    }.get(int(v.valueType), "uiVal")
+    return float(getattr(v.value, member))
+
+
 class NvmlSampler:
     """Samples SM clock (MHz), power (W) and throttle reasons every ``period_s``."""
 
@@ -122,7 +135,7 @@ class NvmlSampler:
         if self._instant:
             v = nv.nvmlDeviceGetFieldValues(h, [nv.NVML_FI_DEV_POWER_INSTANT])[0]
             if v.nvmlReturn == 0:
-                return v.value.uiVal / 1000.0
+                return _field_value(nv, v) / 1000.0  # mW
         return nv.nvmlDeviceGetPowerUsage(h) / 1000.0
 
     def _sample_once(self) -> None:
@@ -166,7 +179,9 @@ class NvmlSampler:
 
     def summary(self) -> dict:
         """Median SM clock and power over the samples (None where nothing was sampled)."""
-        return summarize(self.clocks, self.powers, self.reasons)
+        out = summarize(self.clocks, self.powers, self.reasons)
+        out["power_source"] = "nvml-instant" if self._instant else "nvml-average"
+        return out
 
 
 def summarize(clocks, powers, reasons: int = 0) -> dict:

@@ -108,7 +108,9 @@ def bench_markdown(payload: dict) -> str:
              g.get("error", "")] for k, g in gemm.items()]))
         out.append("")
     out += ["Cells: TFLOP/s (ratio to cuDNN of the same precision: FP8 rows vs cudnn-fp8, BF16 rows "
-            "vs cudnn-bf16). FLOPs: 2·B·Hq·Sq·Sk·(Dqk+Dv), halved when causal.", ""]
+            "vs cudnn-bf16). FLOPs: 2·B·Hq·Sq·Sk·(Dqk+Dv), halved when causal. Rows without "
+            "'-kernel' in an FP8 name time BF16 in/out with the quantization included (leanfa-*-fp8, "
+            "cudnn-fp8-e2e), and are still divided by cudnn-fp8, the kernel alone.", ""]
     for sweep in _uniq(r["sweep"] for r in rows):
         srows = [r for r in rows if r["sweep"] == sweep]
         impls = [i for i in _uniq(r["impl"] for r in srows)

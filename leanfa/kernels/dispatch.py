@@ -1,8 +1,9 @@
 """Pick the kernel backend for a validated :class:`leanfa.api.Problem` and run it.
 
-Order: the Hopper kernel where it applies (sm90, supported shape, tested Triton), else the
-portable kernel. ``backend="hopper"`` demands the Hopper kernel and raises where it does not
-apply; ``backend="portable"`` forces the portable kernel.
+Order: the Hopper kernel where it applies (sm90, supported shape, tested Triton) *and* it has
+passed its GPU validation (``hopper.VALIDATED``), else the portable kernel.
+``backend="hopper"`` demands the Hopper kernel (also before validation, for development) and
+raises where it does not apply; ``backend="portable"`` forces the portable kernel.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def hopper_applies(problem) -> tuple[bool, str]:
 
 
 def run(problem, backend: str):
-    if backend in ("auto", "hopper"):
+    if backend == "hopper" or (backend == "auto" and getattr(_hopper(), "VALIDATED", False)):
         ok, why = hopper_applies(problem)
         if ok:
             return _hopper().run(problem)

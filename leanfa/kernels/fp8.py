@@ -3,8 +3,10 @@
 import triton
 import triton.language as tl
 
-#: largest finite float8_e4m3fn value
+#: largest finite float8_e4m3fn value (host code)
 E4M3_MAX = 448.0
+#: the same, readable from jit code (kernels may only read constexpr globals)
+E4M3_MAX_C = tl.constexpr(448.0)
 
 
 @triton.jit
@@ -17,13 +19,13 @@ def to_e4m3(x, SATURATE: tl.constexpr, EXACT_ROUND: tl.constexpr):
     conversion of an exactly representable value is then exact.
     """
     if SATURATE:
-        x = tl.clamp(x, -E4M3_MAX, E4M3_MAX)
+        x = tl.clamp(x, -E4M3_MAX_C, E4M3_MAX_C)
     if EXACT_ROUND:
         ax = tl.abs(x)
         # e4m3: 3 mantissa bits, smallest normal exponent -6 (subnormal quantum 2^-9)
         e = tl.maximum(tl.floor(tl.log2(ax)), -6.0)
         quantum = tl.exp2(e - 3.0)
         r = tl.floor(ax / quantum + 0.5) * quantum
-        r = tl.minimum(r, E4M3_MAX)
+        r = tl.minimum(r, E4M3_MAX_C)
         x = tl.where(x < 0, -r, r)
     return x.to(tl.float8e4nv)

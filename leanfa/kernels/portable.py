@@ -28,8 +28,7 @@ from ..scales import SCALE_BLOCK
 from .fp8 import to_e4m3
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
-NEG_INF = float("-inf")
+NEG_INF = tl.constexpr(float("-inf"))  # a constexpr: jit code may read it
 
 
 @triton.jit
