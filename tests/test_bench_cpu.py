@@ -443,3 +443,49 @@ def test_sdpa_impl_and_accuracy_rows_on_cpu():
     assert by["leanfa-portable-fp8"]["ratio_cudnn_fp8"] == pytest.approx(
         by["leanfa-portable-fp8"]["rel_l2"] / by["cudnn-fp8"]["rel_l2"])
     assert by["never"]["status"] == "n/a"
+
+
+# ------------------------------------------------------- GPU smoke tests (skipped on CPU)
+
+
+@pytest.mark.gpu
+def test_gpu_bench_smoke(tmp_path):
+    """The whole pipeline on one small case: every available implementation checks and times."""
+    rc = cli.main("bench", ["--sweep", "standard", "--seqlens", "1024", "--causal", "true", "--quick",
+                            "--rep-ms", "20", "--warmup-ms", "10", "--no-progress", "--out", str(tmp_path),
+                            "--name", "smoke", "--impl", "leanfa-portable-*,cudnn-*,sdpa-flash-bf16"])
+    assert rc == 0
+    rows = json.loads((tmp_path / "smoke.json").read_text())["rows"]
+    by = {(r["label"], r["impl"]): r for r in rows}
+    for label in ("d128", "mla"):
+        assert by[(label, "leanfa-portable-bf16")]["status"] == "ok", by[(label, "leanfa-portable-bf16")]
+        assert by[(label, "cudnn-bf16")]["status"] == "ok", by[(label, "cudnn-bf16")]
+        assert by[(label, "leanfa-portable-bf16")]["sm_clock_mhz"]
+    failed = [(r["case"], r["impl"], r.get("error")) for r in rows if r["status"] == "FAILED"]
+    assert not failed, failed
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("varlen", [False, True])
+def test_gpu_cudnn_fp8_matches_reference(varlen):
+    """cuDNN FP8 through the frontend graph: per-tensor scales, FP8 output dequantized."""
+    from leanfa.bench import cudnn_graphs
+
+    if not cudnn_graphs.available()[0]:
+        pytest.skip(cudnn_graphs.available()[1])
+    if varlen:
+        case = shapes.Case("varlen", "llama3-8b", "llama3-8b", 3, 1000, 8, 2, 128, 128, True, (1000, 300, 77))
+    else:
+        case = shapes.Case("models", "llama3-8b", "llama3-8b", 2, 1024, 8, 2, 128, 128, True)
+    x = make_inputs(case, device="cuda")
+    ref, q_heads, batch0 = errors.reference_subset(x, case.causal)
+    for impl in select(all_impls(), ["cudnn-*"]):
+        try:
+            p = impl.prepare(case, x)
+        except NotApplicable as e:
+            if varlen:
+                continue  # ragged FP8 may be unsupported; the bench reports it n/a
+            raise AssertionError(f"{impl.name}: {e}")
+        out = p.output(p.run())
+        err = errors.error_metrics(errors.subset_of(out, q_heads, batch0), ref)["rel_l2"]
+        assert err < (0.2 if impl.precision == "fp8" else 1e-2), (impl.name, err)

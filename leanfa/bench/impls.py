@@ -273,8 +273,12 @@ def _cudnn_graph_prepare(case: Case, x: Inputs, *, fp8: bool, e2e: bool) -> Prep
                  scale_o=scale_o, amax_s=amax_s, amax_o=amax_o)
     pack = graph.variant_pack(named)
     graph.execute(pack)  # calibration: amax(O) before scale_o, as delayed scaling would have it
-    scale_o.copy_(cg.FP8_MAX / amax_o.clamp_min(1e-12))
-    note = "per-tensor scales, FP8 output; scale_o from a calibration call"
+    amax = float(amax_o.reshape(()))
+    note = "per-tensor scales, FP8 output; scale_o from a calibration call's amax_o"
+    if not (amax > 0 and amax < float("inf")):  # no usable amax: |O| <= max|V| always holds
+        amax = float(x.v.abs().amax())
+        note = "per-tensor scales, FP8 output; amax_o unusable, scale_o from amax(V)"
+    scale_o.fill_(cg.FP8_MAX / max(amax, 1e-12))
 
     if not e2e:
         def run_kernel():

@@ -108,9 +108,10 @@ def bench_markdown(payload: dict) -> str:
              g.get("error", "")] for k, g in gemm.items()]))
         out.append("")
     out += ["Cells: TFLOP/s (ratio to cuDNN of the same precision: FP8 rows vs cudnn-fp8, BF16 rows "
-            "vs cudnn-bf16). FLOPs: 2·B·Hq·Sq·Sk·(Dqk+Dv), halved when causal. Rows without "
-            "'-kernel' in an FP8 name time BF16 in/out with the quantization included (leanfa-*-fp8, "
-            "cudnn-fp8-e2e), and are still divided by cudnn-fp8, the kernel alone.", ""]
+            "vs cudnn-bf16). FLOPs: 2·B·Hq·Sq·Sk·(Dqk+Dv), halved when causal. "
+            "leanfa-*-fp8 and cudnn-fp8-e2e take BF16 in and give BF16 out, quantization timed; "
+            "leanfa-*-fp8-kernel and cudnn-fp8 time the kernel alone on pre-quantized inputs. Every "
+            "FP8 row is divided by cudnn-fp8.", ""]
     for sweep in _uniq(r["sweep"] for r in rows):
         srows = [r for r in rows if r["sweep"] == sweep]
         impls = [i for i in _uniq(r["impl"] for r in srows)
@@ -315,10 +316,14 @@ def profile_markdown(payload: dict) -> str:
     labels = _uniq(k for kern in kernels for k in kern.get("metrics", {}))
     out.append(md_table(["kernel"] + labels, [
         [kern.get("short_name", kern.get("name", "?"))] +
-        [_fmt(kern["metrics"].get(lbl), ".4g") for lbl in labels] for kern in kernels]))
+        [_fmt(kern["metrics"].get(lbl), ".6g") for lbl in labels] for kern in kernels]))
+    names = payload.get("metric_names")
+    if names:
+        out += ["", "Metric per label: " + ", ".join(f"{k} = `{v}`" for k, v in names.items() if v)]
     dropped = payload.get("dropped_metrics")
     if dropped:
-        out += ["", "Metrics ncu did not accept here: " + ", ".join(f"`{m}`" for m in dropped)]
+        out += ["", "Candidates this GPU/ncu does not have (another candidate of the same label may "
+                "have been used): " + ", ".join(f"`{m}`" for m in dropped)]
     return "\n".join(out)
 
 

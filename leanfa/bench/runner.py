@@ -31,7 +31,7 @@ class BenchConfig:
     warmup_ms: float = 200.0
     rep_ms: float = 1000.0
     min_reps: int = 5
-    max_reps: int = 1000
+    max_reps: int = 5000
     max_row_ms: float = 20000.0  # warm-up + timed calls of one row, at most
     seed: int = 0
     check_tol: dict = field(default_factory=lambda: dict(errors.CHECK_TOL))
@@ -170,8 +170,11 @@ def run_bench(cases, impls, cfg: BenchConfig, *, timer=None, sampler_factory=Non
                 row = {**base_row(case, impl), "status": "FAILED", "error": case_error}
             else:
                 row = bench_one(case, impl, copies, ref_info, cfg, timer, sampler_factory)
-                if row["status"] == "FAILED" and not cuda_alive(cfg.device):
-                    lost = f"not run: CUDA context lost after {impl.name} on {case.name}"
+                if row["status"] == "FAILED":
+                    if cuda_alive(cfg.device):
+                        _free(cfg.device)  # e.g. after an out-of-memory error
+                    else:
+                        lost = f"not run: CUDA context lost after {impl.name} on {case.name}"
             rows.append(row)
             _log_row(row, bar, log)
             if bar is not None:

@@ -231,15 +231,22 @@ def _attn_fwd(
 
 def _configs():
     shapes = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
-        (128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2),
-        (64, 64, 4, 3), (64, 128, 4, 2), (128, 32, 4, 3), (64, 32, 4, 2),
+        (128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3),  # head dim <= 128
+        (128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 2),    # head dim 192/256
     ]
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    """Four candidates per head-dim class, so a new shape costs four compiles, not eight."""
+    wide = max(kwargs.get("BLOCK_DQK", 128), kwargs.get("BLOCK_DV", 128)) > 128
+    return configs[4:] if wide else configs[:4]
 
 
 _attn_fwd_tuned = triton.autotune(
     configs=_configs(),
     key=["HEAD_DIM_QK", "HEAD_DIM_V", "IS_FP8", "CAUSAL", "VARLEN", "GROUP", "SEQ_BUCKET", "RETURN_LSE"],
+    prune_configs_by={"early_config_prune": _prune_configs},
 )(_attn_fwd)
 
 #: tile used under the CPU interpreter (no autotuning there: every config would run)

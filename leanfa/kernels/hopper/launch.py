@@ -90,6 +90,19 @@ class Plan:
     grid: tuple
 
 
+def table_strides(t: torch.Tensor):
+    """Strides of a scale/mean table as the kernel must index it: 0 along every size-1 dim.
+
+    The descale tables are broadcast views (``scales.token_scale_table``): ``None``, a scalar or a
+    ``(B, H)`` descale becomes a ``(B, H, 1)`` tensor whose *block* stride is still 1 (expand and
+    unsqueeze keep the stride of a size-1 dim). The kernel reads ``table[b, h, token // 128]``
+    for every key/query block, so passing that stride reads past the table for block >= 1
+    (garbage / NaN from neighbouring allocations: the 2026-11-29 NaN-for-Sk>128 bug). A size-1
+    dim is a broadcast: its stride is 0 (the portable kernel does the same).
+    """
+    return tuple(0 if n == 1 else st for n, st in zip(t.shape, t.stride()))
+
+
 def _desc(t: torch.Tensor, shape, strides, block):
     layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[t.dtype])
     return TensorDescriptor(t, shape, strides, block, layout)
@@ -116,10 +129,10 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
         q_desc, k_desc, v_desc,
         out, out.stride(0), out.stride(1), out.stride(2),
         lse if lse is not None else v_scale,
-        q_scale, q_scale.stride(0), q_scale.stride(1), q_scale.stride(2),
-        k_scale, k_scale.stride(0), k_scale.stride(1), k_scale.stride(2),
-        v_scale, v_scale.stride(0), v_scale.stride(1), v_scale.stride(2),
-        km, km.stride(0), km.stride(1), km.stride(2),
+        q_scale, *table_strides(q_scale),
+        k_scale, *table_strides(k_scale),
+        v_scale, *table_strides(v_scale),
+        km, *table_strides(km),
         Sq, Sk, Hq, Hq // Hkv, num_m_tiles,
         float(softmax_scale * LOG2E), float(softmax_scale),
     )

@@ -1,0 +1,144 @@
+"""Compile the portable and quantization kernels for a GPU target without a GPU.
+
+``python -m leanfa.kernels.aot`` compiles every kernel variant leanfa launches for sm90
+(and sm80) and prints registers, spills and shared memory. Without a GPU this is the only way
+to catch errors that Triton's CPU interpreter lets through (it is more permissive: e.g. it
+reads non-constexpr globals). Must run with TRITON_INTERPRET unset.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from .. import quant
+from . import portable
+
+
+def _compile(fn, types: dict, constexprs: dict, target, num_warps=4, num_stages=2):
+    sig = {name: "constexpr" if name in constexprs else types.get(name) for name in fn.arg_names}
+    missing = [n for n, t in sig.items() if t is None]
+    if missing:
+        raise ValueError(f"no type for {missing}")
+    # What a real launch infers from 16-byte aligned tensors and strides divisible by 16: it
+    # decides vectorized loads, so without it the compile reports spills a launch never sees.
+    aligned = [n for n, t in sig.items() if t.startswith("*") or (n.startswith("stride_") and n[-1] in "sbh")]
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned if n not in constexprs}
+    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()}, attrs=attrs)
+    ck = triton.compile(src, target=target, options={"num_warps": num_warps, "num_stages": num_stages})
+    return ck
+
+
+def ptxas_usage(ptx: str, arch: int = 90) -> tuple[int, int, int]:
+    """(registers, spill stores, spill loads) that ptxas reports for ``ptx``."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        sm = f"sm_{arch}a" if arch == 90 else f"sm_{arch}"
+        r = subprocess.run([get_ptxas(arch).path, f"-arch={sm}", "-v", path, "-o", os.path.join(d, "k.cubin")],
+                           capture_output=True, text=True)
+    txt = r.stdout + r.stderr
+    if r.returncode != 0:
+        raise RuntimeError(f"ptxas failed: {txt[-2000:]}")
+    regs = int(m.group(1)) if (m := re.search(r"Used (\d+) registers", txt)) else -1
+    m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", txt)
+    stores, loads = (int(m.group(1)), int(m.group(2))) if m else (-1, -1)
+    return regs, stores, loads
+
+
+def _summary(name, ck, arch):
+    regs, stores, loads = ptxas_usage(ck.asm["ptx"], arch)
+    return name, regs, stores + loads, ck.metadata.shared
+
+
+def _attn_types(elem: str, out: str):
+    t = {n: "i32" for n in portable._attn_fwd.arg_names if n.startswith("stride_")}
+    t.update(Q=f"*{elem}", K=f"*{elem}", V=f"*{elem}", O=f"*{out}", LSE="*fp32", QS="*fp32", KS="*fp32",
+             VS="*fp32", KMEAN="*fp32", CU_Q="*i32", CU_K="*i32", qk_scale="fp32", sm_scale="fp32",
+             seqlen_q_dense="i32", seqlen_k_dense="i32", num_heads="i32")
+    return t
+
+
+def _unit_strides(elem: str) -> dict:
+    """Strides equal to 1 are specialized by Triton at launch; mirror what real inputs give:
+    contiguous head_dim, and for FP8 a V stored transposed (token axis contiguous)."""
+    unit = {"stride_qd": 1, "stride_kd": 1, "stride_od": 1, "stride_kmd": 1, "stride_vsd": 1}
+    unit["stride_vs" if elem == "fp8e4nv" else "stride_vd"] = 1
+    return unit
+
+
+def attention_variants(quick: bool = False):
+    """Every constexpr combination launches can produce (quick: one of each feature)."""
+    for (dqk, dv), elem, causal, varlen, lse in itertools.product(
+            [(64, 64), (128, 128), (192, 128), (256, 256)], ["bf16", "fp16", "fp8e4nv"],
+            [False, True], [False, True], [False, True]):
+        if quick and (elem == "fp16" or dqk in (64, 256) or (varlen and causal) or (lse and not causal)):
+            continue
+        yield dict(HEAD_DIM_QK=dqk, HEAD_DIM_V=dv, BLOCK_DQK=triton.next_power_of_2(dqk),
+                   BLOCK_DV=triton.next_power_of_2(dv), SEQ_BUCKET=4096, CAUSAL=causal, VARLEN=varlen,
+                   IS_FP8=elem == "fp8e4nv", DOT_UPCAST=0, EXACT_FP8_ROUND=False, RETURN_LSE=lse,
+                   HAS_KMEAN=lse and elem == "fp8e4nv", SCALE_BLK=128, GROUP=2, BLOCK_M=128,
+                   BLOCK_N=64 if dqk > 128 else 128), elem
+
+
+def quant_variants(quick: bool = False):
+    for elem, mean, compute, channel in itertools.product(["bf16", "fp16", "fp32"], [False, True],
+                                                          [False, True], [False, True]):
+        if channel and (compute or mean) or (quick and elem != "bf16"):
+            continue
+        yield dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=128, VARLEN=mean, SUBTRACT_MEAN=mean,
+                   COMPUTE_SCALE=compute, CHANNEL_SCALE=channel, EXACT_ROUND=False), elem
+
+
+def compile_all(target=GPUTarget("cuda", 90, 32), limit=None, verbose=True, quick=False):
+    results = []
+    for i, (c, elem) in enumerate(attention_variants(quick)):
+        if limit is not None and i >= limit:
+            break
+        c = {**c, **_unit_strides(elem)}
+        ck = _compile(portable._attn_fwd, _attn_types(elem, "bf16"), c, target, num_warps=8, num_stages=3)
+        results.append(_summary(f"attn {elem} d{c['HEAD_DIM_QK']}/{c['HEAD_DIM_V']} causal={c['CAUSAL']} "
+                                f"varlen={c['VARLEN']} lse={c['RETURN_LSE']}", ck, target.arch))
+    qtypes = {n: "i32" for n in quant._quantize_blocks.arg_names if n.startswith("stride_")}
+    for c, elem in quant_variants(quick):
+        qtypes.update(X=f"*{elem}", Y="*fp8e4nv", CU="*i32", MEAN="*fp32", SCALE="*fp32", CH_SCALE="*fp32",
+                      seqlen_dense="i32", num_heads="i32")
+        ck = _compile(quant._quantize_blocks, qtypes, {**c, "stride_xd": 1, "stride_yd": 1}, target)
+        results.append(_summary(f"quantize {elem} mean={c['SUBTRACT_MEAN']} compute={c['COMPUTE_SCALE']} "
+                                f"channel={c['CHANNEL_SCALE']}", ck, target.arch))
+    stypes = {n: "i32" for n in quant._channel_stats.arg_names if n.startswith("stride_")}
+    stypes.update(X="*bf16", CU="*i32", SUM="*fp32", AMAX="*fp32", seqlen_dense="i32", num_heads="i32")
+    ck = _compile(quant._channel_stats, stypes, dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=64, VARLEN=True,
+                                                      WANT_SUM=True, WANT_AMAX=True, stride_xd=1), target)
+    results.append(_summary("channel_stats bf16", ck, target.arch))
+    if verbose:
+        for name, regs, spills, smem in results:
+            print(f"{name:<90} regs={regs:4d} spills={spills:4d} smem={smem}")
+    return results
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    quick = "--quick" in args
+    archs = [int(a) for a in args if a.isdigit()] or [90]
+    # A few hundred bytes of spills at the largest FP8 tile (two 128x128 fp32 accumulators for
+    # the two-level P.V sum) are known and measured; more than this budget fails the check.
+    budget = 1024
+    bad = []
+    for arch in archs:
+        for name, regs, spills, smem in compile_all(GPUTarget("cuda", arch, 32), quick=quick):
+            if spills > budget:
+                bad.append(f"sm{arch} {name}: {spills} bytes spilled (budget {budget})")
+    print("\n".join(bad) if bad else f"all variants compiled within the spill budget ({budget} bytes)")
+    sys.exit(1 if bad else 0)

@@ -1,0 +1,572 @@
+"""CPU emulation of the Hopper kernel: runs the *kernel's own Python source* on CPU tensors.
+
+There is no Gluon interpreter, so this module re-executes the source of
+:func:`.kernel.attn_fwd_kernel` (and every ``@gluon.jit`` helper it calls, recursively) with the
+Gluon names rebound to small PyTorch-backed fakes: ``gl`` (tensor math on torch tensors, layouts
+are no-ops), shared memory, ``mbarrier``, ``tma`` and ``warpgroup_mma``. It consumes the real
+:class:`.launch.Plan` (descriptors, pointers, strides, constexprs, grid) built by
+:func:`.launch.make_plan`, so host-side bugs show up too.
+
+What it checks, beyond the numbers (every violation raises :class:`EmulationError`):
+
+* pointers: every ``gl.load``/``gl.store`` address must be an element of the tensor's view
+  (catches wrong strides, e.g. a broadcast scale table read past its end);
+* TMA boxes are zero-filled outside the descriptor's shape, like the hardware; the box size is
+  what ``mbarrier.expect`` must announce;
+* mbarriers: arrival counts, transaction bytes, phase parity. TMA copies complete as *late* as
+  possible (only when a wait needs them), so a wait on a stale parity returns at once and the
+  following read of a buffer whose copy is still in flight is flagged;
+* shared-memory hazards: a wgmma (or ``.load``) may only read a buffer whose TMA copy landed
+  *and* was observed through its mbarrier; a TMA may only overwrite a buffer after every wgmma
+  reading it was waited for (``warpgroup_mma_wait``) *and* a CTA barrier (``gl.thread_barrier``)
+  followed -- the other warpgroup must be done too (both warpgroups run in lockstep here, so the
+  barrier is what stands in for them). Compiler-inserted ``bar.sync`` are not counted;
+* at the end: no copy in flight, every loaded K/V box read exactly once.
+
+Limits: it runs a whole CTA as one thread of control (warpgroup interleavings are checked by the
+barrier rule above, not explored); integer ``//`` and ``%`` follow Python (floor), Triton's follow
+C (truncation) -- they agree for the non-negative values this kernel uses; layouts are ignored;
+wgmma is an fp32 matmul of the exact operand values (the hardware's accumulation order and FP8
+accumulator precision differ slightly).
+
+Use :func:`emulate` (a :class:`leanfa.api.Problem` in, ``(out, lse)`` out) or :func:`run_plan`.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import math
+import textwrap
+import types
+from dataclasses import dataclass, field
+
+import torch
+
+_TORCH_DT = {
+    "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8e4nv": torch.float8_e4m3fn,
+    "i64": torch.int64, "i32": torch.int32,
+}
+
+
+class EmulationError(AssertionError):
+    pass
+
+
+# ----------------------------------------------------------------------------- machine state
+
+@dataclass
+class _Buf:
+    """One TMA box / barrier-sized unit of shared memory (``alloc.index(i)``)."""
+    state: str = "empty"  # empty | pending | landed | visible
+    bar: object = None
+    coords: tuple = ()
+    desc_name: str = ""
+    readers: int = 0  # wgmmas issued and not yet waited
+    read_done_epoch: int = -1
+    reads: int = 0
+
+
+class _Machine:
+    def __init__(self):
+        self.epoch = 0  # number of gl.thread_barrier() so far in this program
+        self.pid = (0, 0, 0)
+        self.pending_reads = []  # bufs read by in-flight wgmmas
+        self.events = []  # ('read', desc_name, coords) / ('load', ...) / ('wait', ...)
+        self.allocs = []
+        self.valid_cache = {}
+
+    def err(self, msg):
+        raise EmulationError(f"program {self.pid[:2]}: {msg}")
+
+
+M = _Machine()  # the emulator is single-threaded; one machine at a time
+
+
+# ----------------------------------------------------------------------------- pointers
+
+class _Dtype:
+    def __init__(self, t):
+        self.element_ty = t
+
+
+class Ptr:
+    """``tensor`` + element offset (an int or an integer tensor), relative to its storage offset."""
+
+    def __init__(self, t, off=0, name="?"):
+        self.t, self.off, self.name = t, off, name
+
+    def __add__(self, x):
+        return Ptr(self.t, self.off + x, self.name)
+
+    __radd__ = __add__
+
+    @property
+    def dtype(self):
+        return _Dtype(self.t.dtype)
+
+
+def _flat(t):
+    n = t.untyped_storage().nbytes() // t.element_size()
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), 0, (n,), (1,))
+
+
+def _valid(t):
+    key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+    v = M.valid_cache.get(key)
+    if v is None:
+        n = t.untyped_storage().nbytes() // t.element_size()
+        idx = torch.arange(n).as_strided(t.shape, t.stride(), t.storage_offset())
+        v = torch.zeros(n, dtype=torch.bool)
+        v[idx.reshape(-1)] = True
+        M.valid_cache[key] = v
+    return v
+
+
+def _addresses(ptr, mask):
+    off = torch.as_tensor(ptr.off).to(torch.int64) + ptr.t.storage_offset()
+    if mask is not None:
+        off, mask = torch.broadcast_tensors(off, torch.as_tensor(mask))
+    valid = _valid(ptr.t)
+    sel = off if mask is None else off[mask]
+    if sel.numel():
+        if int(sel.min()) < 0 or int(sel.max()) >= valid.numel():
+            M.err(f"pointer into '{ptr.name}' out of its storage (offsets {int(sel.min())}..{int(sel.max())}, "
+                  f"storage has {valid.numel()} elements)")
+        if not bool(valid[sel].all()):
+            M.err(f"pointer into '{ptr.name}' hits storage outside the tensor's view")
+    return off, mask
+
+
+def _load(ptr, mask=None, other=None, **_):
+    off, mask = _addresses(ptr, mask)
+    flat = _flat(ptr.t)
+    if mask is None:
+        return flat[off].clone()
+    safe = torch.where(mask, off, torch.zeros_like(off))
+    return torch.where(mask, flat[safe], torch.as_tensor(0 if other is None else other, dtype=ptr.t.dtype))
+
+
+def _store(ptr, val, mask=None, **_):
+    off, mask = _addresses(ptr, mask)
+    val = torch.as_tensor(val).to(ptr.t.dtype)
+    flat = _flat(ptr.t)
+    if mask is None:
+        off, val = torch.broadcast_tensors(off, val)
+        flat[off.reshape(-1)] = val.reshape(-1)
+    else:
+        off, val, mask = torch.broadcast_tensors(off, val, mask)
+        flat[off[mask]] = val[mask]
+
+
+# ----------------------------------------------------------------------------- shared memory
+
+class _BarrierLayout:
+    pass
+
+
+class _Alloc:
+    def __init__(self, dtype, shape):
+        self.dtype, self.shape = dtype, list(shape)
+        self.data = torch.zeros(shape, dtype=dtype)
+        self.bufs = [_Buf() for _ in range(shape[0])]
+        M.allocs.append(self)
+
+
+class SmemView:
+    def __init__(self, alloc, index=None, ops=()):
+        self.alloc, self.idx, self.ops = alloc, index, tuple(ops)
+
+    @property
+    def dtype(self):
+        return self.alloc.dtype
+
+    def _tensor(self):
+        t = self.alloc.data if self.idx is None else self.alloc.data[self.idx]
+        for op, arg in self.ops:
+            t = t.reshape(arg) if op == "reshape" else t.permute(arg)
+        return t
+
+    @property
+    def shape(self):
+        return list(self._tensor().shape)
+
+    def index(self, i):
+        if self.idx is not None or self.ops:
+            M.err("index() of a sub-view is not modelled")
+        i = int(i)
+        if not 0 <= i < self.alloc.shape[0]:
+            M.err(f"smem index {i} out of range {self.alloc.shape[0]}")
+        return SmemView(self.alloc, i)
+
+    def reshape(self, shape):
+        return SmemView(self.alloc, self.idx, self.ops + (("reshape", tuple(int(s) for s in shape)),))
+
+    def permute(self, order):
+        return SmemView(self.alloc, self.idx, self.ops + (("permute", tuple(order)),))
+
+    def buf(self):
+        if self.idx is None:
+            M.err("whole-allocation access is not modelled")
+        return self.alloc.bufs[self.idx]
+
+    def read(self, what):
+        b = self.buf()
+        if b.state != "visible":
+            M.err(f"{what} reads shared memory that is {b.state} (copy {b.desc_name}{b.coords}; "
+                  "not landed, or landed but not observed through its mbarrier)")
+        b.reads += 1
+        return self._tensor()
+
+    def load(self, layout=None):
+        t = self.read("a generic load").clone()
+        self.buf().read_done_epoch = M.epoch
+        return t
+
+
+class Barrier:
+    def __init__(self):
+        self.valid = False
+        self.count = self.arrivals = self.tx = self.phase = 0
+        self.inflight = []  # [(buf, data_fn, nbytes)]
+        self.landed = []
+
+    def _maybe_complete(self):
+        if self.arrivals == 0 and self.tx == 0:
+            self.phase += 1
+            self.arrivals = self.count
+            for b in self.landed:
+                b.state = "landed"
+
+    def _complete_one(self):
+        buf, fn, nbytes, alloc, idx = self.inflight.pop(0)
+        alloc.data[idx] = fn()
+        self.tx -= nbytes
+        self.landed.append(buf)
+        if self.tx < 0:
+            M.err("mbarrier transaction count went negative (expect announced fewer bytes than arrived)")
+        self._maybe_complete()
+
+
+class _BarrierArray:
+    def __init__(self, count):
+        self.bars = [Barrier() for _ in range(count)]
+
+    def index(self, i):
+        return self.bars[int(i)]
+
+
+def _allocate_shared_memory(dtype, shape, layout=None, value=None):
+    shape = [int(s) for s in shape]
+    if isinstance(layout, _BarrierLayout):
+        return _BarrierArray(shape[0])
+    return SmemView(_Alloc(dtype, shape))
+
+
+class _MBarrier:
+    MBarrierLayout = _BarrierLayout
+
+    @staticmethod
+    def init(bar, count):
+        bar.valid, bar.count, bar.arrivals, bar.tx, bar.phase = True, int(count), int(count), 0, 0
+
+    @staticmethod
+    def invalidate(bar):
+        if bar.inflight:
+            M.err("mbarrier invalidated with a TMA copy still in flight")
+        if bar.arrivals != bar.count or bar.tx:
+            M.err("mbarrier invalidated in the middle of a phase")
+        bar.valid = False
+
+    @staticmethod
+    def expect(bar, nbytes, pred=True):
+        if not pred:
+            return
+        if not bar.valid:
+            M.err("expect on an uninitialised mbarrier")
+        bar.arrivals -= 1
+        if bar.arrivals < 0:
+            M.err("more arrivals than the mbarrier's count in one phase")
+        bar.tx += int(nbytes)
+        bar._maybe_complete()
+
+    @staticmethod
+    def arrive(bar, count=1, pred=True):
+        if pred:
+            bar.arrivals -= count
+            bar._maybe_complete()
+
+    @staticmethod
+    def wait(bar, phase, pred=True, deps=()):
+        if not pred:
+            return
+        if not bar.valid:
+            M.err("wait on an uninitialised mbarrier")
+        parity = int(phase) & 1
+        M.events.append(("wait", id(bar), parity))
+        # try_wait.parity(P) succeeds once the current (incomplete) phase's parity differs from P
+        while (bar.phase & 1) == parity:
+            if not bar.inflight:
+                M.err(f"deadlock: waiting for parity {parity} of an mbarrier whose phase {bar.phase} "
+                      f"can never complete (arrivals left {bar.arrivals}, tx left {bar.tx})")
+            bar._complete_one()
+        for b in bar.landed:
+            if b.state == "landed":
+                b.state = "visible"
+        bar.landed = [b for b in bar.landed if b.state != "visible"]
+
+
+class FakeDesc:
+    def __init__(self, d, name):
+        self.base, self.shape, self.strides = d.base, [int(s) for s in d.shape], [int(s) for s in d.strides]
+        self.block_shape = [int(s) for s in d.block_shape]
+        self.layout, self.name, self.dtype = d.layout, name, d.base.dtype
+        self.block_type = types.SimpleNamespace(
+            shape=list(self.block_shape),
+            nbytes=math.prod(self.block_shape) * d.base.element_size())
+        self.view = _flat(d.base).as_strided(self.shape, self.strides, d.base.storage_offset())
+
+    def box(self, coords):
+        out = torch.zeros(self.block_shape, dtype=self.dtype)
+        src, dst = [], []
+        for c, n, s in zip(coords, self.block_shape, self.shape):
+            lo, hi = max(c, 0), min(c + n, s)
+            if hi <= lo:
+                return out
+            src.append(slice(lo, hi))
+            dst.append(slice(lo - c, hi - c))
+        out[tuple(dst)] = self.view[tuple(src)]
+        return out
+
+
+class _TMA:
+    @staticmethod
+    def async_copy_global_to_shared(desc, coord, bar, result, pred=True):
+        if not pred:
+            return
+        coords = tuple(int(c) for c in coord)
+        b = result.buf()
+        if b.state == "pending":
+            M.err(f"TMA into a buffer whose previous copy is still in flight ({desc.name}{coords})")
+        if b.readers:
+            M.err(f"TMA {desc.name}{coords} overwrites a buffer a wgmma is still reading (no warpgroup_mma_wait)")
+        if b.read_done_epoch >= M.epoch:
+            M.err(f"TMA {desc.name}{coords} overwrites a buffer read since the last CTA barrier "
+                  "(the other warpgroup may still be reading it)")
+        if list(result.shape) != desc.block_shape:
+            M.err(f"TMA box {desc.block_shape} into a buffer of shape {result.shape}")
+        if not bar.valid:
+            M.err("TMA on an uninitialised mbarrier")
+        b.state, b.bar, b.coords, b.desc_name, b.reads = "pending", bar, coords, desc.name, 0
+        bar.inflight.append((b, lambda: desc.box(coords), desc.block_type.nbytes, result.alloc, result.idx))
+        M.events.append(("load", desc.name, coords))
+
+
+def _operand(x, what):
+    if isinstance(x, SmemView):
+        b = x.buf()
+        t = x.read(what)
+        b.readers += 1
+        M.pending_reads.append(b)
+        M.events.append(("read", b.desc_name, b.coords))
+        return t.float()
+    return x.float()
+
+
+def _warpgroup_mma(a, b, acc, *, use_acc=True, precision=None, max_num_imprecise_acc=None, is_async=False):
+    r = torch.matmul(_operand(a, "wgmma A"), _operand(b, "wgmma B"))
+    if use_acc:
+        r = acc.float() + r
+    if not is_async:
+        _warpgroup_mma_wait(0, deps=(r, ))
+    return r
+
+
+def _warpgroup_mma_wait(num_outstanding=0, deps=None):
+    if int(num_outstanding) != 0:
+        M.err("warpgroup_mma_wait with outstanding > 0 is not modelled")
+    for b in M.pending_reads:
+        b.readers -= 1
+        b.read_done_epoch = M.epoch
+    M.pending_reads = []
+    return deps[0] if len(deps) == 1 else tuple(deps)
+
+
+# ----------------------------------------------------------------------------- fake gl
+
+def _t(x):
+    return x if isinstance(x, torch.Tensor) else torch.as_tensor(x)
+
+
+def _fma(a, b, c):
+    return (_t(a).double() * _t(b).double() + _t(c).double()).float()
+
+
+def _thread_barrier():
+    M.epoch += 1
+
+
+def _program_id(axis):
+    return torch.tensor(M.pid[int(axis)], dtype=torch.int32)
+
+
+def _none(*a, **k):
+    return None
+
+
+gl_fake = types.SimpleNamespace(
+    constexpr=lambda x: x,
+    float32=torch.float32, float16=torch.float16, bfloat16=torch.bfloat16, int32=torch.int32,
+    int64=torch.int64, float8e4nv=torch.float8_e4m3fn,
+    program_id=_program_id,
+    allocate_shared_memory=_allocate_shared_memory,
+    arange=lambda start, end, layout=None: torch.arange(int(start), int(end), dtype=torch.int32),
+    SliceLayout=_none, BlockedLayout=_none, NVMMADistributedLayout=_none, DotOperandLayout=_none,
+    zeros=lambda shape, dtype, layout=None: torch.zeros([int(s) for s in shape], dtype=dtype),
+    full=lambda shape, value, dtype, layout=None: torch.full([int(s) for s in shape], value, dtype=dtype),
+    zeros_like=torch.zeros_like,
+    maximum=lambda a, b, **k: torch.maximum(_t(a), _t(b)),
+    minimum=lambda a, b, **k: torch.minimum(_t(a), _t(b)),
+    where=lambda c, a, b: torch.where(_t(c), a, b),
+    exp2=torch.exp2, log2=torch.log2, exp=torch.exp, log=torch.log, abs=torch.abs, sqrt=torch.sqrt,
+    fma=_fma,
+    max=lambda x, axis=None, **k: torch.amax(x, dim=axis),
+    min=lambda x, axis=None, **k: torch.amin(x, dim=axis),
+    sum=lambda x, axis=None, **k: torch.sum(x, dim=axis),
+    convert_layout=lambda x, layout=None, **k: x,
+    load=_load, store=_store,
+    thread_barrier=_thread_barrier,
+    static_range=lambda *a: range(*[int(x) for x in a]),
+)
+
+_FAKES = {
+    "gl": gl_fake, "mbarrier": _MBarrier, "tma": _TMA,
+    "warpgroup_mma": _warpgroup_mma, "warpgroup_mma_wait": _warpgroup_mma_wait,
+}
+
+
+class _Strip(ast.NodeTransformer):
+    """``x.type.layout`` -> ``None`` (layouts are not modelled; torch tensors have no ``.type``)."""
+
+    def visit_Attribute(self, node):
+        self.generic_visit(node)
+        if node.attr == "layout" and isinstance(node.value, ast.Attribute) and node.value.attr == "type":
+            return ast.Constant(None)
+        return node
+
+
+_SHADOWS = {}
+
+
+def reset_shadows():
+    _SHADOWS.clear()
+
+
+def shadow(jit_fn, source=None):
+    """The plain-Python twin of a ``@gluon.jit`` function, bound to the fakes.
+
+    ``source`` replaces the function's source (tests: mutate the kernel and check the emulator
+    catches it); the result is cached until :func:`reset_shadows`.
+    """
+    from triton.language.core import constexpr as tl_constexpr
+    from triton.runtime.jit import ConstexprFunction, JITFunction
+
+    if source is None and jit_fn in _SHADOWS:
+        return _SHADOWS[jit_fn]
+    fn = jit_fn.fn
+    tree = ast.parse(textwrap.dedent(source or inspect.getsource(fn)))
+    fdef = tree.body[0]
+    fdef.decorator_list = []
+    for a in fdef.args.args + fdef.args.kwonlyargs:
+        a.annotation = None
+    tree = ast.fix_missing_locations(_Strip().visit(tree))
+    g = dict(fn.__globals__)
+    for name, val in list(g.items()):
+        if name in _FAKES:
+            g[name] = _FAKES[name]
+        elif isinstance(val, JITFunction):
+            g[name] = _LazyShadow(val)
+        elif isinstance(val, ConstexprFunction):
+            g[name] = _none
+        elif isinstance(val, tl_constexpr):
+            g[name] = val.value
+    ns = {}
+    exec(compile(tree, inspect.getsourcefile(fn), "exec"), g, ns)
+    _SHADOWS[jit_fn] = ns[fn.__name__]
+    return _SHADOWS[jit_fn]
+
+
+class _LazyShadow:
+    def __init__(self, jf):
+        self.jf = jf
+
+    def __call__(self, *a, **k):
+        return shadow(self.jf)(*a, **k)
+
+
+# ----------------------------------------------------------------------------- driver
+
+@dataclass
+class Report:
+    programs: int = 0
+    schedule: dict = field(default_factory=dict)  # (pid_bh, pid_m) -> [K box seq coords read, in order]
+    waits: dict = field(default_factory=dict)
+
+
+def run_plan(plan, *, programs=None) -> Report:
+    """Emulate every program of ``plan`` (or the listed ``(pid0, pid1)``); raise on any violation."""
+    from .kernel import attn_fwd_kernel
+
+    kern = shadow(attn_fwd_kernel)
+    names = [n for n in attn_fwd_kernel.arg_names if n not in plan.constexprs]
+    args = []
+    for n, a in zip(names, plan.args):
+        if hasattr(a, "block_shape"):
+            a = FakeDesc(a, n.replace("_desc", ""))
+        elif isinstance(a, torch.Tensor):
+            a = Ptr(a, 0, n)
+        args.append(a)
+    kw = dict(plan.constexprs)
+    grid = list(plan.grid) + [1] * (3 - len(plan.grid))
+    todo = programs or [(i, j) for i in range(grid[0]) for j in range(grid[1])]
+    rep = Report()
+    global M
+    for pid in todo:
+        cache = M.valid_cache
+        M = _Machine()
+        M.valid_cache = cache
+        M.pid = (pid[0], pid[1], 0)
+        kern(*args, **kw)
+        for a in M.allocs:
+            for b in a.bufs:
+                if b.state == "pending":
+                    M.err(f"kernel exits with the copy {b.desc_name}{b.coords} in flight")
+                if b.state in ("landed", "visible") and b.desc_name in ("k", "v") and b.reads != 1:
+                    M.err(f"{b.desc_name} box {b.coords} loaded and read {b.reads} times (expected once)")
+        rep.programs += 1
+        rep.schedule[pid] = [c for e, d, c in (x for x in M.events if x[0] == "read") if d == "k"]
+        rep.waits[pid] = [x[2] for x in M.events if x[0] == "wait"]
+    return rep
+
+
+def emulate(problem, *, programs=None, poison=True):
+    """Run a dense :class:`leanfa.api.Problem` through the emulated kernel on CPU: ``(out, lse, report)``."""
+    from . import launch as L
+
+    q = problem.q
+    B, Sq, Hq, _ = q.shape
+    out = torch.empty((B, Sq, Hq, problem.head_dim_v), dtype=problem.out_dtype)
+    lse = torch.empty((B, Hq, Sq), dtype=torch.float32) if problem.return_lse else None
+    if poison:
+        out.fill_(float("nan"))
+        if lse is not None:
+            lse.fill_(float("nan"))
+    plan = _make_plan_cpu(L, problem, out, lse)
+    rep = run_plan(plan, programs=programs)
+    return out, lse, rep
+
+
+def _make_plan_cpu(L, p, out, lse):
+    """``launch.make_plan`` on CPU tensors (the TMA descriptor checks only look at pointers)."""
+    return L.make_plan(p.q, p.k, p.v, out, lse, p.q_scale, p.k_scale, p.v_scale, p.k_mean,
+                       causal=p.causal, softmax_scale=p.softmax_scale, return_lse=p.return_lse)

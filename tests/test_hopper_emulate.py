@@ -1,0 +1,212 @@
+"""CPU safety net for the Hopper (Gluon) kernel: its own source run by the PyTorch emulator
+(:mod:`leanfa.kernels.hopper.emulate`) through the real host plan (``launch.make_plan``).
+
+Checks the numbers against the float64 reference, the key-block schedule of every tile, the
+pointer/TMA/mbarrier/shared-memory rules, and -- by mutation -- that the emulator does catch
+the classes of bug we care about (wrong scale strides, wrong phase parity, missing CTA barrier,
+prefetching into a slot still in use, a second loop that restarts the ring).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+import leanfa
+from leanfa.reference import attention_ref
+
+emulate_mod = pytest.importorskip("leanfa.kernels.hopper.emulate")
+from leanfa.kernels.hopper import kernel as K  # noqa: E402
+from leanfa.kernels.hopper import launch as L  # noqa: E402
+from leanfa.kernels.hopper import pipeline as P  # noqa: E402
+from leanfa.kernels.hopper.emulate import EmulationError, emulate, reset_shadows, shadow  # noqa: E402
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU emulation test (runs where there is no GPU)")
+
+BLOCK = 128
+
+
+def _problem(q, k, v, causal, lse=True, **desc):
+    from leanfa.api import _build_problem
+
+    kw = dict(q_descale=None, k_descale=None, v_descale=None, k_mean=None)
+    kw.update(desc)
+    return _build_problem(q, k, v, varlen=False, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                          max_seqlen_k=None, softmax_scale=None, causal=causal, return_lse=lse,
+                          out_dtype=None, **kw)
+
+
+def _inputs(B, Sq, Sk, Hq, Hkv, dqk, dv, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Sq, Hq, dqk, generator=g).to(torch.bfloat16)
+    k = torch.randn(B, Sk, Hkv, dqk, generator=g)
+    k[..., :4] = k[..., :4] * 4 + 2
+    v = torch.randn(B, Sk, Hkv, dv, generator=g).to(torch.bfloat16)
+    return q, k.to(torch.bfloat16), v
+
+
+def _check(p, tol, **ref_kw):
+    out, lse, rep = emulate(p)
+    ref, ref_lse = attention_ref(p.q, p.k, p.v, causal=p.causal, softmax_scale=p.softmax_scale,
+                                 return_lse=True, **ref_kw)
+    assert not torch.isnan(out).any(), "NaN (or never written) in out"
+    if ref.norm() > 0:
+        err = float((out.double() - ref).norm() / ref.norm())
+        assert err < tol, err
+    else:
+        assert out.abs().max() == 0
+    if lse is not None:
+        fin = torch.isfinite(ref_lse)
+        assert torch.equal(torch.isinf(lse), ~fin), "LSE -inf pattern"
+        if fin.any():
+            assert float((lse.double() - ref_lse)[fin].abs().max()) < 2e-2
+    return rep
+
+
+SHAPES = [  # B, Sq, Sk, Hq, Hkv -- the shapes of the 2026-11-29 H200 failures, scaled down
+    (1, 1, 1, 2, 2),
+    (2, 100, 100, 4, 2),
+    (1, 128, 128, 2, 2),
+    (1, 1000, 1000, 2, 1),
+    (1, 100, 1000, 2, 1),
+    (1, 1000, 100, 2, 2),
+    (1, 129, 700, 2, 1),
+    (1, 700, 300, 2, 2),
+    (1, 1, 1500, 2, 1),
+    (1, 256, 384, 2, 2),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dims", [(128, 128), (192, 128)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_bf16_emulated_matches_reference(shape, dims, causal):
+    reset_shadows()
+    p = _problem(*_inputs(*shape, *dims), causal)
+    rep = _check(p, 1e-2)
+    _check_schedule(p, rep)
+
+
+def _check_schedule(p, rep):
+    """Each tile reads exactly the key blocks some real row of it can see, in order, once each."""
+    B, Sq, Hq, dqk = p.q.shape
+    Sk = p.k.shape[1]
+    chunks = 1 if dqk & (dqk - 1) == 0 else dqk // 64  # K boxes per key block (launch.qk_chunk)
+    n_tiles = -(-Sq // BLOCK)
+    assert len(rep.schedule) == B * Hq * n_tiles
+    for (pid_bh, pid1), reads in rep.schedule.items():
+        m0 = (n_tiles - 1 - pid1) * BLOCK
+        rows = torch.arange(m0, min(m0 + BLOCK, Sq))
+        keys = torch.arange(Sk)
+        vis = torch.ones(len(rows), Sk, dtype=torch.bool)
+        if p.causal:
+            vis = keys[None, :] <= rows[:, None] + (Sk - Sq)
+        want = sorted({int(j) // BLOCK for j in keys[vis.any(0)]})
+        got = [c[2] // BLOCK for c in reads]
+        assert got == [j for j in want for _ in range(chunks)], (pid_bh, pid1, got, want)
+        assert all(c[1] == (pid_bh % Hq) // (Hq // p.k.shape[2]) for c in reads)  # the right KV head
+
+
+@pytest.mark.parametrize("shape", [(1, 300, 700, 2, 1), (1, 700, 300, 2, 2), (1, 1, 600, 2, 1)])
+@pytest.mark.parametrize("dims", [(128, 128), (192, 128)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_fp8_emulated_matches_reference(shape, dims, causal):
+    reset_shadows()
+    q, k, v = _inputs(*shape, *dims)
+    qq = leanfa.quantize_fp8(q, k, v)
+    kw = dict(q_descale=qq.q_descale, k_descale=qq.k_descale, v_descale=qq.v_descale, k_mean=qq.k_mean)
+    _check(_problem(qq.q, qq.k, qq.v, causal, **kw), 4e-2, **kw)
+
+
+@pytest.mark.parametrize("form", ["scalar", "per_head"])
+def test_fp8_broadcast_descales(form):
+    """Per-tensor and per-(batch, kv head) descales become broadcast tables (a size-1 block dim)."""
+    reset_shadows()
+    B, Sq, Sk, Hq, Hkv = 1, 300, 500, 2, 1
+    q, k, v = _inputs(B, Sq, Sk, Hq, Hkv, 128, 128)
+    vq = leanfa.quantize_fp8(q, k, v)  # for the transposed FP8 V and its descale
+
+    def quant(x, H):
+        if form == "scalar":
+            d = (x.float().abs().amax() / 448).reshape(1)
+            return (x.float() / d).to(torch.float8_e4m3fn), d
+        d = (x.float().abs().amax(dim=(1, 3)) / 448)  # (B, H)
+        d = d.reshape(B, Hkv, H // Hkv).amax(-1)  # (B, Hkv): shared by a query-head group
+        s = d.repeat_interleave(H // Hkv, 1)[:, None, :, None]
+        return (x.float() / s).to(torch.float8_e4m3fn), d
+
+    q8, qd = quant(q, Hq)
+    k8, kd = quant(k, Hkv)
+    kw = dict(q_descale=qd, k_descale=kd, v_descale=vq.v_descale)
+    _check(_problem(q8, k8, vq.v, True, **kw), 4e-2, **kw)
+
+
+# ----------------------------------------------------------------------------- mutations
+
+def _mutated(jit_fn, old, new):
+    src = inspect.getsource(jit_fn.fn)
+    assert old in src, old
+    shadow(jit_fn, source=src.replace(old, new))
+
+
+def _expect_caught(shape=(1, 600, 600, 2, 1), causal=True):
+    p = _problem(*_inputs(*shape, 128, 128), causal)
+    try:
+        out, _, _ = emulate(p)
+    except EmulationError as e:
+        return str(e)
+    ref = attention_ref(p.q, p.k, p.v, causal=causal)
+    err = float((out.double() - ref).norm() / ref.norm())
+    assert torch.isnan(out).any() or err > 1e-2, "mutation not caught"
+    return f"numerics relL2={err}"
+
+
+def test_mutation_raw_scale_strides(monkeypatch):
+    """The 2026-11-29 bug: the block stride of a broadcast (size-1) scale table was passed as 1."""
+    reset_shadows()
+    monkeypatch.setattr(L, "table_strides", lambda t: tuple(t.stride()))
+    assert "out of its storage" in _expect_caught()
+
+
+@pytest.mark.parametrize("old,new", [
+    ("(block // STAGES) & 1)\n    return slot", "(block // STAGES + 1) & 1)\n    return slot"),  # K parity
+    ("(block // STAGES) & 1)\n    v =", "block & 1)\n    v ="),  # V parity that ignores the ring size
+    ("slot = block % STAGES\n    mbarrier.wait(k_bars", "slot = (block + 1) % STAGES\n    mbarrier.wait(k_bars"),
+])
+def test_mutation_pipeline(old, new):
+    reset_shadows()
+    fn = P.wait_k if "k_bars" in old or "return slot" in old else P.v_tile
+    _mutated(fn, old, new)
+    _expect_caught()
+    reset_shadows()
+
+
+@pytest.mark.parametrize("old,new", [
+    ("        gl.thread_barrier()\n", ""),  # slot refilled while the other warpgroup may read it
+    ("nxt = j + STAGES - 1", "nxt = j + STAGES"),  # prefetch into the slot in use
+    ("acc = warpgroup_mma_wait(0, deps=(acc, ))", "pass"),  # PV not waited before the refill
+    ("if MASK:", "if False:"),  # no mask on diagonal / tail blocks
+    ("p, m_i, l_i, alpha = online_softmax_step(s, c, m_i, l_i, P_OFFSET)",
+     "p, m_i, l_i, alpha = online_softmax_step(s, c, m_i, l_i, P_OFFSET)\n        alpha = alpha * 0 + 1"),
+])
+def test_mutation_attend_loop(old, new):
+    reset_shadows()
+    _mutated(K._attend_blocks, old, new)
+    _expect_caught()
+    reset_shadows()
+
+
+def test_mutation_second_loop_restarts():
+    reset_shadows()
+    _mutated(K.attn_fwd_kernel, "_attend_blocks(n_full, n_end, n_end,", "_attend_blocks(0, n_end, n_end,")
+    _expect_caught()
+    reset_shadows()
+
+
+def test_mutation_q_tile_offset():
+    reset_shadows()
+    _mutated(K.attn_fwd_kernel, "pid_m = num_m_tiles - 1 - gl.program_id(1)", "pid_m = gl.program_id(1) * 0")
+    _expect_caught()
+    reset_shadows()
