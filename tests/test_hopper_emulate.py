@@ -210,3 +210,13 @@ def test_mutation_q_tile_offset():
     _mutated(K.attn_fwd_kernel, "pid_m = num_m_tiles - 1 - gl.program_id(1)", "pid_m = gl.program_id(1) * 0")
     _expect_caught()
     reset_shadows()
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+@pytest.mark.parametrize("causal", [True, False])
+def test_ring_depths(monkeypatch, stages, causal):
+    """The ring arithmetic (slot = j % STAGES, parity = (j // STAGES) & 1) for every depth."""
+    reset_shadows()
+    monkeypatch.setattr(L, "stages_for", lambda *a: stages)
+    p = _problem(*_inputs(1, 900, 1300, 2, 1, 128, 128), causal)
+    _check_schedule(p, _check(p, 1e-2))

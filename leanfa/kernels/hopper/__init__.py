@@ -20,7 +20,10 @@ from . import launch as _launch
 
 #: ``backend="auto"`` picks this kernel only once it passes the GPU check
 #: (scripts/hopper_gpu_check.py). 2026-11-29 H200 run: wrong (NaN) whenever Sk > 128 (more than
-#: one KV block), so it stays opt-in (``backend="hopper"``) until fixed.
+#: one KV block) or Sq > 128 -- cause: the broadcast Q/K descale tables were indexed with their
+#: size-1 block stride (1, not 0), reading past the table (fixed in launch.table_strides; caught
+#: on CPU by tests/test_hopper_emulate.py). Stays opt-in (``backend="hopper"``) until a GPU run
+#: of the fix passes.
 VALIDATED = False
 TESTED_TRITON = ("3.6.",)
 HEAD_DIMS = ((128, 128), (192, 128))

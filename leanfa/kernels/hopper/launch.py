@@ -11,6 +11,7 @@ base. Out-of-range boxes are zero-filled, so sequence tails and batch edges are 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -83,6 +84,14 @@ def stages_for(dqk: int, dv: int, elt: int) -> int:
     return stages
 
 
+def _stages(dqk: int, dv: int, elt: int) -> int:
+    """``stages_for``, or ``LEANFA_HOPPER_STAGES`` (2-4) to measure other ring depths on the GPU.
+    bf16 d128 gets 2 by default, but 3 fits (229,448 B of 232,448 B: no layout-conversion scratch is
+    allocated; see scripts/hopper_compile_check.py)."""
+    env = int(os.environ.get("LEANFA_HOPPER_STAGES", "0") or 0)
+    return env if env in (2, 3, 4) else stages_for(dqk, dv, elt)
+
+
 @dataclass
 class Plan:
     args: tuple
@@ -123,6 +132,11 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
     else:
         v_desc = _desc(v, *_bshd_as_bhsd(v), [1, 1, BLOCK_N, Dv])
     num_m_tiles = triton_cdiv(Sq, BLOCK_M)
+    # the kernel reads table[b, h, token // 128] for every Q tile / key block: a table must have one
+    # entry per 128-token block, or a single broadcast one (stride 0, see table_strides)
+    for name, t, n in (("q_scale", q_scale, num_m_tiles), ("k_scale", k_scale, triton_cdiv(Sk, BLOCK_N))):
+        if t.shape[2] not in (1, n):
+            raise ValueError(f"{name} table has {t.shape[2]} blocks, expected 1 or {n}")
     has_kmean = k_mean is not None and return_lse
     km = k_mean if has_kmean else v_scale  # any float32 pointer; unused
     args = (
@@ -139,7 +153,7 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
     constexprs = dict(
         HEAD_DQK=Dqk, HEAD_DV=Dv, CAUSAL=bool(causal), IS_FP8=is_fp8, V_KMAJOR=kmajor,
         RETURN_LSE=bool(return_lse), HAS_KMEAN=has_kmean,
-        STAGES=stages_for(Dqk, Dv, q.element_size()), num_warps=NUM_WARPS,
+        STAGES=_stages(Dqk, Dv, q.element_size()), num_warps=NUM_WARPS,
     )
     grid = (B * Hq, num_m_tiles)
     return Plan(args, constexprs, grid)
