@@ -61,11 +61,16 @@ class FP8QKV:
 def _channel_stats(
     X, CU, SUM, AMAX, seqlen_dense, num_heads,
     stride_xb, stride_xs, stride_xh, stride_xd,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr,
     VARLEN: tl.constexpr, WANT_SUM: tl.constexpr, WANT_AMAX: tl.constexpr,
 ):
-    """Per (batch, head): sum over the sequence of each channel and/or max |x| per channel."""
-    pid = tl.program_id(0)
+    """Per (batch, head, chunk of CHUNK tokens): the sum of each channel and/or its max |x|.
+
+    Partial results go to SUM/AMAX[(b*H + h), chunk, :]; the host reduces over chunks, so a
+    long sequence is read by many programs at once instead of one.
+    """
+    chunk = tl.program_id(0)
+    pid = tl.program_id(1)
     b = pid // num_heads
     h = pid % num_heads
     if VARLEN:
@@ -76,20 +81,21 @@ def _channel_stats(
         seqlen = seqlen_dense
     offs_d = tl.arange(0, BLOCK_D)
     offs_s = tl.arange(0, BLOCK_S)
-    base = X + b.to(tl.int64) * stride_xb + start.to(tl.int64) * stride_xs + h.to(tl.int64) * stride_xh
+    s_begin = chunk * CHUNK
+    base = X + b.to(tl.int64) * stride_xb + (start + s_begin).to(tl.int64) * stride_xs + h.to(tl.int64) * stride_xh
     total = tl.zeros([BLOCK_D], tl.float32)
     amax = tl.zeros([BLOCK_D], tl.float32)
-    for s0 in range(0, seqlen, BLOCK_S):
+    for s0 in range(0, CHUNK, BLOCK_S):
         rows = s0 + offs_s
-        x = tl.load(base + rows[:, None].to(tl.int64) * stride_xs + offs_d[None, :] * stride_xd,
-                    mask=(rows[:, None] < seqlen) & (offs_d[None, :] < HEAD_DIM), other=0.0).to(tl.float32)
+        x = tl.load(base + rows[:, None] * stride_xs + offs_d[None, :] * stride_xd,
+                    mask=(s_begin + rows[:, None] < seqlen) & (offs_d[None, :] < HEAD_DIM), other=0.0).to(tl.float32)
         if WANT_SUM:
             total += tl.sum(x, 0)
         if WANT_AMAX:
             amax = tl.maximum(amax, tl.max(tl.abs(x), 0))
-    out = pid * HEAD_DIM + offs_d
+    out = (pid * tl.num_programs(0) + chunk) * HEAD_DIM + offs_d
     if WANT_SUM:
-        tl.store(SUM + out, total / tl.maximum(seqlen, 1).to(tl.float32), mask=offs_d < HEAD_DIM)
+        tl.store(SUM + out, total, mask=offs_d < HEAD_DIM)
     if WANT_AMAX:
         tl.store(AMAX + out, amax, mask=offs_d < HEAD_DIM)
 
@@ -126,8 +132,9 @@ def _quantize_blocks(
     offs_d = tl.arange(0, BLOCK_D)
     rows = s0 + tl.arange(0, BLOCK_S)
     mask = (rows[:, None] < seqlen) & (offs_d[None, :] < HEAD_DIM)
-    xb = X + b.to(tl.int64) * stride_xb + start.to(tl.int64) * stride_xs + h.to(tl.int64) * stride_xh
-    x = tl.load(xb + rows[:, None].to(tl.int64) * stride_xs + offs_d[None, :] * stride_xd,
+    local = tl.arange(0, BLOCK_S)  # 64-bit block base, 32-bit offsets inside the block
+    xb = X + b.to(tl.int64) * stride_xb + (start + s0).to(tl.int64) * stride_xs + h.to(tl.int64) * stride_xh
+    x = tl.load(xb + local[:, None] * stride_xs + offs_d[None, :] * stride_xd,
                 mask=mask, other=0.0).to(tl.float32)
     if SUBTRACT_MEAN:
         mean = tl.load(MEAN + pid * HEAD_DIM + offs_d, mask=offs_d < HEAD_DIM, other=0.0)
@@ -144,8 +151,8 @@ def _quantize_blocks(
         else:
             descale = tl.load(scale_ptr)
         x = x / descale
-    yb = Y + b.to(tl.int64) * stride_yb + start.to(tl.int64) * stride_ys + h.to(tl.int64) * stride_yh
-    tl.store(yb + rows[:, None].to(tl.int64) * stride_ys + offs_d[None, :] * stride_yd,
+    yb = Y + b.to(tl.int64) * stride_yb + (start + s0).to(tl.int64) * stride_ys + h.to(tl.int64) * stride_yh
+    tl.store(yb + local[:, None] * stride_ys + offs_d[None, :] * stride_yd,
              to_e4m3(x, True, EXACT_ROUND), mask=mask)
 
 
@@ -172,15 +179,31 @@ class _Seqs:
         return self.cu if self.varlen else fallback
 
 
+#: tokens per program of the channel-statistics pass
+STATS_CHUNK = 512
+
+
 def _channel_stats_launch(x, seqs: _Seqs, want_sum: bool, want_amax: bool):
+    """Per-channel mean (over each sequence) and/or max |x|, as (B, H, D) float32."""
     n = seqs.batch * seqs.heads
-    mean = torch.empty((seqs.batch, seqs.heads, seqs.dim), dtype=torch.float32, device=x.device)
-    amax = torch.empty_like(mean) if want_amax else mean
+    nchunks = max(1, -(-seqs.max_seqlen // STATS_CHUNK))
+    part_sum = torch.zeros((seqs.batch, seqs.heads, nchunks, seqs.dim), dtype=torch.float32, device=x.device)
+    part_amax = torch.zeros_like(part_sum) if want_amax else part_sum
     if n:
-        _channel_stats[(n,)](
-            x, seqs.cu_arg(mean), mean, amax, seqs.seqlen_dense, seqs.heads, *_strides(x, seqs.varlen),
-            HEAD_DIM=seqs.dim, BLOCK_D=triton.next_power_of_2(seqs.dim), BLOCK_S=64 if seqs.dim <= 128 else 32,
+        _channel_stats[(nchunks, n)](
+            x, seqs.cu_arg(part_sum), part_sum, part_amax, seqs.seqlen_dense, seqs.heads,
+            *_strides(x, seqs.varlen), HEAD_DIM=seqs.dim, BLOCK_D=triton.next_power_of_2(seqs.dim),
+            BLOCK_S=64 if seqs.dim <= 128 else 32, CHUNK=STATS_CHUNK,
             VARLEN=seqs.varlen, WANT_SUM=want_sum, WANT_AMAX=want_amax)
+    mean = amax = None
+    if want_sum:
+        if seqs.varlen:  # lengths as a device tensor: no host sync
+            lengths = (seqs.cu[1:] - seqs.cu[:-1]).clamp(min=1).to(torch.float32)
+        else:
+            lengths = torch.full((seqs.batch,), float(max(seqs.seqlen_dense, 1)), device=x.device)
+        mean = part_sum.sum(dim=2) / lengths[:, None, None]
+    if want_amax:
+        amax = part_amax.amax(dim=2)
     return mean, amax
 
 

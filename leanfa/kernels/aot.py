@@ -120,7 +120,7 @@ def compile_all(target=GPUTarget("cuda", 90, 32), limit=None, verbose=True, quic
     stypes = {n: "i32" for n in quant._channel_stats.arg_names if n.startswith("stride_")}
     stypes.update(X="*bf16", CU="*i32", SUM="*fp32", AMAX="*fp32", seqlen_dense="i32", num_heads="i32")
     ck = _compile(quant._channel_stats, stypes, dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=64, VARLEN=True,
-                                                      WANT_SUM=True, WANT_AMAX=True, stride_xd=1), target)
+                                                      CHUNK=512, WANT_SUM=True, WANT_AMAX=True, stride_xd=1), target)
     results.append(_summary("channel_stats bf16", ck, target.arch))
     if verbose:
         for name, regs, spills, smem in results:

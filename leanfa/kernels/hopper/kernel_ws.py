@@ -1,0 +1,272 @@
+"""The Hopper (sm90) attention forward kernel, v2: warp-specialized (``LEANFA_HOPPER_KERNEL=v2``).
+
+Same math, tiles and Lean-P softmax as :mod:`.kernel` (v1); the schedule differs:
+
+* **producer** partition (1 warp, few registers): loads Q once, then streams every key block
+  the tile visits through the ``STAGES``-deep K/V ring. Before refilling slot ``s`` with block
+  ``j >= STAGES`` it waits on ``empty[s]`` for the release of block ``j - STAGES`` (phase
+  ``j // STAGES - 1``). It never waits on the consumers otherwise, so it runs up to ``STAGES``
+  blocks ahead and no CTA-wide barrier is left in the loop.
+* **consumer** partition (the default partition: ``num_warps`` = 8, two warpgroups of 64 query
+  rows, most of the registers): per key block, S = Q K^T, Lean P, PV -- as in v1 -- then it
+  releases the slot: a barrier over the 8 consumer warps (both warpgroups' wgmmas reading the
+  slot were waited for) and one arrive on ``empty[slot]`` (count 1).
+
+Intra-warpgroup software pipelining (``PIPE``, lever 2): the QK^T of block ``j + 1`` is issued
+(async wgmma) *before* the softmax of block ``j``, so the tensor cores work on it while the
+MUFU/FMA pipes do the exponentials; ``warpgroup_mma_wait(1)`` then retires only the older
+group. The PV of block ``j`` is issued after the softmax and waited for at the end of the
+iteration.
+
+FP8 rescale skip (lever 3, ``RESCALE_SKIP``): see :func:`.softmax_ws.online_softmax_step_lazy`.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from .layouts import a_operand_layout, rows_layout, wgmma_layout
+from .masking import kv_block_range, mask_scores
+from .pipeline import (
+    alloc_barriers,
+    as_2d,
+    invalidate_barriers,
+    wait_k,
+    load_kv,
+    load_q,
+    v_tile,
+)
+from .softmax import finish_rows
+from .softmax_ws import online_softmax_step_lazy
+
+SCALE_BLOCK = gl.constexpr(128)  # tokens per Q/K scale block (leanfa.scales.SCALE_BLOCK)
+
+
+# ----------------------------------------------------------------------------- producer
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_bars, v_bars, empty_bars,
+              b, h, hkv, m_start, n_end, V_KMAJOR: gl.constexpr):
+    QK_CHUNKS: gl.constexpr = q_smem.shape[0]
+    STAGES: gl.constexpr = v_bufs.shape[0]
+    load_q(q_desc, b, h, m_start, q_bar.index(0), q_smem, QK_CHUNKS)
+    for j in range(n_end):
+        if j >= STAGES:
+            # slot j % STAGES is free once block j - STAGES was released (its (j//STAGES - 1)-th phase)
+            mbarrier.wait(empty_bars.index(j % STAGES), ((j // STAGES) - 1) & 1)
+        load_kv(k_desc, v_desc, b, hkv, j, k_bufs, v_bufs, k_bars, v_bars, STAGES, V_KMAJOR, QK_CHUNKS)
+
+
+# ----------------------------------------------------------------------------- consumer
+
+@gluon.jit
+def _qk_issue(q_smem, k_bufs, slot, s_zero, QK_CHUNKS: gl.constexpr):
+    """Issue S = Q K^T (async, chained over head-dim chunks); the caller waits."""
+    s = warpgroup_mma(as_2d(q_smem.index(0)), as_2d(k_bufs.index(slot * QK_CHUNKS)).permute((1, 0)), s_zero,
+                      use_acc=False, is_async=True)
+    for c in gl.static_range(1, QK_CHUNKS):
+        s = warpgroup_mma(as_2d(q_smem.index(c)), as_2d(k_bufs.index(slot * QK_CHUNKS + c)).permute((1, 0)), s,
+                          is_async=True)
+    return s
+
+
+@gluon.jit
+def _release(empty_bars, slot):
+    """Both consumer warpgroups are done with ``slot`` (their wgmmas were waited for): free it."""
+    gl.thread_barrier()
+    mbarrier.arrive(empty_bars.index(slot), count=1)
+
+
+@gluon.jit
+def _attend_blocks(lo, hi, q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars,
+                   acc, m_i, l_i, c_q, k_scale_row, stride_ksblk,
+                   offs_m, seqlen_q, seqlen_k,
+                   MASK: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr,
+                   V_KMAJOR: gl.constexpr, P_OFFSET: gl.constexpr, RESCALE_SKIP: gl.constexpr,
+                   PIPE: gl.constexpr, num_warps: gl.constexpr):
+    """Run key blocks ``[lo, hi)`` (``MASK`` for the diagonal/tail blocks)."""
+    BLOCK_M: gl.constexpr = q_smem.shape[3]
+    BLOCK_N: gl.constexpr = k_bufs.shape[2]
+    QK_CHUNKS: gl.constexpr = q_smem.shape[0]
+    STAGES: gl.constexpr = v_bufs.shape[0]
+    BITS: gl.constexpr = 8 if IS_FP8 else 16
+    s_layout: gl.constexpr = wgmma_layout(num_warps, BLOCK_N, BITS)
+    o_layout: gl.constexpr = acc.type.layout
+    p_layout: gl.constexpr = a_operand_layout(o_layout, BITS)
+    p_dtype: gl.constexpr = q_smem.dtype
+    offs_n0 = gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+
+    if PIPE:
+        if lo < hi:
+            slot0 = wait_k(k_bars, lo, STAGES)
+            s_next = _qk_issue(q_smem, k_bufs, slot0, s_zero, QK_CHUNKS)
+    for j in range(lo, hi):
+        c = c_q * gl.load(k_scale_row + ((j * BLOCK_N) // SCALE_BLOCK) * stride_ksblk)
+        slot = j % STAGES
+        if PIPE:
+            s = s_next
+            if j + 1 < hi:
+                # issue S_{j+1} now: it runs on the tensor cores during this block's softmax
+                slot1 = wait_k(k_bars, j + 1, STAGES)
+                s_next = _qk_issue(q_smem, k_bufs, slot1, s_zero, QK_CHUNKS)
+                s = warpgroup_mma_wait(1, deps=(s, ))
+            else:
+                s = warpgroup_mma_wait(0, deps=(s, ))
+        else:
+            wait_k(k_bars, j, STAGES)
+            s = _qk_issue(q_smem, k_bufs, slot, s_zero, QK_CHUNKS)
+            s = warpgroup_mma_wait(0, deps=(s, ))
+        if MASK:
+            s = mask_scores(s, offs_m, j * BLOCK_N + offs_n0, seqlen_q, seqlen_k, CAUSAL)
+
+        p, m_i, l_i, alpha = online_softmax_step_lazy(s, c, m_i, l_i, P_OFFSET, RESCALE_SKIP)
+        alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        p_op = gl.convert_layout(p.to(p_dtype), p_layout)
+
+        v = v_tile(v_bufs, v_bars, j, STAGES, V_KMAJOR)
+        if IS_FP8:
+            pv = warpgroup_mma(p_op, v, gl.zeros_like(acc), use_acc=False, is_async=True)
+            if PIPE:
+                if j + 1 < hi:
+                    pv = warpgroup_mma_wait(1, deps=(pv, ))  # S_{j+1} may still run: PV_j done? no --
+                    pv = warpgroup_mma_wait(0, deps=(pv, ))  # groups retire in order: wait all
+                else:
+                    pv = warpgroup_mma_wait(0, deps=(pv, ))
+            else:
+                pv = warpgroup_mma_wait(0, deps=(pv, ))
+            acc = gl.fma(acc, alpha_o, pv)
+        else:
+            acc = warpgroup_mma(p_op, v, acc * alpha_o, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+        _release(empty_bars, slot)
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def _consumer(q_smem, k_bufs, v_bufs, q_bar, k_bars, v_bars, empty_bars,
+              out_ptr, stride_ob, stride_os, stride_oh, lse_ptr,
+              q_scale_ptr, stride_qsb, stride_qsh, stride_qsblk,
+              k_scale_ptr, stride_ksb, stride_ksh, stride_ksblk,
+              v_scale_ptr, stride_vsb, stride_vsh, stride_vsd,
+              k_mean_ptr, stride_kmb, stride_kmh, stride_kmd,
+              seqlen_q, seqlen_k, qk_scale, sm_scale,
+              pid_bh, b, h, hkv, m_start, n_full, n_end,
+              HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
+              RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, RESCALE_SKIP: gl.constexpr,
+              PIPE: gl.constexpr, num_warps: gl.constexpr):
+    BLOCK_M: gl.constexpr = q_smem.shape[3]
+    DCHUNK: gl.constexpr = q_smem.shape[4] if False else q_smem.shape[3 + 1]
+    QK_CHUNKS: gl.constexpr = q_smem.shape[0]
+    BLOCK_N: gl.constexpr = k_bufs.shape[2]
+    BITS: gl.constexpr = 8 if IS_FP8 else 16
+    P_OFFSET: gl.constexpr = 8.0 if IS_FP8 else 0.0
+    s_layout: gl.constexpr = wgmma_layout(num_warps, BLOCK_N, BITS)
+    o_layout: gl.constexpr = wgmma_layout(num_warps, HEAD_DV, BITS)
+
+    c_q = qk_scale * gl.load(q_scale_ptr + b * stride_qsb + h * stride_qsh + (m_start // SCALE_BLOCK) * stride_qsblk)
+    k_scale_row = k_scale_ptr + b * stride_ksb + hkv * stride_ksh
+    offs_m = m_start + gl.arange(0, BLOCK_M, gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([BLOCK_M, HEAD_DV], gl.float32, o_layout)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
+
+    mbarrier.wait(q_bar.index(0), 0)
+    acc, m_i, l_i = _attend_blocks(0, n_full, q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars,
+                                   acc, m_i, l_i, c_q, k_scale_row, stride_ksblk, offs_m, seqlen_q, seqlen_k,
+                                   False, CAUSAL, IS_FP8, V_KMAJOR, P_OFFSET, RESCALE_SKIP, PIPE, num_warps)
+    acc, m_i, l_i = _attend_blocks(n_full, n_end, q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars,
+                                   acc, m_i, l_i, c_q, k_scale_row, stride_ksblk, offs_m, seqlen_q, seqlen_k,
+                                   True, CAUSAL, IS_FP8, V_KMAJOR, P_OFFSET, RESCALE_SKIP, PIPE, num_warps)
+
+    # Epilogue: O = acc / l * v_scale; LSE.
+    inv_l, lse = finish_rows(m_i, l_i, P_OFFSET)
+    offs_mo = m_start + gl.arange(0, BLOCK_M, gl.SliceLayout(1, o_layout))
+    offs_d = gl.arange(0, HEAD_DV, gl.SliceLayout(0, o_layout))
+    v_scale = gl.load(v_scale_ptr + b * stride_vsb + hkv * stride_vsh + offs_d * stride_vsd)
+    out = acc * gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout))[:, None] * v_scale[None, :]
+    o_base = out_ptr + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
+    o_ptrs = o_base + offs_mo.to(gl.int64)[:, None] * stride_os + offs_d[None, :]
+    gl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=offs_mo[:, None] < seqlen_q)
+
+    if RETURN_LSE:
+        if HAS_KMEAN:
+            r_layout: gl.constexpr = rows_layout(num_warps)
+            offs_k = gl.arange(0, DCHUNK, gl.SliceLayout(0, r_layout))
+            dot = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, r_layout))
+            for c in gl.static_range(QK_CHUNKS):
+                qv = as_2d(q_smem.index(c)).load(r_layout).to(gl.float32)
+                km = gl.load(k_mean_ptr + b * stride_kmb + hkv * stride_kmh + (c * DCHUNK + offs_k) * stride_kmd)
+                dot += gl.sum(qv * km[None, :], axis=1)
+            corr = dot * ((c_q / qk_scale) * sm_scale)
+            lse = lse + gl.convert_layout(corr, gl.SliceLayout(1, s_layout))
+        gl.store(lse_ptr + pid_bh.to(gl.int64) * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
+
+
+# ----------------------------------------------------------------------------- kernel
+
+@gluon.jit
+def attn_fwd_ws_kernel(
+    q_desc, k_desc, v_desc,
+    out_ptr, stride_ob, stride_os, stride_oh,
+    lse_ptr,
+    q_scale_ptr, stride_qsb, stride_qsh, stride_qsblk,
+    k_scale_ptr, stride_ksb, stride_ksh, stride_ksblk,
+    v_scale_ptr, stride_vsb, stride_vsh, stride_vsd,
+    k_mean_ptr, stride_kmb, stride_kmh, stride_kmd,
+    seqlen_q, seqlen_k, num_heads, group_size, num_m_tiles,
+    qk_scale,  # softmax_scale * log2(e)
+    sm_scale,  # softmax_scale (for the K-mean LSE correction)
+    HEAD_DQK: gl.constexpr, HEAD_DV: gl.constexpr,
+    CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
+    RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, STAGES: gl.constexpr,
+    RESCALE_SKIP: gl.constexpr, PIPE: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+    DCHUNK: gl.constexpr = q_desc.block_type.shape[3]
+    QK_CHUNKS: gl.constexpr = HEAD_DQK // DCHUNK
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+
+    # Heaviest tiles first: all heads' last query tiles are launched before any first tile.
+    pid_bh = gl.program_id(0)
+    pid_m = num_m_tiles - 1 - gl.program_id(1)
+    b = pid_bh // num_heads
+    h = pid_bh % num_heads
+    hkv = h // group_size
+    m_start = pid_m * BLOCK_M
+
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [QK_CHUNKS] + q_desc.block_type.shape, q_desc.layout)
+    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES * QK_CHUNKS] + k_desc.block_type.shape, k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_bar = alloc_barriers(1)
+    k_bars = alloc_barriers(STAGES)
+    v_bars = alloc_barriers(STAGES)
+    empty_bars = alloc_barriers(STAGES)
+
+    n_full, n_end = kv_block_range(m_start, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+
+    gl.warp_specialize([
+        (_consumer, (q_smem, k_bufs, v_bufs, q_bar, k_bars, v_bars, empty_bars,
+                     out_ptr, stride_ob, stride_os, stride_oh, lse_ptr,
+                     q_scale_ptr, stride_qsb, stride_qsh, stride_qsblk,
+                     k_scale_ptr, stride_ksb, stride_ksh, stride_ksblk,
+                     v_scale_ptr, stride_vsb, stride_vsh, stride_vsd,
+                     k_mean_ptr, stride_kmb, stride_kmh, stride_kmd,
+                     seqlen_q, seqlen_k, qk_scale, sm_scale,
+                     pid_bh, b, h, hkv, m_start, n_full, n_end,
+                     HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PIPE, num_warps)),
+        (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_bars, v_bars, empty_bars,
+                     b, h, hkv, m_start, n_end, V_KMAJOR)),
+    ], [1], [PRODUCER_REGS])
+
+    invalidate_barriers(q_bar, 1)
+    invalidate_barriers(k_bars, STAGES)
+    invalidate_barriers(v_bars, STAGES)
+    invalidate_barriers(empty_bars, STAGES)
