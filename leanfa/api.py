@@ -115,8 +115,9 @@ def _check_cu_seqlens(name: str, cu: torch.Tensor, total: int, max_name: str, ma
         raise ValueError(f"{name} is on {cu.device} but q is on {device}")
     if not isinstance(max_seqlen, int) or isinstance(max_seqlen, bool) or max_seqlen < 1:
         raise ValueError(f"{max_name} must be a positive int, got {max_seqlen!r}")
-    # Values are checked only on the CPU path (a GPU check would synchronize).
-    if cu.device.type == "cpu":
+    # Values are checked only on the CPU path (a GPU check would synchronize), and not while
+    # torch.compile traces (reading values would break the graph).
+    if cu.device.type == "cpu" and not torch.compiler.is_compiling():
         lengths = cu[1:] - cu[:-1]
         if int(cu[0]) != 0:
             raise ValueError(f"{name}[0] must be 0, got {int(cu[0])}")
@@ -223,11 +224,13 @@ def _build_problem(q, k, v, *, varlen, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
 
 
 def _run(problem: Problem, backend: str):
-    from .kernels import dispatch
+    # Validated here; the launch goes through the ``leanfa::fwd``/``leanfa::varlen_fwd`` custom
+    # ops (leanfa/ops.py) so torch.compile traces the call without a graph break.
+    from . import ops
 
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    out, lse = dispatch.run(problem, backend)
+    out, lse = ops.call(problem, backend)
     return (out, lse) if problem.return_lse else out
 
 

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from .kernels.fp8 import E4M3_MAX, E4M3_MAX_C, to_e4m3
+from .kernels.sequences import sequence_span
 from .scales import SCALE_BLOCK, num_scale_blocks
 
 GRANULARITIES = ("block", "head", "tensor")
@@ -73,12 +74,7 @@ def _channel_stats(
     pid = tl.program_id(1)
     b = pid // num_heads
     h = pid % num_heads
-    if VARLEN:
-        start = tl.load(CU + b)
-        seqlen = tl.load(CU + b + 1) - start
-    else:
-        start = b * 0  # a tensor zero (int literals have no .to())
-        seqlen = seqlen_dense
+    start, seqlen = sequence_span(CU, b, seqlen_dense, VARLEN)
     offs_d = tl.arange(0, BLOCK_D)
     offs_s = tl.arange(0, BLOCK_S)
     s_begin = chunk * CHUNK
@@ -120,12 +116,7 @@ def _quantize_blocks(
     pid = tl.program_id(1)
     b = pid // num_heads
     h = pid % num_heads
-    if VARLEN:
-        start = tl.load(CU + b)
-        seqlen = tl.load(CU + b + 1) - start
-    else:
-        start = b * 0  # a tensor zero (int literals have no .to())
-        seqlen = seqlen_dense
+    start, seqlen = sequence_span(CU, b, seqlen_dense, VARLEN)
     s0 = blk * BLOCK_S
     if s0 >= seqlen:
         return

@@ -26,6 +26,7 @@ import triton.language as tl
 
 from ..scales import SCALE_BLOCK
 from .fp8 import to_e4m3
+from .sequences import sequence_span
 
 LOG2E = 1.4426950408889634
 NEG_INF = tl.constexpr(float("-inf"))  # a constexpr: jit code may read it
@@ -132,16 +133,8 @@ def _attn_fwd(
     b = pid_bh // num_heads
     h = pid_bh % num_heads
     hk = h // GROUP
-    if VARLEN:
-        q_start = tl.load(CU_Q + b)
-        seqlen_q = tl.load(CU_Q + b + 1) - q_start
-        k_start = tl.load(CU_K + b)
-        seqlen_k = tl.load(CU_K + b + 1) - k_start
-    else:
-        q_start = b * 0  # a tensor zero (int literals have no .to())
-        seqlen_q = seqlen_q_dense
-        k_start = b * 0
-        seqlen_k = seqlen_k_dense
+    q_start, seqlen_q = sequence_span(CU_Q, b, seqlen_q_dense, VARLEN)
+    k_start, seqlen_k = sequence_span(CU_K, b, seqlen_k_dense, VARLEN)
     start_m = pid_m * BLOCK_M
     if start_m >= seqlen_q:
         return

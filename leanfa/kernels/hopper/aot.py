@@ -21,7 +21,6 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import mangle_type
 
 from . import launch as L
-from .kernel import attn_fwd_kernel
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -36,11 +35,14 @@ class Variant:
     k_mean: bool = False
     v_kmajor: bool | None = None  # default: True for fp8, False for bf16
     out_dtype: torch.dtype = torch.bfloat16
+    version: str = "v1"  # "v1" | "v2" (kernel_ws)
+    env: tuple = ()  # ((name, value), ...) set while planning (v2 knobs, LEANFA_HOPPER_STAGES)
 
     @property
     def name(self) -> str:
         vk = self.v_kmajor if self.v_kmajor is not None else self.dtype == "fp8"
-        return (f"{self.dtype}-d{self.dqk}/{self.dv}-{'causal' if self.causal else 'full'}"
+        tag = "" if self.version == "v1" else f"{self.version}" + "".join(f"[{k.replace('LEANFA_HOPPER_', '').lower()}={x}]" for k, x in self.env) + ":"
+        return (f"{tag}{self.dtype}-d{self.dqk}/{self.dv}-{'causal' if self.causal else 'full'}"
                 f"{'-lse' if self.return_lse else ''}{'-kmean' if self.k_mean else ''}"
                 f"{'-vT' if vk else ''}")
 
@@ -62,8 +64,17 @@ def _fake_problem(v: Variant):
     ks = ones.expand(B, H, 2)
     vs = ones.expand(B, H, v.dv)
     km = torch.zeros(B, H, v.dqk, dtype=torch.float32) if v.k_mean else None
-    return L.make_plan(q, k, v_, out, lse if v.return_lse else None, qs, ks, vs, km, causal=v.causal,
-                       softmax_scale=v.dqk ** -0.5, return_lse=v.return_lse)
+    old = {k: os.environ.get(k) for k, _ in v.env}
+    os.environ.update({k: str(x) for k, x in v.env})
+    try:
+        return L.make_plan(q, k, v_, out, lse if v.return_lse else None, qs, ks, vs, km, causal=v.causal,
+                           softmax_scale=v.dqk ** -0.5, return_lse=v.return_lse, version=v.version)
+    finally:
+        for k_, x in old.items():
+            if x is None:
+                os.environ.pop(k_, None)
+            else:
+                os.environ[k_] = x
 
 
 def _signature(fn, args, constexprs):
@@ -95,8 +106,8 @@ class Compiled:
 def compile_variant(v: Variant) -> Compiled:
     plan = _fake_problem(v)
     c = dict(plan.constexprs)
-    sig, consts = _signature(attn_fwd_kernel, plan.args, c)
-    src = GluonASTSource(attn_fwd_kernel, sig, constexprs=consts)
+    sig, consts = _signature(plan.kernel, plan.args, c)
+    src = GluonASTSource(plan.kernel, sig, constexprs=consts)
     ck = triton.compile(src, target=TARGET, options={"num_warps": c["num_warps"]})
     ptx = ck.asm["ptx"]
     regs, ss, sl = _ptxas_usage(ptx)

@@ -84,6 +84,39 @@ def _release(empty_bars, slot):
 
 
 @gluon.jit
+def _softmax_pv(s, j, v_bufs, v_bars, acc, m_i, l_i, c, offs_m, offs_n0, seqlen_q, seqlen_k,
+                MASK: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
+                P_OFFSET: gl.constexpr, RESCALE_SKIP: gl.constexpr):
+    """Mask, Lean P, and *issue* PV of block ``j`` (async; the caller waits and calls :func:`_fold`)."""
+    BLOCK_N: gl.constexpr = s.shape[1]
+    STAGES: gl.constexpr = v_bufs.shape[0]
+    BITS: gl.constexpr = 8 if IS_FP8 else 16
+    o_layout: gl.constexpr = acc.type.layout
+    p_layout: gl.constexpr = a_operand_layout(o_layout, BITS)
+    if MASK:
+        s = mask_scores(s, offs_m, j * BLOCK_N + offs_n0, seqlen_q, seqlen_k, CAUSAL)
+    p, m_i, l_i, alpha = online_softmax_step_lazy(s, c, m_i, l_i, P_OFFSET, RESCALE_SKIP)
+    alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    p_op = gl.convert_layout(p.to(v_bufs.dtype), p_layout)
+    v = v_tile(v_bufs, v_bars, j, STAGES, V_KMAJOR)
+    if IS_FP8:
+        # two-level accumulation: this block's PV in a fresh fp32 tile, folded in by one FFMA
+        pv = warpgroup_mma(p_op, v, gl.zeros_like(acc), use_acc=False, is_async=True)
+    else:
+        pv = warpgroup_mma(p_op, v, acc * alpha_o, is_async=True)
+    return pv, alpha_o, m_i, l_i
+
+
+@gluon.jit
+def _fold(acc, pv, alpha_o, IS_FP8: gl.constexpr):
+    if IS_FP8:
+        acc = gl.fma(acc, alpha_o, pv)
+    else:
+        acc = pv
+    return acc
+
+
+@gluon.jit
 def _attend_blocks(lo, hi, q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars,
                    acc, m_i, l_i, c_q, k_scale_row, stride_ksblk,
                    offs_m, seqlen_q, seqlen_k,
@@ -92,60 +125,51 @@ def _attend_blocks(lo, hi, q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars,
                    PIPE: gl.constexpr, num_warps: gl.constexpr):
     """Run key blocks ``[lo, hi)`` (``MASK`` for the diagonal/tail blocks)."""
     BLOCK_M: gl.constexpr = q_smem.shape[3]
-    BLOCK_N: gl.constexpr = k_bufs.shape[2]
+    BLOCK_N: gl.constexpr = k_bufs.shape[3]
     QK_CHUNKS: gl.constexpr = q_smem.shape[0]
     STAGES: gl.constexpr = v_bufs.shape[0]
     BITS: gl.constexpr = 8 if IS_FP8 else 16
     s_layout: gl.constexpr = wgmma_layout(num_warps, BLOCK_N, BITS)
-    o_layout: gl.constexpr = acc.type.layout
-    p_layout: gl.constexpr = a_operand_layout(o_layout, BITS)
-    p_dtype: gl.constexpr = q_smem.dtype
     offs_n0 = gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
 
     if PIPE:
+        # S_j is issued one iteration early (during the softmax of block j-1) and retired by the
+        # end-of-iteration wait together with PV_{j-1}.
+        s_next = s_zero
         if lo < hi:
-            slot0 = wait_k(k_bars, lo, STAGES)
-            s_next = _qk_issue(q_smem, k_bufs, slot0, s_zero, QK_CHUNKS)
-    for j in range(lo, hi):
-        c = c_q * gl.load(k_scale_row + ((j * BLOCK_N) // SCALE_BLOCK) * stride_ksblk)
-        slot = j % STAGES
-        if PIPE:
+            s_next = warpgroup_mma_wait(0, deps=(_qk_issue(q_smem, k_bufs, wait_k(k_bars, lo, STAGES), s_zero,
+                                                           QK_CHUNKS), ))
+        for j in range(lo, hi - 1):
+            c = c_q * gl.load(k_scale_row + ((j * BLOCK_N) // SCALE_BLOCK) * stride_ksblk)
             s = s_next
-            if j + 1 < hi:
-                # issue S_{j+1} now: it runs on the tensor cores during this block's softmax
-                slot1 = wait_k(k_bars, j + 1, STAGES)
-                s_next = _qk_issue(q_smem, k_bufs, slot1, s_zero, QK_CHUNKS)
-                s = warpgroup_mma_wait(1, deps=(s, ))
-            else:
-                s = warpgroup_mma_wait(0, deps=(s, ))
-        else:
-            wait_k(k_bars, j, STAGES)
-            s = _qk_issue(q_smem, k_bufs, slot, s_zero, QK_CHUNKS)
+            s_acc = _qk_issue(q_smem, k_bufs, wait_k(k_bars, j + 1, STAGES), s_zero, QK_CHUNKS)
+            pv, alpha_o, m_i, l_i = _softmax_pv(s, j, v_bufs, v_bars, acc, m_i, l_i, c, offs_m, offs_n0,
+                                                seqlen_q, seqlen_k, MASK, CAUSAL, IS_FP8, V_KMAJOR, P_OFFSET,
+                                                RESCALE_SKIP)
+            pv, s_next = warpgroup_mma_wait(0, deps=(pv, s_acc))
+            acc = _fold(acc, pv, alpha_o, IS_FP8)
+            _release(empty_bars, j % STAGES)
+        if lo < hi:
+            j = hi - 1
+            c = c_q * gl.load(k_scale_row + ((j * BLOCK_N) // SCALE_BLOCK) * stride_ksblk)
+            pv, alpha_o, m_i, l_i = _softmax_pv(s_next, j, v_bufs, v_bars, acc, m_i, l_i, c, offs_m, offs_n0,
+                                                seqlen_q, seqlen_k, MASK, CAUSAL, IS_FP8, V_KMAJOR, P_OFFSET,
+                                                RESCALE_SKIP)
+            pv = warpgroup_mma_wait(0, deps=(pv, ))
+            acc = _fold(acc, pv, alpha_o, IS_FP8)
+            _release(empty_bars, j % STAGES)
+    else:
+        for j in range(lo, hi):
+            c = c_q * gl.load(k_scale_row + ((j * BLOCK_N) // SCALE_BLOCK) * stride_ksblk)
+            s = _qk_issue(q_smem, k_bufs, wait_k(k_bars, j, STAGES), s_zero, QK_CHUNKS)
             s = warpgroup_mma_wait(0, deps=(s, ))
-        if MASK:
-            s = mask_scores(s, offs_m, j * BLOCK_N + offs_n0, seqlen_q, seqlen_k, CAUSAL)
-
-        p, m_i, l_i, alpha = online_softmax_step_lazy(s, c, m_i, l_i, P_OFFSET, RESCALE_SKIP)
-        alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        p_op = gl.convert_layout(p.to(p_dtype), p_layout)
-
-        v = v_tile(v_bufs, v_bars, j, STAGES, V_KMAJOR)
-        if IS_FP8:
-            pv = warpgroup_mma(p_op, v, gl.zeros_like(acc), use_acc=False, is_async=True)
-            if PIPE:
-                if j + 1 < hi:
-                    pv = warpgroup_mma_wait(1, deps=(pv, ))  # S_{j+1} may still run: PV_j done? no --
-                    pv = warpgroup_mma_wait(0, deps=(pv, ))  # groups retire in order: wait all
-                else:
-                    pv = warpgroup_mma_wait(0, deps=(pv, ))
-            else:
-                pv = warpgroup_mma_wait(0, deps=(pv, ))
-            acc = gl.fma(acc, alpha_o, pv)
-        else:
-            acc = warpgroup_mma(p_op, v, acc * alpha_o, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=(acc, ))
-        _release(empty_bars, slot)
+            pv, alpha_o, m_i, l_i = _softmax_pv(s, j, v_bufs, v_bars, acc, m_i, l_i, c, offs_m, offs_n0,
+                                                seqlen_q, seqlen_k, MASK, CAUSAL, IS_FP8, V_KMAJOR, P_OFFSET,
+                                                RESCALE_SKIP)
+            pv = warpgroup_mma_wait(0, deps=(pv, ))
+            acc = _fold(acc, pv, alpha_o, IS_FP8)
+            _release(empty_bars, j % STAGES)
     return acc, m_i, l_i
 
 
@@ -162,9 +186,9 @@ def _consumer(q_smem, k_bufs, v_bufs, q_bar, k_bars, v_bars, empty_bars,
               RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, RESCALE_SKIP: gl.constexpr,
               PIPE: gl.constexpr, num_warps: gl.constexpr):
     BLOCK_M: gl.constexpr = q_smem.shape[3]
-    DCHUNK: gl.constexpr = q_smem.shape[4] if False else q_smem.shape[3 + 1]
+    DCHUNK: gl.constexpr = q_smem.shape[4]
     QK_CHUNKS: gl.constexpr = q_smem.shape[0]
-    BLOCK_N: gl.constexpr = k_bufs.shape[2]
+    BLOCK_N: gl.constexpr = k_bufs.shape[3]
     BITS: gl.constexpr = 8 if IS_FP8 else 16
     P_OFFSET: gl.constexpr = 8.0 if IS_FP8 else 0.0
     s_layout: gl.constexpr = wgmma_layout(num_warps, BLOCK_N, BITS)

@@ -20,6 +20,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .kernel import attn_fwd_kernel
+from .kernel_ws import attn_fwd_ws_kernel
 
 BLOCK_M = 128
 BLOCK_N = 128
@@ -92,11 +93,35 @@ def _stages(dqk: int, dv: int, elt: int) -> int:
     return env if env in (2, 3, 4) else stages_for(dqk, dv, elt)
 
 
+def kernel_version() -> str:
+    """``LEANFA_HOPPER_KERNEL``: ``v1`` (default: one partition, CTA barrier per refill) or ``v2``
+    (warp-specialized: TMA producer warp + 2 consumer warpgroups, :mod:`.kernel_ws`)."""
+    v = os.environ.get("LEANFA_HOPPER_KERNEL", "v1").strip().lower() or "v1"
+    if v not in ("v1", "v2"):
+        raise ValueError(f"LEANFA_HOPPER_KERNEL must be v1 or v2, got {v!r}")
+    return v
+
+
+def _flag(name: str, default: bool) -> bool:
+    return os.environ.get(name, "1" if default else "0").strip() not in ("0", "", "false", "no")
+
+
+#: v2 knobs (env, read at plan time): LEANFA_HOPPER_PIPE (issue QK^T of block j+1 before the
+#: softmax of block j; default on), LEANFA_HOPPER_RESCALE_SKIP (stale-max threshold; default off),
+#: LEANFA_HOPPER_PRODUCER_REGS (setmaxnreg of the producer warp; default 24).
+KERNELS = {"v1": attn_fwd_kernel, "v2": attn_fwd_ws_kernel}
+
+
 @dataclass
 class Plan:
     args: tuple
     constexprs: dict
     grid: tuple
+    version: str = "v1"
+
+    @property
+    def kernel(self):
+        return KERNELS[self.version]
 
 
 def table_strides(t: torch.Tensor):
@@ -118,7 +143,7 @@ def _desc(t: torch.Tensor, shape, strides, block):
 
 
 def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: bool,
-              softmax_scale: float, return_lse: bool) -> Plan:
+              softmax_scale: float, return_lse: bool, version: str | None = None) -> Plan:
     """Kernel arguments for dense (B, S, H, D) tensors; ``out`` is (B, Sq, Hq, Dv)."""
     B, Sq, Hq, Dqk = q.shape
     Sk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
@@ -155,8 +180,15 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
         RETURN_LSE=bool(return_lse), HAS_KMEAN=has_kmean,
         STAGES=_stages(Dqk, Dv, q.element_size()), num_warps=NUM_WARPS,
     )
+    version = version or kernel_version()
+    if version == "v2":
+        constexprs.update(
+            PIPE=_flag("LEANFA_HOPPER_PIPE", True),
+            RESCALE_SKIP=_flag("LEANFA_HOPPER_RESCALE_SKIP", False),
+            PRODUCER_REGS=int(os.environ.get("LEANFA_HOPPER_PRODUCER_REGS", "24")),
+        )
     grid = (B * Hq, num_m_tiles)
-    return Plan(args, constexprs, grid)
+    return Plan(args, constexprs, grid, version)
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -166,4 +198,4 @@ def triton_cdiv(a: int, b: int) -> int:
 def launch(plan: Plan) -> None:
     c = dict(plan.constexprs)
     num_warps = c.pop("num_warps")
-    attn_fwd_kernel[plan.grid](*plan.args, **c, num_warps=num_warps)
+    plan.kernel[plan.grid](*plan.args, **c, num_warps=num_warps)

@@ -1,0 +1,39 @@
+"""Lean-P online softmax for the v2 kernel, with an optional stale-max ("lazy rescale") rule.
+
+``online_softmax_step_lazy(..., RESCALE_SKIP=False)`` is exactly :func:`.softmax.online_softmax_step`.
+
+With ``RESCALE_SKIP`` a row keeps its old max unless the block's max exceeds it by more than
+``TAU`` (log2 domain). The math stays exact -- ``l`` and ``acc`` are kept relative to the same
+(stale) max, and ``finish_rows`` uses that max -- but ``p = exp2(s*c - (m_stale - P_OFFSET))``
+can now reach ``2^(P_OFFSET + TAU)``. FP8: P is converted to e4m3 (satfinite, max 448 =
+2^8.807) with ``P_OFFSET = 8``, so ``TAU <= log2(448/256) = 0.807``; we use 0.8 (p <= 445.7).
+BF16/FP16 P has range to spare; FP16 max is 65504 = 2^15.99 so TAU = 8 is safe for both.
+Rows whose max did not grow by more than TAU get ``alpha = 1`` exactly.
+
+What it saves: only the per-row ``alpha`` work *unless* the caller skips the O rescale
+warp-uniformly. In the FP8 path the rescale is folded into the FFMA that adds the fresh PV
+block (``acc = fma(acc, alpha, pv)``), so it costs nothing to skip -- the expected FP8 gain is
+~0 (documented in docs/perf-notes.md); kept as an option for BF16 experiments.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+
+@gluon.jit
+def online_softmax_step_lazy(s, c, m_i, l_i, P_OFFSET: gl.constexpr, RESCALE_SKIP: gl.constexpr):
+    """One key block: ``(p, m_new, l_new, alpha)``; the caller rescales the accumulator by alpha."""
+    TAU: gl.constexpr = 0.8 if P_OFFSET > 0.0 else 8.0
+    m_blk = gl.max(s, axis=1) * c
+    if RESCALE_SKIP:
+        m_new = gl.where(m_blk > m_i + TAU, m_blk, m_i)
+    else:
+        m_new = gl.maximum(m_i, m_blk)
+    m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_sub)
+    neg_m = P_OFFSET - m_sub
+    p = gl.exp2(gl.fma(s, c, neg_m[:, None]))
+    l_new = l_i * alpha + gl.sum(p, axis=1)
+    return p, m_new, l_new, alpha

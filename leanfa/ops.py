@@ -1,0 +1,135 @@
+"""PyTorch custom operators: ``torch.ops.leanfa.fwd`` and ``torch.ops.leanfa.varlen_fwd``.
+
+:func:`leanfa.flash_attn_func`, :func:`leanfa.flash_attn_varlen_func` and
+:func:`leanfa.attention` validate their arguments in Python and then call one of these ops, so
+
+* ``torch.compile(fullgraph=True)`` traces a model that calls leanfa without a graph break:
+  the op is opaque to Dynamo/Inductor and its fake (meta) implementation gives output shapes;
+* a call can be captured in a CUDA graph: the op reads no tensor values on the host, allocates
+  only through PyTorch's caching allocator, and descales are device tensors.
+
+The ops take the *validated* layout of :class:`leanfa.api.Problem`: descales already expanded
+into float32 scale tables (see :mod:`leanfa.scales`), ``softmax_scale`` resolved to a float,
+``out_dtype`` resolved. They return ``(out, lse)``; ``lse`` has zero elements when
+``return_lse`` is False. Call the public functions rather than the ops: the ops do not check
+their arguments.
+
+**Warm-up before capture.** On a GPU the portable kernel autotunes large shapes
+(``max_seqlen_q * max_seqlen_k >= 2**20``) on its first call for each shape class: that call
+benchmarks several configurations and synchronizes, so it cannot run inside
+``torch.cuda.graph(...)``. Like FlashAttention-3/Triton kernels in general, run each shape once
+outside capture (the usual warm-up iteration), then capture and replay.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+__all__ = ["fwd", "varlen_fwd"]
+
+
+def _problem(q, k, v, cu_q, cu_k, max_q, max_k, q_scale, k_scale, v_scale, k_mean,
+             softmax_scale, causal, return_lse, out_dtype):
+    from .api import Problem
+
+    varlen = cu_q is not None
+    if varlen:
+        batch = cu_q.numel() - 1
+    else:
+        batch, max_q, max_k = q.shape[0], q.shape[1], k.shape[1]
+    return Problem(
+        q=q, k=k, v=v, batch=batch, heads=q.shape[-2], kv_heads=k.shape[-2],
+        head_dim_qk=q.shape[-1], head_dim_v=v.shape[-1], max_seqlen_q=max_q, max_seqlen_k=max_k,
+        cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=causal, softmax_scale=softmax_scale,
+        q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, k_mean=k_mean, out_dtype=out_dtype,
+        return_lse=return_lse)
+
+
+def _execute(problem, backend: str):
+    from .kernels import dispatch
+
+    out, lse = dispatch.run(problem, backend)
+    if lse is None:
+        lse = problem.q.new_empty((0,), dtype=torch.float32)
+    return out, lse
+
+
+@torch.library.custom_op("leanfa::fwd", mutates_args=())
+def fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_scale: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    k_mean: Optional[torch.Tensor],
+    softmax_scale: float,
+    causal: bool,
+    return_lse: bool,
+    out_dtype: torch.dtype,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense forward on ``(B, S, H, D)`` tensors; returns ``(out, lse)`` (``lse`` empty unless
+    ``return_lse``)."""
+    problem = _problem(q, k, v, None, None, None, None, q_scale, k_scale, v_scale, k_mean,
+                       softmax_scale, causal, return_lse, out_dtype)
+    return _execute(problem, backend)
+
+
+@fwd.register_fake
+def _fwd_fake(q, k, v, q_scale, k_scale, v_scale, k_mean, softmax_scale, causal, return_lse,
+              out_dtype, backend):
+    b, sq, hq, _ = q.shape
+    out = q.new_empty((b, sq, hq, v.shape[-1]), dtype=out_dtype)
+    lse = q.new_empty((b, hq, sq) if return_lse else (0,), dtype=torch.float32)
+    return out, lse
+
+
+@torch.library.custom_op("leanfa::varlen_fwd", mutates_args=())
+def varlen_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    q_scale: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    k_mean: Optional[torch.Tensor],
+    softmax_scale: float,
+    causal: bool,
+    return_lse: bool,
+    out_dtype: torch.dtype,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed varlen forward on ``(total, H, D)`` tensors; returns ``(out, lse)`` with ``lse``
+    ``(Hq, total_q)`` (empty unless ``return_lse``)."""
+    problem = _problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                       q_scale, k_scale, v_scale, k_mean, softmax_scale, causal, return_lse, out_dtype)
+    return _execute(problem, backend)
+
+
+@varlen_fwd.register_fake
+def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q_scale,
+                     k_scale, v_scale, k_mean, softmax_scale, causal, return_lse, out_dtype, backend):
+    total, hq, _ = q.shape
+    out = q.new_empty((total, hq, v.shape[-1]), dtype=out_dtype)
+    lse = q.new_empty((hq, total) if return_lse else (0,), dtype=torch.float32)
+    return out, lse
+
+
+def call(problem, backend: str):
+    """Run a validated :class:`leanfa.api.Problem` through the custom op; ``(out, lse or None)``."""
+    p = problem
+    scalars = (p.softmax_scale, p.causal, p.return_lse, p.out_dtype, backend)
+    if p.varlen:
+        out, lse = torch.ops.leanfa.varlen_fwd(
+            p.q, p.k, p.v, p.cu_seqlens_q, p.cu_seqlens_k, p.max_seqlen_q, p.max_seqlen_k,
+            p.q_scale, p.k_scale, p.v_scale, p.k_mean, *scalars)
+    else:
+        out, lse = torch.ops.leanfa.fwd(p.q, p.k, p.v, p.q_scale, p.k_scale, p.v_scale, p.k_mean, *scalars)
+    return out, (lse if p.return_lse else None)
