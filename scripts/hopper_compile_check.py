@@ -34,6 +34,16 @@ def variants():
     out.append(Variant("bf16", 128, 128, True, return_lse=True))
     out.append(Variant("bf16", 128, 128, True, v_kmajor=True))
     out.append(Variant("fp8", 192, 128, True, return_lse=True, out_dtype=torch.float32))
+    # v2: warp-specialized (kernel_ws.py), with and without the QK^T(j+1)-before-softmax(j) pipelining
+    v1 = list(out)
+    for pipe in (1, 0):
+        for v in v1:
+            out.append(Variant(v.dtype, v.dqk, v.dv, v.causal, v.return_lse, v.k_mean, v.v_kmajor, v.out_dtype,
+                               version="v2", env=(("LEANFA_HOPPER_PIPE", pipe),)))
+    out.append(Variant("bf16", 128, 128, True, version="v2",
+                       env=(("LEANFA_HOPPER_PIPE", 1), ("LEANFA_HOPPER_STAGES", 3))))
+    out.append(Variant("fp8", 128, 128, True, version="v2",
+                       env=(("LEANFA_HOPPER_PIPE", 1), ("LEANFA_HOPPER_RESCALE_SKIP", 1))))
     return out
 
 
@@ -43,7 +53,7 @@ def main():
     ap.add_argument("--dump", default=None)
     a = ap.parse_args()
     bad = 0
-    print(f"{'variant':40s} {'regs':>5s} {'spill':>9s} {'smem':>8s} {'wgmma':>6s} {'time':>6s}  status")
+    print(f"{'variant':56s} {'regs':>5s} {'spill':>9s} {'smem':>8s} {'wgmma':>6s} {'time':>6s}  status")
     for v in variants():
         if a.k not in v.name:
             continue
@@ -52,7 +62,7 @@ def main():
             r = compile_variant(v)
         except Exception as e:  # noqa: BLE001
             bad += 1
-            print(f"{v.name:40s} COMPILE ERROR: {type(e).__name__}: {str(e).splitlines()[-1][:200]}")
+            print(f"{v.name:56s} COMPILE ERROR: {type(e).__name__}: {str(e).splitlines()[-1][:200]}")
             traceback.print_exc(limit=1)
             continue
         problems = []
@@ -63,7 +73,7 @@ def main():
         if r.wgmma_ptx == 0:
             problems.append("NO-WGMMA")
         bad += bool(problems)
-        print(f"{r.name:40s} {r.regs:5d} {r.spill_stores:4d}/{r.spill_loads:<4d} {r.shared:8d} {r.wgmma_ptx:6d} "
+        print(f"{r.name:56s} {r.regs:5d} {r.spill_stores:4d}/{r.spill_loads:<4d} {r.shared:8d} {r.wgmma_ptx:6d} "
               f"{time.time() - t0:5.1f}s  {' '.join(problems) or 'ok'}")
         if a.dump:
             os.makedirs(a.dump, exist_ok=True)

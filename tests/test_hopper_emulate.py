@@ -220,3 +220,50 @@ def test_ring_depths(monkeypatch, stages, causal):
     monkeypatch.setattr(L, "stages_for", lambda *a: stages)
     p = _problem(*_inputs(1, 900, 1300, 2, 1, 128, 128), causal)
     _check_schedule(p, _check(p, 1e-2))
+
+
+# ----------------------------------------------------------------------------- v2 (warp-specialized)
+
+from leanfa.kernels.hopper import kernel_ws as KW  # noqa: E402
+
+V2_SHAPES = [(1, 1, 1, 2, 2), (1, 129, 700, 2, 1), (1, 700, 300, 2, 2), (1, 1, 1500, 2, 1)]
+
+
+@pytest.mark.parametrize("order", ["consumer-first", "producer-first"])
+@pytest.mark.parametrize("pipe", ["1", "0"])
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("shape", V2_SHAPES)
+def test_v2_matches_v1(shape, fp8, pipe, order, monkeypatch):
+    """v2 (producer warp + consumers, mbarrier ring) gives v1's numbers, in both partition orders."""
+    monkeypatch.setenv("LEANFA_HOPPER_PIPE", pipe)
+    q, k, v = _inputs(*shape, 128, 128)
+    kw = {}
+    if fp8:
+        qq = leanfa.quantize_fp8(q, k, v)
+        q, k, v, kw = qq.q, qq.k, qq.v, qq.descales()
+    p = _problem(q, k, v, True, **kw)
+    o1, l1, _ = emulate(p, version="v1")
+    o2, l2, _ = emulate(p, version="v2", ws_order=order)
+    assert not torch.isnan(o2).any()
+    assert torch.allclose(o1.float(), o2.float(), atol=1e-2, rtol=1e-2)
+    assert torch.equal(torch.isinf(l1), torch.isinf(l2))
+
+
+@pytest.mark.parametrize("fn,old,new", [
+    ("_release", "    gl.thread_barrier()\n", "    pass\n"),  # arrive before the other warpgroup is done
+    ("_producer", "            mbarrier.wait(empty_bars.index(j % STAGES), ((j // STAGES) - 1) & 1)\n",
+     "            pass\n"),  # refill without waiting for the release
+    ("_producer", "((j // STAGES) - 1) & 1", "(j // STAGES) & 1"),  # wrong empty parity
+])
+def test_v2_mutations_caught(fn, old, new):
+    reset_shadows()
+    try:
+        src = inspect.getsource(getattr(KW, fn).fn)
+        assert old in src
+        shadow(getattr(KW, fn), source=src.replace(old, new))
+        q, k, v = _inputs(1, 300, 700, 2, 1, 128, 128)
+        p = _problem(q, k, v, True)
+        with pytest.raises(EmulationError):
+            emulate(p, version="v2", ws_order="producer-first")
+    finally:
+        reset_shadows()

@@ -38,6 +38,7 @@ import ast
 import inspect
 import math
 import textwrap
+import threading
 import types
 from dataclasses import dataclass, field
 
@@ -65,19 +66,41 @@ class _Buf:
     readers: int = 0  # wgmmas issued and not yet waited
     read_done_epoch: int = -1
     reads: int = 0
+    free: bool = True  # warp-specialized mode: released through an mbarrier the producer observed
+    reader: object = None  # the partition that last read it
+
+
+class _Part:
+    """One thread of control: the whole CTA (v1), or one ``warp_specialize`` partition."""
+
+    def __init__(self, name="cta"):
+        self.name = name
+        self.epoch = 0  # number of gl.thread_barrier() so far in this partition
+        self.pending_reads = []  # bufs read by in-flight wgmmas
+        self.done = False
 
 
 class _Machine:
     def __init__(self):
-        self.epoch = 0  # number of gl.thread_barrier() so far in this program
+        self.part = _Part()
+        self.ws = None  # the running warp_specialize region (_WS), if any
+        self.ws_order = "consumer-first"
+        self.progress = 0  # bumped by every state change (deadlock detection)
         self.pid = (0, 0, 0)
-        self.pending_reads = []  # bufs read by in-flight wgmmas
         self.events = []  # ('read', desc_name, coords) / ('load', ...) / ('wait', ...)
         self.allocs = []
         self.valid_cache = {}
 
+    @property
+    def epoch(self):
+        return self.part.epoch
+
+    @property
+    def pending_reads(self):
+        return self.part.pending_reads
+
     def err(self, msg):
-        raise EmulationError(f"program {self.pid[:2]}: {msg}")
+        raise EmulationError(f"program {self.pid[:2]} [{self.part.name}]: {msg}")
 
 
 M = _Machine()  # the emulator is single-threaded; one machine at a time
@@ -221,6 +244,7 @@ class SmemView:
     def load(self, layout=None):
         t = self.read("a generic load").clone()
         self.buf().read_done_epoch = M.epoch
+        self.buf().reader = M.part
         return t
 
 
@@ -230,11 +254,16 @@ class Barrier:
         self.count = self.arrivals = self.tx = self.phase = 0
         self.inflight = []  # [(buf, data_fn, nbytes)]
         self.landed = []
+        self.releases = []  # bufs released by arrivals in the current phase
+        self.released = []  # ... of completed phases, freed when a wait observes the completion
 
     def _maybe_complete(self):
         if self.arrivals == 0 and self.tx == 0:
+            M.progress += 1
             self.phase += 1
             self.arrivals = self.count
+            self.released += self.releases
+            self.releases = []
             for b in self.landed:
                 b.state = "landed"
 
@@ -292,9 +321,23 @@ class _MBarrier:
 
     @staticmethod
     def arrive(bar, count=1, pred=True):
-        if pred:
-            bar.arrivals -= count
-            bar._maybe_complete()
+        if not pred:
+            return
+        if not bar.valid:
+            M.err("arrive on an uninitialised mbarrier")
+        if M.ws is not None:
+            # happens-before: every read this partition completed (wgmma waited) *and* followed by a
+            # barrier over the partition's warps (both consumer warpgroups) is released by this arrive
+            for a in M.allocs:
+                for b in a.bufs:
+                    if (not b.free and b.reads and b.readers == 0 and b.reader is M.part
+                            and b.read_done_epoch < M.part.epoch):
+                        bar.releases.append(b)
+        M.progress += 1
+        bar.arrivals -= count
+        if bar.arrivals < 0:
+            M.err("more arrivals than the mbarrier's count in one phase")
+        bar._maybe_complete()
 
     @staticmethod
     def wait(bar, phase, pred=True, deps=()):
@@ -306,10 +349,17 @@ class _MBarrier:
         M.events.append(("wait", id(bar), parity))
         # try_wait.parity(P) succeeds once the current (incomplete) phase's parity differs from P
         while (bar.phase & 1) == parity:
-            if not bar.inflight:
+            if bar.inflight:
+                bar._complete_one()
+            elif M.ws is not None:
+                M.ws.yield_(f"waiting for parity {parity} of an mbarrier in phase {bar.phase} "
+                            f"(arrivals left {bar.arrivals}, tx left {bar.tx})")
+            else:
                 M.err(f"deadlock: waiting for parity {parity} of an mbarrier whose phase {bar.phase} "
                       f"can never complete (arrivals left {bar.arrivals}, tx left {bar.tx})")
-            bar._complete_one()
+        for b in bar.released:
+            b.free = True
+        bar.released = []
         for b in bar.landed:
             if b.state == "landed":
                 b.state = "visible"
@@ -350,7 +400,12 @@ class _TMA:
             M.err(f"TMA into a buffer whose previous copy is still in flight ({desc.name}{coords})")
         if b.readers:
             M.err(f"TMA {desc.name}{coords} overwrites a buffer a wgmma is still reading (no warpgroup_mma_wait)")
-        if b.read_done_epoch >= M.epoch:
+        if M.ws is not None:
+            if not b.free:
+                M.err(f"TMA {desc.name}{coords} overwrites a buffer (last {b.desc_name}{b.coords}) that was not "
+                      "released to this partition (consumer arrive after wgmma wait + partition barrier, "
+                      "observed by an mbarrier wait)")
+        elif b.read_done_epoch >= M.epoch:
             M.err(f"TMA {desc.name}{coords} overwrites a buffer read since the last CTA barrier "
                   "(the other warpgroup may still be reading it)")
         if list(result.shape) != desc.block_shape:
@@ -358,6 +413,8 @@ class _TMA:
         if not bar.valid:
             M.err("TMA on an uninitialised mbarrier")
         b.state, b.bar, b.coords, b.desc_name, b.reads = "pending", bar, coords, desc.name, 0
+        b.free, b.reader = False, None
+        M.progress += 1
         bar.inflight.append((b, lambda: desc.box(coords), desc.block_type.nbytes, result.alloc, result.idx))
         M.events.append(("load", desc.name, coords))
 
@@ -367,6 +424,7 @@ def _operand(x, what):
         b = x.buf()
         t = x.read(what)
         b.readers += 1
+        b.reader = M.part
         M.pending_reads.append(b)
         M.events.append(("read", b.desc_name, b.coords))
         return t.float()
@@ -388,7 +446,7 @@ def _warpgroup_mma_wait(num_outstanding=0, deps=None):
     for b in M.pending_reads:
         b.readers -= 1
         b.read_done_epoch = M.epoch
-    M.pending_reads = []
+    M.part.pending_reads = []
     return deps[0] if len(deps) == 1 else tuple(deps)
 
 
@@ -403,7 +461,112 @@ def _fma(a, b, c):
 
 
 def _thread_barrier():
-    M.epoch += 1
+    M.part.epoch += 1
+
+
+class _Abort(BaseException):
+    pass
+
+
+class _WS:
+    """A ``gl.warp_specialize`` region: each partition is a Python thread, but only the one
+    holding the baton runs (deterministic). A partition blocked on an mbarrier passes the baton
+    on; when a whole round of partitions makes no progress, that is a deadlock."""
+
+    def __init__(self, parts):
+        self.parts = parts
+        self.cv = threading.Condition()
+        self.current = None
+        self.error = None
+        self.stalls = 0
+
+    def _next(self, me):
+        live = [p for p in self.parts if not p.done]
+        if not live:
+            return None
+        i = (self.parts.index(me) + 1) % len(self.parts) if me in self.parts else 0
+        while self.parts[i].done:
+            i = (i + 1) % len(self.parts)
+        return self.parts[i]
+
+    def _give(self, to):
+        with self.cv:
+            self.current = to
+            if to is not None:
+                M.part = to
+            self.cv.notify_all()
+
+    def _await_turn(self, me):
+        with self.cv:
+            while self.current is not me and self.error is None:
+                self.cv.wait()
+        if self.error is not None:
+            raise _Abort()
+        M.part = me
+
+    def yield_(self, why):
+        me = M.part
+        before = M.progress
+        nxt = self._next(me)
+        if nxt is me:
+            M.err(f"deadlock: {why}; no other partition can run")
+        if before == getattr(me, "_stall_progress", None):
+            me._stalls += 1
+        else:
+            me._stall_progress, me._stalls = before, 0
+        if me._stalls > 2 * len(self.parts):
+            M.err(f"deadlock: {why}; every partition is blocked")
+        self._give(nxt)
+        self._await_turn(me)
+
+
+def _warp_specialize(functions_and_args, worker_num_warps, worker_num_regs):
+    if M.ws is not None:
+        M.err("nested warp_specialize")
+    names = ["default"] + [f"worker{i}" for i in range(len(functions_and_args) - 1)]
+    parts = [_Part(n) for n in names]
+    ws = _WS(parts)
+    results = [None] * len(parts)
+    parent = M.part
+
+    def body(i):
+        fn, args = functions_and_args[i]
+        try:
+            ws._await_turn(parts[i])
+            results[i] = fn(*args)
+            if parts[i].pending_reads:
+                M.err("partition exits with wgmmas not waited for")
+        except _Abort:
+            return
+        except BaseException as e:  # noqa: BLE001
+            with ws.cv:
+                if ws.error is None:
+                    ws.error = e
+                ws.current = "main"
+                ws.cv.notify_all()
+            return
+        parts[i].done = True
+        nxt = ws._next(parts[i])
+        ws._give(nxt if nxt is not None else "main")
+
+    M.ws = ws
+    threads = [threading.Thread(target=body, args=(i, ), daemon=True) for i in range(len(parts))]
+    for t in threads:
+        t.start()
+    first = parts[0] if M.ws_order == "consumer-first" else parts[-1]
+    ws._give(first)
+    with ws.cv:
+        while ws.current != "main" and ws.error is None:
+            ws.cv.wait()
+        if ws.error is not None:
+            ws.cv.notify_all()
+    for t in threads:
+        t.join(timeout=10)
+    M.ws = None
+    M.part = parent
+    if ws.error is not None:
+        raise ws.error
+    return results[0]
 
 
 def _program_id(axis):
@@ -436,6 +599,7 @@ gl_fake = types.SimpleNamespace(
     convert_layout=lambda x, layout=None, **k: x,
     load=_load, store=_store,
     thread_barrier=_thread_barrier,
+    warp_specialize=_warp_specialize,
     static_range=lambda *a: range(*[int(x) for x in a]),
 )
 
@@ -513,10 +677,12 @@ class Report:
     waits: dict = field(default_factory=dict)
 
 
-def run_plan(plan, *, programs=None) -> Report:
-    """Emulate every program of ``plan`` (or the listed ``(pid0, pid1)``); raise on any violation."""
-    from .kernel import attn_fwd_kernel
+def run_plan(plan, *, programs=None, ws_order="consumer-first") -> Report:
+    """Emulate every program of ``plan`` (or the listed ``(pid0, pid1)``); raise on any violation.
 
+    ``ws_order`` (warp-specialized kernels): which partition gets the first turn,
+    ``"consumer-first"`` or ``"producer-first"`` (the producer then runs as far ahead as it can)."""
+    attn_fwd_kernel = plan.kernel
     kern = shadow(attn_fwd_kernel)
     names = [n for n in attn_fwd_kernel.arg_names if n not in plan.constexprs]
     args = []
@@ -535,6 +701,7 @@ def run_plan(plan, *, programs=None) -> Report:
         cache = M.valid_cache
         M = _Machine()
         M.valid_cache = cache
+        M.ws_order = ws_order
         M.pid = (pid[0], pid[1], 0)
         kern(*args, **kw)
         for a in M.allocs:
@@ -549,7 +716,7 @@ def run_plan(plan, *, programs=None) -> Report:
     return rep
 
 
-def emulate(problem, *, programs=None, poison=True):
+def emulate(problem, *, programs=None, poison=True, version=None, ws_order="consumer-first"):
     """Run a dense :class:`leanfa.api.Problem` through the emulated kernel on CPU: ``(out, lse, report)``."""
     from . import launch as L
 
@@ -561,12 +728,12 @@ def emulate(problem, *, programs=None, poison=True):
         out.fill_(float("nan"))
         if lse is not None:
             lse.fill_(float("nan"))
-    plan = _make_plan_cpu(L, problem, out, lse)
-    rep = run_plan(plan, programs=programs)
+    plan = _make_plan_cpu(L, problem, out, lse, version)
+    rep = run_plan(plan, programs=programs, ws_order=ws_order)
     return out, lse, rep
 
 
-def _make_plan_cpu(L, p, out, lse):
+def _make_plan_cpu(L, p, out, lse, version=None):
     """``launch.make_plan`` on CPU tensors (the TMA descriptor checks only look at pointers)."""
     return L.make_plan(p.q, p.k, p.v, out, lse, p.q_scale, p.k_scale, p.v_scale, p.k_mean,
-                       causal=p.causal, softmax_scale=p.softmax_scale, return_lse=p.return_lse)
+                       causal=p.causal, softmax_scale=p.softmax_scale, return_lse=p.return_lse, version=version)

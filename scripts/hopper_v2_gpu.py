@@ -1,0 +1,217 @@
+#!/usr/bin/env python
+"""One-shot H200 check of the warp-specialized Hopper kernel (v2, leanfa/kernels/hopper/kernel_ws.py).
+
+    python scripts/hopper_v2_gpu.py              # correctness (v2 pipe=1 full, pipe=0 small) + timings (~3-4 min)
+    python scripts/hopper_v2_gpu.py --sanitize   # ... then compute-sanitizer racecheck + synccheck on small shapes
+    python scripts/hopper_v2_gpu.py --no-bench   # correctness only
+
+1. Correctness: the case list of scripts/hopper_gpu_check.py (``default_cases``; run_case,
+   NaN-poisoned outputs, float64 reference) with ``LEANFA_HOPPER_KERNEL=v2``. Each config runs in
+   a child process with a timeout, so a hang (mbarrier deadlock) is reported as HANG and the
+   timings still run: ``v2 pipe=1`` (the default v2) on all cases, ``v2 pipe=0`` on the small set.
+2. Timings, causal, B*S = 16K, 16 heads, S = 4K/16K, d 128/128 and 192/128: cuDNN BF16 (torch
+   SDPA cuDNN backend), cuDNN FP8 (leanfa.bench cudnn-fp8, cudnn frontend, if importable), v1
+   and v2 (and v2 pipe=0) in BF16 and FP8: TFLOP/s, ratios to cuDNN of the same precision, v2/v1,
+   SM clock (NVML). v2 of a config whose correctness run failed/hung is not timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import os
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.join(HERE, "..")
+sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+
+CONFIGS = {  # name -> env
+    "v1": {"LEANFA_HOPPER_KERNEL": "v1"},
+    "v2": {"LEANFA_HOPPER_KERNEL": "v2", "LEANFA_HOPPER_PIPE": "1"},
+    "v2-nopipe": {"LEANFA_HOPPER_KERNEL": "v2", "LEANFA_HOPPER_PIPE": "0"},
+}
+
+
+def _set_env(cfg):
+    for k in ("LEANFA_HOPPER_KERNEL", "LEANFA_HOPPER_PIPE", "LEANFA_HOPPER_RESCALE_SKIP"):
+        os.environ.pop(k, None)
+    os.environ.update(CONFIGS[cfg])
+
+
+# ----------------------------------------------------------------------------- correctness (child)
+
+def child_correctness(cfg, small, sanitize):
+    os.environ.setdefault("LEANFA_POISON_OUTPUTS", "1")
+    _set_env(cfg)
+    import hopper_gpu_check as H
+    cases = H.default_cases(small=small)
+    if sanitize:  # compute-sanitizer is ~100x slower: a handful of small shapes, both dtypes/dims
+        cases = [c for c in cases if (c["Sq"], c["Sk"]) in ((100, 100), (129, 300))]  # 16: dtypes x dims x mask
+    rows = H.correctness(cases)
+    npass = sum(r[1] == "PASS" for r in rows)
+    for name, st, err, lerr, msg in rows:
+        if st != "PASS":
+            print(f"NOT-PASS {st:5s} {name:55s} relL2={err:.3e} lse_err={lerr:.2e} {msg}")
+    print(f"RESULT {cfg}: {npass}/{len(rows)} PASS", flush=True)
+    return 0 if npass == len(rows) else 1
+
+
+def run_child(cfg, small, timeout, prefix=(), sanitize=False):
+    cmd = list(prefix) + [sys.executable, os.path.abspath(__file__), "--child", cfg]
+    if small:
+        cmd.append("--small")
+    if sanitize:
+        cmd.append("--child-sanitize")
+    t0 = time.time()
+    print(f"\n=== {' '.join(cmd)} (timeout {timeout}s)", flush=True)
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        out = r.stdout + r.stderr
+        status = "PASS" if r.returncode == 0 else f"FAIL(rc={r.returncode})"
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        status = "HANG/TIMEOUT"
+    lines = out.splitlines()
+    keep = [ln for ln in lines if ln.startswith(("FAIL", "ERROR", "NOT-PASS", "RESULT", "=====", "Traceback"))
+            or "ERROR SUMMARY" in ln or "Race" in ln or "race" in ln or "Error" in ln]
+    print("\n".join(keep[-60:]) if keep else "\n".join(lines[-40:]))
+    print(f"=== {cfg}{' small' if small else ''}{' ' + prefix[2] if prefix else ''}: {status} "
+          f"({time.time() - t0:.0f}s)", flush=True)
+    return status
+
+
+# ----------------------------------------------------------------------------- timings
+
+def timings(ok_cfgs):
+    import torch
+    import triton
+
+    import leanfa
+    import hopper_gpu_check as H
+
+    os.environ["LEANFA_POISON_OUTPUTS"] = "0"
+    cudnn_fp8 = None
+    try:
+        from leanfa.bench import cudnn_graphs, impls
+        from leanfa.bench.inputs import Inputs
+        from leanfa.bench.shapes import Case
+        avail, why = cudnn_graphs.available()
+        print(f"cudnn frontend: {avail} {why}")
+        if avail:
+            def cudnn_fp8(q, k, v, B, S, H_, dqk, dv):
+                case = Case("v2check", f"d{dqk}", "gaussian", B, S, H_, H_, dqk, dv, True)
+                return impls._cudnn_graph_prepare(case, Inputs(q, k, v), fp8=True, e2e=False).run
+    except Exception as e:  # noqa: BLE001
+        print(f"cudnn-fp8 unavailable: {type(e).__name__}: {e}")
+
+    rows = []
+    for S in (4096, 16384):
+        B, Hh = 16384 // S, 16
+        for dqk, dv in ((128, 128), (192, 128)):
+            flops = 2 * B * Hh * S * S * (dqk + dv) / 2
+            q, k, v = H.make_qkv(B, S, S, Hh, Hh, dqk, dv)
+            scale = dqk ** -0.5
+            (q8, k8, v8), kw = H.quantize(q, k, v)
+            ent = {}
+
+            def timed(name, fn):
+                faulthandler.dump_traceback_later(90, exit=True)  # a hung kernel ends the script, not the lease
+                try:
+                    ent[name] = H.bench(fn)
+                except Exception as e:  # noqa: BLE001
+                    traceback.print_exc(limit=2)
+                    ent[name] = (float("nan"), f"{type(e).__name__}: {str(e)[:60]}")
+                finally:
+                    faulthandler.cancel_dump_traceback_later()
+
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+            qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+
+            def sdpa():
+                with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                    return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
+            timed("cudnn-bf16", sdpa)
+            if cudnn_fp8 is not None:
+                try:
+                    timed("cudnn-fp8", cudnn_fp8(q, k, v, B, S, Hh, dqk, dv))
+                except Exception as e:  # noqa: BLE001
+                    ent["cudnn-fp8"] = (float("nan"), f"{type(e).__name__}: {str(e)[:60]}")
+            for cfg in ("v1", "v2", "v2-nopipe"):
+                if cfg != "v1" and cfg not in ok_cfgs:
+                    continue
+                _set_env(cfg)
+                timed(f"{cfg}-bf16", lambda: leanfa.flash_attn_func(q, k, v, softmax_scale=scale, causal=True,
+                                                                    backend="hopper"))
+                timed(f"{cfg}-fp8", lambda: leanfa.flash_attn_func(q8, k8, v8, softmax_scale=scale, causal=True,
+                                                                   backend="hopper", **kw))
+            _set_env("v1")
+            shape = f"S{S} B{B} H{Hh} d{dqk}/{dv} causal"
+            for name, (ms, clk) in ent.items():
+                prec = "fp8" if name.endswith("fp8") else "bf16"
+                base = ent.get(f"cudnn-{prec}", (float("nan"), None))[0]
+                v1 = ent.get(f"v1-{prec}", (float("nan"), None))[0]
+                tf = flops / (ms * 1e-3) / 1e12 if ms == ms else float("nan")
+                rows.append((shape, name, ms, tf, base / ms, v1 / ms, clk))
+                print(f"{shape:28s} {name:16s} {ms:8.3f} ms {tf:7.1f} TFLOP/s  x{base / ms:5.2f} vs cuDNN-{prec:4s} "
+                      f"x{v1 / ms:5.2f} vs v1  clk={clk}", flush=True)
+            del q, k, v, q8, k8, v8, qt, kt, vt
+            torch.cuda.empty_cache()
+    return rows
+
+
+# ----------------------------------------------------------------------------- main
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--child", default=None)
+    ap.add_argument("--small", action="store_true")
+    ap.add_argument("--child-sanitize", action="store_true")
+    ap.add_argument("--no-bench", action="store_true")
+    ap.add_argument("--sanitize", action="store_true", help="also compute-sanitizer racecheck/synccheck (small)")
+    a = ap.parse_args()
+    if a.child:
+        return child_correctness(a.child, a.small, a.child_sanitize)
+
+    import torch
+    import triton
+    assert torch.cuda.is_available(), "needs a GPU"
+    print(f"device {torch.cuda.get_device_name()} cap {torch.cuda.get_device_capability()} torch {torch.__version__} "
+          f"triton {triton.__version__}", flush=True)
+    t0 = time.time()
+    status = {
+        "v2": run_child("v2", small=False, timeout=170),
+        "v2-nopipe": run_child("v2-nopipe", small=True, timeout=60),
+    }
+    ok = [c for c, s in status.items() if s == "PASS"]
+    trows = [] if a.no_bench else timings(ok)
+    san = {}
+    if a.sanitize:
+        cs = shutil.which("compute-sanitizer") or next(
+            (p for p in ("/usr/local/cuda/bin/compute-sanitizer",) if os.path.exists(p)), None)
+        if cs is None:
+            print("compute-sanitizer not found")
+        else:
+            for tool in ("racecheck", "synccheck"):
+                san[tool] = run_child("v2", small=True, timeout=150, sanitize=True,
+                                      prefix=(cs, "--tool", tool, "--error-exitcode", "3"))
+
+    print("\n==================== summary ====================")
+    for c, s in status.items():
+        print(f"correctness {c:10s}: {s}")
+    for t, s in san.items():
+        print(f"sanitizer {t:10s}: {s}")
+    for r in trows:
+        print(f"{r[0]:28s} {r[1]:16s} {r[2]:8.3f} ms {r[3]:7.1f} TFLOP/s  x{r[4]:5.2f} vs cuDNN  x{r[5]:5.2f} vs v1"
+              f"  clk={r[6]}")
+    print(f"total {time.time() - t0:.0f}s")
+    return 0 if status["v2"] == "PASS" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
