@@ -156,9 +156,6 @@ def _prepare_qk(q, k, sc: Scheme):
         sig = (aq.clamp_min(1e-12) ** sc.migrate / ak ** (1 - sc.migrate)).clamp(1e-4, 1e4)
         q = q / sig.repeat_interleave(group, 1)[:, :, None]
         k = k * sig[:, :, None]
-    if sc.hadamard:
-        r = random_hadamard(q.shape[-1], sc.rotation_seed).float()
-        q, k = q @ r, k @ r
     return q, k, bias
 
 
@@ -168,6 +165,9 @@ def emulate(q, k, v, scheme: Scheme = Scheme(), *, causal: bool = True,
     ``(B, Sq, Hq, Dv)`` in ``scheme.out_dtype`` (float32 when None)."""
     sc = scheme
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    if sc.hadamard:  # rotate first (as quantize_fp8 does); the smoothing below is linear
+        r = random_hadamard(q.shape[-1], sc.rotation_seed).float()
+        q, k = torch.matmul(q.float(), r), torch.matmul(k.float(), r)
     qf = q.float().permute(0, 2, 1, 3)  # (B, Hq, Sq, D)
     kf = k.float().permute(0, 2, 1, 3)
     vf = v.float().permute(0, 2, 1, 3)

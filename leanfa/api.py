@@ -363,9 +363,14 @@ def attention(
             raise TypeError(f"attention() takes bf16/fp16 {name}, got {t.dtype}; use flash_attn_func for FP8 inputs")
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
     if precision == "fp8":
-        quant = quantize_fp8(q, k, v, granularity=granularity, smooth_k=smooth_k,
-                             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+        from . import ops
+        from .quant import _check as _check_quantize
+
+        # checked here, quantized by the leanfa::quantize_fp8 op (traceable by torch.compile)
+        _check_quantize(q, k, v, granularity, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        quant = ops.quantize_fp8(q, k, v, granularity=granularity, smooth_k=smooth_k,
+                                 cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                 max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
         args = dict(softmax_scale=softmax_scale, causal=causal, return_lse=return_lse,
                     out_dtype=q.dtype, backend=backend)
         if varlen:

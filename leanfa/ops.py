@@ -133,3 +133,69 @@ def call(problem, backend: str):
     else:
         out, lse = torch.ops.leanfa.fwd(p.q, p.k, p.v, p.q_scale, p.k_scale, p.v_scale, p.k_mean, *scalars)
     return out, (lse if p.return_lse else None)
+
+
+@torch.library.custom_op("leanfa::quantize_fp8", mutates_args=())
+def quantize_fp8_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    granularity: str,
+    smooth_k: bool,
+    cu_seqlens_q: Optional[torch.Tensor],
+    cu_seqlens_k: Optional[torch.Tensor],
+    max_seqlen_q: Optional[int],
+    max_seqlen_k: Optional[int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`leanfa.quantize_fp8` as an op: ``(q8, k8, v8, q_descale, k_descale, v_descale,
+    k_mean)``; ``k_mean`` has zero elements when ``smooth_k`` is False."""
+    from .quant import quantize_fp8
+
+    r = quantize_fp8(q, k, v, granularity, smooth_k, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                     max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    k_mean = r.k_mean if r.k_mean is not None else q.new_empty((0,), dtype=torch.float32)
+    # outputs must not alias each other: a 0-d "tensor" descale is a fresh tensor already
+    return r.q, r.k, r.v, r.q_descale, r.k_descale, r.v_descale, k_mean
+
+
+@quantize_fp8_op.register_fake
+def _quantize_fp8_fake(q, k, v, granularity, smooth_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    from .quant import FP8_DTYPE, V_TOKEN_ALIGN
+    from .scales import num_scale_blocks
+
+    varlen = cu_seqlens_q is not None
+    batch = cu_seqlens_q.shape[0] - 1 if varlen else q.shape[0]
+    hq, hkv, dqk, dv = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
+    sq = max_seqlen_q if varlen else q.shape[1]
+    sk = max_seqlen_k if varlen else k.shape[1]
+    f32 = dict(dtype=torch.float32)
+    q8 = torch.empty_like(q, dtype=FP8_DTYPE, memory_format=torch.contiguous_format)
+    k8 = torch.empty_like(k, dtype=FP8_DTYPE, memory_format=torch.contiguous_format)
+    tokens = v.shape[0] if varlen else v.shape[1]
+    padded = (tokens + V_TOKEN_ALIGN - 1) // V_TOKEN_ALIGN * V_TOKEN_ALIGN
+    if varlen:
+        v8 = v.new_empty((hkv, dv, padded), dtype=FP8_DTYPE).permute(2, 0, 1)[:tokens]
+    else:
+        v8 = v.new_empty((batch, hkv, dv, padded), dtype=FP8_DTYPE).permute(0, 3, 1, 2)[:, :tokens]
+    if granularity == "block":
+        qd = q.new_empty((batch, hq, num_scale_blocks(sq)), **f32)
+        kd = q.new_empty((batch, hkv, num_scale_blocks(sk)), **f32)
+    elif granularity == "head":
+        qd, kd = q.new_empty((batch, hq), **f32), q.new_empty((batch, hkv), **f32)
+    else:
+        qd, kd = q.new_empty((), **f32), q.new_empty((), **f32)
+    vd = q.new_empty((), **f32) if granularity == "tensor" else q.new_empty((batch, hkv, dv), **f32)
+    k_mean = q.new_empty((batch, hkv, dqk) if smooth_k else (0,), **f32)
+    return q8, k8, v8, qd, kd, vd, k_mean
+
+
+def quantize_fp8(q, k, v, granularity="block", smooth_k=True, *, cu_seqlens_q=None, cu_seqlens_k=None,
+                 max_seqlen_q=None, max_seqlen_k=None):
+    """:func:`leanfa.quantize_fp8` through the ``leanfa::quantize_fp8`` op (arguments already
+    checked by the caller); returns an :class:`leanfa.FP8QKV`."""
+    from .quant import FP8QKV
+
+    q8, k8, v8, qd, kd, vd, k_mean = torch.ops.leanfa.quantize_fp8(
+        q, k, v, granularity, smooth_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return FP8QKV(q=q8, k=k8, v=v8, q_descale=qd, k_descale=kd, v_descale=vd,
+                  k_mean=k_mean if smooth_k else None, granularity=granularity)

@@ -10,6 +10,15 @@
   written *transposed* (``(B, Hkv, Dv, S)`` storage, returned as a ``(B, S, Hkv, Dv)`` view with
   ``stride(1) == 1``) — the K-major operand FP8 matrix instructions need for P·V.
 * Conversion saturates: values beyond ±448 clamp, never become NaN.
+* Rotation (``rotate=True``, opt-in, off by default): Q and K are multiplied by the same
+  random-sign Hadamard matrix ``R`` (``D x D``, orthogonal) on the head dim before quantizing,
+  so ``(QR)(KR)ᵀ = QKᵀ`` and the kernels need no change. It helps only where Q *and* K
+  concentrate a score on the same few channels; on the model presets the dominant FP8 error
+  is the attention sink's score (a key ~4x the typical norm met by *dense* query noise), which
+  a rotation cannot shrink, and the measured effect is 0.95-1.13x (docs/accuracy-notes.md),
+  so it is not the default. ``q``/``k`` and ``k_mean`` of the result live in the rotated space
+  (``FP8QKV.rotation`` is ``R``): ``k_mean`` is the mean of ``KR`` (= ``mean(K) R``), so the
+  LSE correction ``softmax_scale * (dequantized q)·k_mean`` stays exact.
 
 All passes are Triton kernels: a per-channel statistics pass (K mean, V amax) and a quantize
 pass per 128-token block that also computes the block's scale when ``granularity="block"``.
@@ -40,7 +49,8 @@ class FP8QKV:
     ``q``/``k``: ``(B, S, H, D)`` (or packed ``(total, H, D)``) float8_e4m3fn. ``v``: same
     logical shape, stored transposed. Descales: per-block ``(B, H, ceil(S/128))``, per-head
     ``(B, H)`` or a 0-d tensor; ``v_descale`` ``(B, Hkv, Dv)`` or 0-d. ``k_mean``:
-    ``(B, Hkv, Dqk)`` float32 mean subtracted from K, or None.
+    ``(B, Hkv, Dqk)`` float32 mean subtracted from K (in the rotated space when ``rotation``
+    is set), or None.
     """
 
     q: torch.Tensor
@@ -51,6 +61,9 @@ class FP8QKV:
     v_descale: torch.Tensor
     k_mean: torch.Tensor | None
     granularity: str
+    #: ``(D, D)`` float32 orthogonal matrix applied to Q and K (and so to ``k_mean``) before
+    #: quantizing, or None. Scores are unchanged; dequantized ``q``/``k`` are ``Q R``/``K R``.
+    rotation: torch.Tensor | None = None
 
     def descales(self) -> dict:
         """Keyword arguments for ``flash_attn_func(q, k, v, **quantized.descales())``."""
@@ -144,7 +157,10 @@ def _quantize_blocks(
         x = x / descale
     yb = Y + b.to(tl.int64) * stride_yb + (start + s0).to(tl.int64) * stride_ys + h.to(tl.int64) * stride_yh
     tl.store(yb + local[:, None] * stride_ys + offs_d[None, :] * stride_yd,
-             to_e4m3(x, True, EXACT_ROUND), mask=mask)
+             # clamp keeping NaN (a plain clamp maps NaN to +-448 on the GPU: a silent wrong
+             # answer); the e4m3 conversion keeps NaN, so a NaN input stays NaN
+             to_e4m3(tl.clamp(x, -E4M3_MAX_C, E4M3_MAX_C, propagate_nan=tl.PropagateNan.ALL), False, EXACT_ROUND),
+             mask=mask)
 
 
 def _strides(t: torch.Tensor, varlen: bool):
@@ -290,6 +306,33 @@ def _check(q, k, v, granularity, cu_q, cu_k, max_q, max_k):
         raise ValueError(f"q and k must have the same head_dim, got {q.shape[-1]} and {k.shape[-1]}")
 
 
+_ROTATIONS: dict = {}
+
+
+def rotation_matrix(dim: int, device, seed: int = 0) -> torch.Tensor:
+    """The ``(dim, dim)`` float32 orthogonal matrix ``rotate=True`` uses: ``diag(±1) H / sqrt(dim)``
+    with ``H`` a Hadamard matrix (orders ``2^k`` and ``12·2^k``, e.g. 64/128/256/192), else a
+    seeded random orthogonal matrix. Deterministic in (dim, seed); cached per device."""
+    key = (dim, str(device), seed)
+    r = _ROTATIONS.get(key)
+    if r is None:
+        from .accuracy_model import random_hadamard
+
+        try:
+            r = random_hadamard(dim, seed)
+        except ValueError:
+            g = torch.Generator().manual_seed(seed)
+            r, _ = torch.linalg.qr(torch.randn(dim, dim, generator=g, dtype=torch.float64))
+        r = r.to(torch.float32).to(device)
+        _ROTATIONS[key] = r
+    return r
+
+
+def _rotate(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """``x @ r`` over the head dim in float32 (the quantize passes accept float32 input)."""
+    return torch.matmul(x.to(torch.float32), r)
+
+
 def quantize_fp8(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -301,13 +344,20 @@ def quantize_fp8(
     cu_seqlens_k: torch.Tensor | None = None,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
+    rotate: bool = False,
 ) -> FP8QKV:
     """Quantize BF16/FP16/FP32 Q, K, V to float8_e4m3fn for :func:`leanfa.flash_attn_func`.
 
     Dense inputs are ``(B, S, H, D)``; packed varlen inputs ``(total, H, D)`` with
     ``cu_seqlens_*``/``max_seqlen_*`` (scales and means are then per sequence).
+    ``rotate``: rotate Q and K's head dim by :func:`rotation_matrix` first (scores unchanged;
+    see the module docstring for when it helps).
     """
     _check(q, k, v, granularity, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    rotation = None
+    if rotate and q.shape[-1] > 1:
+        rotation = rotation_matrix(q.shape[-1], q.device)
+        q, k = _rotate(q, rotation), _rotate(k, rotation)
     sq = _Seqs(q, cu_seqlens_q, max_seqlen_q)
     sk = _Seqs(k, cu_seqlens_k, max_seqlen_k)
     sv = _Seqs(v, cu_seqlens_k, max_seqlen_k)
@@ -316,4 +366,4 @@ def quantize_fp8(
     k8, k_descale = _quantize_qk(k, sk, granularity, k_mean)
     v8, v_descale = _quantize_v(v, sv, granularity)
     return FP8QKV(q=q8, k=k8, v=v8, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
-                  k_mean=k_mean, granularity=granularity)
+                  k_mean=k_mean, granularity=granularity, rotation=rotation)

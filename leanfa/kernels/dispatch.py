@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import _versions
 from . import portable
 
 
@@ -30,7 +31,9 @@ def hopper_applies(problem) -> tuple[bool, str]:
 
 
 def run(problem, backend: str):
-    if backend == "hopper" or (backend == "auto" and getattr(_hopper(), "VALIDATED", False)):
+    # an untested torch/triton warns once (leanfa/_versions.py) and "auto" stays portable
+    tested = _versions.check()
+    if backend == "hopper" or (backend == "auto" and tested and getattr(_hopper(), "VALIDATED", False)):
         ok, why = hopper_applies(problem)
         if ok:
             return _hopper().run(problem)

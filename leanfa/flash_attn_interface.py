@@ -1,0 +1,68 @@
+"""FlashAttention-3 style entry points (``hopper/flash_attn_interface.py`` names).
+
+Swap ``from flash_attn_interface import flash_attn_func`` for
+``from leanfa.flash_attn_interface import flash_attn_func``. Supported subset (forward only):
+
+* ``q, k, v`` ``(B, S, H, D)`` (or packed ``(total, H, D)`` for varlen), bf16/fp16/fp8 e4m3,
+  GQA/MQA, head dims 64/64, 128/128, 192/128, 256/256;
+* ``softmax_scale``, ``causal`` (bottom-right aligned), ``q_descale``/``k_descale``/
+  ``v_descale`` (FA3's ``(B, Hkv)`` float32 per-head descales, and leanfa's other forms);
+* ``return_attn_probs=True`` returns ``(out, softmax_lse)`` as FA3 does;
+* ``deterministic``, ``num_splits``, ``pack_gqa``, ``sm_margin`` are accepted and ignored
+  (leanfa's forward is deterministic and needs no splits).
+
+Anything else raises ``NotImplementedError`` naming the option: ``qv``,
+``window_size != (-1, -1)``, ``attention_chunk != 0``, ``softcap != 0``, ``seqused_q``/
+``seqused_k``, and ``flash_attn_with_kvcache`` as a whole. Gradients are not implemented.
+"""
+
+from __future__ import annotations
+
+from .compat._common import reject
+
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"]
+
+
+def _check_fa3(qv, window_size, attention_chunk, softcap, seqused_q=None, seqused_k=None):
+    reject("qv", qv is not None)
+    reject("window_size", tuple(window_size) != (-1, -1), f"{tuple(window_size)} (sliding-window attention)")
+    reject("attention_chunk", attention_chunk != 0, attention_chunk)
+    reject("softcap", softcap != 0.0, softcap)
+    reject("seqused_q", seqused_q is not None)
+    reject("seqused_k", seqused_k is not None)
+
+
+def flash_attn_func(
+    q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None,
+    v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1,
+    pack_gqa=None, deterministic=False, sm_margin=0, return_attn_probs=False,
+):
+    """FA3 ``flash_attn_func``: ``out``, or ``(out, softmax_lse)`` with ``return_attn_probs``."""
+    from . import api
+
+    _check_fa3(qv, window_size, attention_chunk, softcap)
+    return api.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal, q_descale=q_descale,
+                               k_descale=k_descale, v_descale=v_descale, return_lse=bool(return_attn_probs))
+
+
+def flash_attn_varlen_func(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None, seqused_k=None,
+    softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None, v_descale=None,
+    window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1, pack_gqa=None,
+    deterministic=False, sm_margin=0, return_attn_probs=False,
+):
+    """FA3 ``flash_attn_varlen_func``: ``out``, or ``(out, softmax_lse)`` (``(H, total_q)``)."""
+    from . import api
+
+    _check_fa3(qv, window_size, attention_chunk, softcap, seqused_q, seqused_k)
+    return api.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                      softmax_scale=softmax_scale, causal=causal, q_descale=q_descale,
+                                      k_descale=k_descale, v_descale=v_descale,
+                                      return_lse=bool(return_attn_probs))
+
+
+def flash_attn_with_kvcache(*args, **kwargs):
+    """Not implemented: leanfa is a prefill kernel (no KV-cache/paged decode)."""
+    raise NotImplementedError(
+        "flash_attn_with_kvcache is not implemented by leanfa (prefill attention only); "
+        "use flash_attn_varlen_func on the packed prefill tokens")

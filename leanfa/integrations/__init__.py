@@ -1,0 +1,1 @@
+"""Framework integrations: :mod:`leanfa.integrations.transformers` (Hugging Face)."""
