@@ -140,7 +140,7 @@ def _resolve_out_dtype(dtype: torch.dtype, out_dtype) -> torch.dtype:
 def _resolve_scale(softmax_scale, head_dim: int) -> float:
     if softmax_scale is None:
         return 1.0 / math.sqrt(head_dim)
-    if isinstance(softmax_scale, torch.Tensor) or not isinstance(softmax_scale, (int, float)):
+    if isinstance(softmax_scale, (torch.Tensor, bool)) or not isinstance(softmax_scale, (int, float)):
         raise TypeError(f"softmax_scale must be a Python float or None, got {type(softmax_scale).__name__}")
     if not math.isfinite(softmax_scale) or softmax_scale <= 0:
         raise ValueError(f"softmax_scale must be a finite positive float, got {softmax_scale}")
@@ -346,6 +346,7 @@ def attention(
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
     backend: str = "auto",
+    bf16_sink_keys: int = 0,
 ):
     """High-level attention for BF16/FP16 callers: BF16/FP16 in, same dtype out.
 
@@ -353,6 +354,12 @@ def attention(
     K smoothing, per-channel V scales, V stored transposed) and runs the FP8 kernel;
     ``precision="bf16"`` runs the 16-bit kernel on the inputs as they are. Pass
     ``cu_seqlens_*``/``max_seqlen_*`` for packed varlen inputs.
+
+    ``bf16_sink_keys=P`` (FP8, dense inputs): attend the first ``P`` keys (the attention-sink
+    tokens, where most of the FP8 score error comes from) in BF16 and the rest in FP8, merged
+    exactly through the LSE (:mod:`leanfa.sink`). 128 is a good value: it costs a ``Sq x 128``
+    BF16 block per head (~1.6% at 16K tokens, ~25% at 1K) and, on model-like activations,
+    roughly halves the FP8 error. 0 (default) keeps every key in FP8.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
@@ -362,6 +369,18 @@ def attention(
         if t.dtype not in HALF_DTYPES:
             raise TypeError(f"attention() takes bf16/fp16 {name}, got {t.dtype}; use flash_attn_func for FP8 inputs")
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
+    if not isinstance(bf16_sink_keys, int) or isinstance(bf16_sink_keys, bool) or bf16_sink_keys < 0:
+        raise ValueError(f"bf16_sink_keys must be a non-negative int, got {bf16_sink_keys!r}")
+    if bf16_sink_keys and (varlen or precision != "fp8"):
+        raise ValueError("bf16_sink_keys applies to dense inputs with precision='fp8' only")
+    if precision == "fp8" and bf16_sink_keys:
+        from .quant import _check as _check_quantize
+        from .sink import attention_sink_bf16
+
+        _check_quantize(q, k, v, granularity, None, None, None, None)
+        return attention_sink_bf16(q, k, v, prefix=bf16_sink_keys, causal=causal, softmax_scale=softmax_scale,
+                                   return_lse=return_lse, backend=backend,
+                                   quantize_kwargs=dict(granularity=granularity, smooth_k=smooth_k))
     if precision == "fp8":
         from . import ops
         from .quant import _check as _check_quantize

@@ -300,6 +300,13 @@ def _check(q, k, v, granularity, cu_q, cu_k, max_q, max_k):
                 raise TypeError(f"{name} must be a 1-D int32 tensor")
         if cu_q.numel() != cu_k.numel():
             raise ValueError("cu_seqlens_q and cu_seqlens_k must have the same length")
+        # the same checks as the attention call (values on CPU tensors only): a max_seqlen below
+        # the longest sequence would leave blocks unquantized (uninitialized FP8), a wrong total
+        # would read out of bounds
+        from .api import _check_cu_seqlens  # lazy: api imports this module
+
+        _check_cu_seqlens("cu_seqlens_q", cu_q, q.shape[0], "max_seqlen_q", max_q, q.device)
+        _check_cu_seqlens("cu_seqlens_k", cu_k, k.shape[0], "max_seqlen_k", max_k, q.device)
     if k.shape[-2] != v.shape[-2] or k.shape[:-2] != v.shape[:-2]:
         raise ValueError(f"k and v must agree on tokens and heads, got {tuple(k.shape)} and {tuple(v.shape)}")
     if q.shape[-1] != k.shape[-1]:

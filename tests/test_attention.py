@@ -149,3 +149,28 @@ def test_causal_first_row_sees_first_key(device):
     out = leanfa.flash_attn_func(q, k, v, causal=True)
     assert torch.allclose(out[0, 0, 0].float(), v[0, 0, 0].float(), atol=1e-2)
     assert math.isclose(1.0, 1.0)
+
+
+@pytest.mark.parametrize("sq,sk,causal", [(192, 192, True), (150, 260, True), (260, 150, True), (192, 192, False)])
+def test_fp8_bf16_sink_keys(device, sq, sk, causal):
+    """First keys in BF16, the rest in FP8, merged by LSE: exact semantics (masking, empty
+    rows, LSE) and lower error than all-FP8 on a model-like profile with a sink token."""
+    from leanfa.activations import make_qkv
+
+    q, k, v = make_qkv("llama3-8b", 1, sq, heads=2, kv_heads=1, seqlen_k=sk, device=device)
+    ref, ref_lse = attention_ref(q, k, v, causal=causal, return_lse=True)
+    out, lse = leanfa.attention(q, k, v, causal=causal, bf16_sink_keys=64, return_lse=True)
+    plain = leanfa.attention(q, k, v, causal=causal)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert rel_l2(out, ref) < rel_l2(plain, ref)
+    _check_lse(lse, ref_lse, 0.5)
+    if causal and sq > sk:
+        assert torch.all(out[:, : sq - sk] == 0)
+
+
+def test_bf16_sink_keys_rejects_varlen_and_bf16(device):
+    q, k, v = qkv(1, 8, 8, 2, 2, 64, 64, BF16, device)
+    with pytest.raises(ValueError, match="bf16_sink_keys"):
+        leanfa.attention(q, k, v, precision="bf16", bf16_sink_keys=128)
+    with pytest.raises(ValueError, match="bf16_sink_keys"):
+        leanfa.attention(q, k, v, bf16_sink_keys=-1)

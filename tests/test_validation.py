@@ -15,6 +15,9 @@ def t(*shape, dtype=BF16):
 Q, K, V = t(1, 8, 4, 128), t(1, 8, 2, 128), t(1, 8, 2, 128)
 Q8, K8, V8 = (x.to(FP8) for x in (Q, K, V))
 CU = torch.tensor([0, 8], dtype=torch.int32)
+ONE = torch.ones(())
+QT = leanfa.FP8QKV(Q8, K8, V8, ONE, ONE, ONE, None, "tensor")  # a dense quantized triple
+QTV = leanfa.FP8QKV(Q8[0], K8[0], V8[0], ONE, ONE, ONE, None, "tensor")  # a packed one
 
 CASES = [  # (id, call, exception, message fragment)
     ("q not a tensor", lambda: leanfa.flash_attn_func([1], K, V), TypeError, "q must be a torch.Tensor"),
@@ -52,6 +55,53 @@ CASES = [  # (id, call, exception, message fragment)
     ("precision", lambda: leanfa.attention(Q, K, V, precision="fp4"), ValueError, "precision"),
     ("attention fp8 input", lambda: leanfa.attention(Q8, K8, V8), TypeError, "attention\\(\\) takes bf16/fp16"),
     ("quantized plus k", lambda: leanfa.flash_attn_func(leanfa.FP8QKV(Q8, K8, V8, torch.ones(()), torch.ones(()), torch.ones(()), None, "tensor"), K8, None), ValueError, "FP8QKV"),
+    # --- added: more argument classes
+    ("quantized plus descale", lambda: leanfa.flash_attn_func(QT, q_descale=torch.ones(())), ValueError, "FP8QKV"),
+    ("varlen given a dense FP8QKV", lambda: leanfa.flash_attn_varlen_func(QT, None, None, CU, CU, 8, 8), ValueError, "q must have rank 3"),
+    ("varlen FP8QKV plus k", lambda: leanfa.flash_attn_varlen_func(QTV, K8[0], None, CU, CU, 8, 8), ValueError, "FP8QKV"),
+    ("varlen k/v tokens differ", lambda: leanfa.flash_attn_varlen_func(Q[0], K[0], t(9, 2, 128), CU, CU, 8, 8), ValueError, "same number of tokens"),
+    ("cu 2-D", lambda: leanfa.flash_attn_varlen_func(Q[0], K[0], V[0], CU[None], CU, 8, 8), ValueError, "cu_seqlens_q must be 1-D"),
+    ("cu not a tensor", lambda: leanfa.flash_attn_varlen_func(Q[0], K[0], V[0], [0, 8], CU, 8, 8), TypeError, "cu_seqlens_q must be a torch.Tensor"),
+    ("max_seqlen bool", lambda: leanfa.flash_attn_varlen_func(Q[0], K[0], V[0], CU, CU, True, 8), ValueError, "max_seqlen_q must be a positive int"),
+    ("max_seqlen zero", lambda: leanfa.flash_attn_varlen_func(Q[0], K[0], V[0], CU, CU, 8, 0), ValueError, "max_seqlen_k must be a positive int"),
+    ("return_lse not bool", lambda: leanfa.flash_attn_func(Q, K, V, return_lse=1), TypeError, "return_lse"),
+    ("softmax_scale nan", lambda: leanfa.flash_attn_func(Q, K, V, softmax_scale=float("nan")), ValueError, "softmax_scale"),
+    ("softmax_scale inf", lambda: leanfa.flash_attn_func(Q, K, V, softmax_scale=float("inf")), ValueError, "softmax_scale"),
+    ("softmax_scale zero", lambda: leanfa.flash_attn_func(Q, K, V, softmax_scale=0.0), ValueError, "softmax_scale"),
+    ("softmax_scale bool", lambda: leanfa.flash_attn_func(Q, K, V, softmax_scale=True), TypeError, "softmax_scale"),
+    ("out_dtype fp8", lambda: leanfa.flash_attn_func(Q, K, V, out_dtype=FP8), TypeError, "out_dtype"),
+    ("empty head_dim", lambda: leanfa.flash_attn_func(t(1, 8, 4, 0), t(1, 8, 2, 0), t(1, 8, 2, 0)), ValueError, "empty head"),
+    ("k_mean float16", lambda: leanfa.flash_attn_func(Q8, K8, V8, k_mean=torch.ones(1, 2, 128, dtype=torch.float16)), TypeError, "k_mean must be a float32"),
+    ("k_mean not a tensor", lambda: leanfa.flash_attn_func(Q8, K8, V8, k_mean=[0.0]), TypeError, "k_mean must be a float32"),
+    ("descale not a tensor", lambda: leanfa.flash_attn_func(Q8, K8, V8, k_descale=0.5), TypeError, "k_descale must be a torch.Tensor"),
+    ("v descale (B, Hq)", lambda: leanfa.flash_attn_func(Q8, K8, V8, v_descale=torch.ones(1, 4)), ValueError, "v_descale has shape"),
+    ("k descale per q head", lambda: leanfa.flash_attn_func(Q8, K8, V8, k_descale=torch.ones(1, 4)), ValueError, "k_descale has shape"),
+    ("q descale blocks of k heads", lambda: leanfa.flash_attn_func(Q8, K8, V8, q_descale=torch.ones(1, 2, 1)), ValueError, "q_descale has shape"),
+    # devices: the meta device stands in for a second device on a CPU-only machine
+    ("k on another device", lambda: leanfa.flash_attn_func(Q, K.to("meta"), V), ValueError, "one device"),
+    ("descale on another device", lambda: leanfa.flash_attn_func(Q8, K8, V8, k_descale=torch.ones((), device="meta")), ValueError, "k_descale is on meta"),
+    ("k_mean on another device", lambda: leanfa.flash_attn_func(Q8, K8, V8, k_mean=torch.ones(1, 2, 128, device="meta")), ValueError, "k_mean is on meta"),
+    ("cu on another device", lambda: leanfa.flash_attn_varlen_func(Q[0], K[0], V[0], CU.to("meta"), CU, 8, 8), ValueError, "cu_seqlens_q is on meta"),
+    ("tensor on meta", lambda: leanfa.flash_attn_func(Q.to("meta"), K.to("meta"), V.to("meta")), ValueError, "needs CUDA tensors"),
+    ("attention float32", lambda: leanfa.attention(Q.float(), K.float(), V.float()), TypeError, "attention\\(\\) takes bf16/fp16"),
+    ("attention not a tensor", lambda: leanfa.attention(None, K, V), TypeError, "q must be a torch.Tensor"),
+    # --- quantize_fp8
+    ("quantize granularity", lambda: leanfa.quantize_fp8(Q, K, V, granularity="channel"), ValueError, "granularity"),
+    ("quantize fp8 input", lambda: leanfa.quantize_fp8(Q8, K8, V8), TypeError, "quantize_fp8 takes bf16/fp16/fp32 q"),
+    ("quantize int input", lambda: leanfa.quantize_fp8(Q, K.to(torch.int32), V), TypeError, "quantize_fp8 takes bf16/fp16/fp32 k"),
+    ("quantize not a tensor", lambda: leanfa.quantize_fp8(Q, K, None), TypeError, "v must be a torch.Tensor"),
+    ("quantize rank", lambda: leanfa.quantize_fp8(Q[0], K[0], V[0]), ValueError, "q must have rank 4"),
+    ("quantize k/v tokens", lambda: leanfa.quantize_fp8(Q, K, t(1, 9, 2, 128)), ValueError, "k and v must agree"),
+    ("quantize k/v heads", lambda: leanfa.quantize_fp8(Q, K, t(1, 8, 1, 128)), ValueError, "k and v must agree"),
+    ("quantize qk dims", lambda: leanfa.quantize_fp8(Q, t(1, 8, 2, 64), t(1, 8, 2, 64)), ValueError, "same head_dim"),
+    ("quantize devices", lambda: leanfa.quantize_fp8(Q, K.to("meta"), V), ValueError, "k is on meta"),
+    ("quantize varlen partial", lambda: leanfa.quantize_fp8(Q[0], K[0], V[0], cu_seqlens_q=CU), ValueError, "varlen quantization needs"),
+    ("quantize varlen cu dtype", lambda: leanfa.quantize_fp8(Q[0], K[0], V[0], cu_seqlens_q=CU.long(), cu_seqlens_k=CU, max_seqlen_q=8, max_seqlen_k=8), TypeError, "cu_seqlens_q must be a 1-D int32"),
+    ("quantize varlen cu lengths", lambda: leanfa.quantize_fp8(Q[0], K[0], V[0], cu_seqlens_q=CU, cu_seqlens_k=torch.tensor([0, 4, 8], dtype=torch.int32), max_seqlen_q=8, max_seqlen_k=4), ValueError, "same length"),
+    # these three used to pass quantize_fp8 silently (unquantized blocks / out-of-bounds reads)
+    ("quantize varlen max_seqlen small", lambda: leanfa.quantize_fp8(Q[0], K[0], V[0], cu_seqlens_q=CU, cu_seqlens_k=CU, max_seqlen_q=4, max_seqlen_k=8), ValueError, "max_seqlen_q = 4 is smaller"),
+    ("quantize varlen cu total", lambda: leanfa.quantize_fp8(Q[0], K[0], V[0], cu_seqlens_q=CU, cu_seqlens_k=torch.tensor([0, 20], dtype=torch.int32), max_seqlen_q=8, max_seqlen_k=20), ValueError, "must equal the number of tokens"),
+    ("quantize varlen cu device", lambda: leanfa.quantize_fp8(Q[0], K[0], V[0], cu_seqlens_q=CU.to("meta"), cu_seqlens_k=CU, max_seqlen_q=8, max_seqlen_k=8), ValueError, "cu_seqlens_q is on meta"),
 ]
 
 

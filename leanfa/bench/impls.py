@@ -133,6 +133,17 @@ def _leanfa_fp8_e2e(backend: str):
     return prepare
 
 
+def _leanfa_fp8_sink(backend: str, prefix: int = 128):
+    """attention(precision="fp8", bf16_sink_keys=128): first keys in BF16 (dense only)."""
+    def prepare(case: Case, x: Inputs) -> Prepared:
+        lf = _leanfa()
+        if x.varlen:
+            raise NotApplicable("bf16_sink_keys is for dense inputs")
+        return Prepared(_leanfa_call(lambda: lf.attention(x.q, x.k, x.v, causal=case.causal, precision="fp8",
+                                                          backend=backend, bf16_sink_keys=prefix)))
+    return prepare
+
+
 def _leanfa_fp8_kernel(backend: str):
     def prepare(case: Case, x: Inputs) -> Prepared:
         lf = _leanfa()
@@ -369,6 +380,9 @@ def all_impls() -> list[Impl]:
             Impl(f"leanfa-{b}-fp8", "leanfa", "fp8", "e2e",
                  f"leanfa.attention(precision='fp8', backend='{b}'): quantization + kernel",
                  _leanfa_fp8_e2e(b), _leanfa_available),
+            Impl(f"leanfa-{b}-fp8-sink", "leanfa", "fp8", "e2e",
+                 f"leanfa.attention(precision='fp8', bf16_sink_keys=128, backend='{b}')",
+                 _leanfa_fp8_sink(b), _leanfa_available),
             Impl(f"leanfa-{b}-fp8-kernel", "leanfa", "fp8", "kernel",
                  f"flash_attn_func(quantize_fp8(q, k, v), backend='{b}'): kernel alone",
                  _leanfa_fp8_kernel(b), _leanfa_available),
