@@ -169,7 +169,9 @@ def main():
         except subprocess.TimeoutExpired as e:
             text = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
             rc = "timeout"
-        m = re.findall(r"ERROR SUMMARY: (\d+) error", text)
+        # memcheck/synccheck/initcheck print "ERROR SUMMARY: N errors"; racecheck prints
+        # "RACECHECK SUMMARY: H hazards displayed (N errors, W warnings)"
+        m = re.findall(r"ERROR SUMMARY: (\d+) error", text) or re.findall(r"RACECHECK SUMMARY: \d+ hazards? displayed \((\d+) error", text)
         line = f"{tool:<10} ERROR SUMMARY: {m[-1] + ' errors' if m else 'n/a'}  rc={rc}  [{time.time() - t:.0f} s]"
         print(line, flush=True)
         summary.append(line)
