@@ -63,6 +63,18 @@ class Problem:
         return self.q.dtype == FP8_DTYPE
 
 
+def check_fp8_device(device: torch.device) -> None:
+    """float8_e4m3fn kernels need an sm89+ GPU (Ada, Hopper, ...): Triton rejects the type on
+    older GPUs, so say so before any launch instead of failing inside the compiler."""
+    if device.type == "cuda" and torch.version.hip is None:
+        cap = torch.cuda.get_device_capability(device)
+        if cap < (8, 9):
+            raise ValueError(
+                f"FP8 (float8_e4m3fn) attention needs an NVIDIA GPU of compute capability 8.9 or "
+                f"newer; {device} is sm{cap[0]}{cap[1]}. Use precision='bf16' (or bf16/fp16 inputs)."
+            )
+
+
 def _check_inputs(q, k, v, ranks: int) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -86,6 +98,8 @@ def _check_inputs(q, k, v, ranks: int) -> None:
             )
     elif q.device.type != "cuda":
         raise ValueError(f"q is on {q.device}; leanfa needs CUDA tensors")
+    if q.dtype == FP8_DTYPE:
+        check_fp8_device(q.device)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.shape[-1] == 0 or t.shape[-2] == 0:
             raise ValueError(f"{name} has an empty head or head_dim axis: shape {tuple(t.shape)}")

@@ -115,3 +115,15 @@ def test_cpu_tensors_without_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="CPU tensor"):
         leanfa.flash_attn_func(Q, K, V)
+
+
+def test_fp8_on_pre_ada_gpu_is_refused(monkeypatch):
+    """Triton rejects float8_e4m3fn below sm89: the API says so instead of failing in the compiler."""
+    from leanfa.api import check_fp8_device
+
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ValueError, match="compute capability 8.9"):
+        check_fp8_device(torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    check_fp8_device(torch.device("cuda", 0))  # Hopper: fine

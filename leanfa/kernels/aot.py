@@ -78,10 +78,11 @@ def _unit_strides(elem: str) -> dict:
     return unit
 
 
-def attention_variants(quick: bool = False):
-    """Every constexpr combination launches can produce (quick: one of each feature)."""
+def attention_variants(quick: bool = False, fp8: bool = True):
+    """Every constexpr combination launches can produce (quick: one of each feature). FP8
+    variants exist only for sm89+ (the API refuses FP8 on older GPUs)."""
     for (dqk, dv), elem, causal, varlen, lse in itertools.product(
-            [(64, 64), (128, 128), (192, 128), (256, 256)], ["bf16", "fp16", "fp8e4nv"],
+            [(64, 64), (128, 128), (192, 128), (256, 256)], ["bf16", "fp16", "fp8e4nv"] if fp8 else ["bf16", "fp16"],
             [False, True], [False, True], [False, True]):
         if quick and (elem == "fp16" or dqk in (64, 256) or (varlen and causal) or (lse and not causal)):
             continue
@@ -103,7 +104,8 @@ def quant_variants(quick: bool = False):
 
 def compile_all(target=GPUTarget("cuda", 90, 32), limit=None, verbose=True, quick=False):
     results = []
-    for i, (c, elem) in enumerate(attention_variants(quick)):
+    fp8 = target.arch >= 89
+    for i, (c, elem) in enumerate(attention_variants(quick, fp8)):
         if limit is not None and i >= limit:
             break
         c = {**c, **_unit_strides(elem)}
@@ -111,7 +113,7 @@ def compile_all(target=GPUTarget("cuda", 90, 32), limit=None, verbose=True, quic
         results.append(_summary(f"attn {elem} d{c['HEAD_DIM_QK']}/{c['HEAD_DIM_V']} causal={c['CAUSAL']} "
                                 f"varlen={c['VARLEN']} lse={c['RETURN_LSE']}", ck, target.arch))
     qtypes = {n: "i32" for n in quant._quantize_blocks.arg_names if n.startswith("stride_")}
-    for c, elem in quant_variants(quick):
+    for c, elem in quant_variants(quick) if fp8 else ():
         qtypes.update(X=f"*{elem}", Y="*fp8e4nv", CU="*i32", MEAN="*fp32", SCALE="*fp32", CH_SCALE="*fp32",
                       seqlen_dense="i32", num_heads="i32")
         ck = _compile(quant._quantize_blocks, qtypes, {**c, "stride_xd": 1, "stride_yd": 1}, target)

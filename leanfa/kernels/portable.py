@@ -48,11 +48,9 @@ def _load_tile(ptrs, row_ok, col_ok, MASK_ROWS: tl.constexpr, MASK_COLS: tl.cons
 
 @triton.jit
 def _upcast(x, DOT_UPCAST: tl.constexpr):
-    """Operand for tl.dot: as is (0), or converted to fp16 (1: FP8 on a GPU without FP8 MMA,
-    exact for e4m3) or fp32 (2: the CPU interpreter, whose bf16 dot is wrong in Triton 3.6)."""
-    if DOT_UPCAST == 1:
-        return x.to(tl.float16)
-    elif DOT_UPCAST == 2:
+    """Operand for tl.dot: as is (0), or converted to fp32 (2: the CPU interpreter, whose bf16
+    dot is wrong in Triton 3.6). (FP8 needs sm89+, where FP8 MMA exists: the API checks.)"""
+    if DOT_UPCAST == 2:
         return x.to(tl.float32)
     else:
         return x
@@ -253,10 +251,6 @@ def _interpreting(t: torch.Tensor) -> bool:
     return t.device.type == "cpu"
 
 
-def _fp8_mma_available(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
-
-
 def _strides4(t: torch.Tensor, varlen: bool):
     """(batch, seq, head, dim) strides; varlen tensors have no batch axis."""
     return (0, *t.stride()) if varlen else t.stride()
@@ -314,7 +308,7 @@ def _launch(problem, out, lse):
         BLOCK_DQK=triton.next_power_of_2(p.head_dim_qk), BLOCK_DV=triton.next_power_of_2(p.head_dim_v),
         SEQ_BUCKET=min(triton.next_power_of_2(p.max_seqlen_q), 1 << 15),
         CAUSAL=p.causal, VARLEN=p.varlen,
-        IS_FP8=p.is_fp8, DOT_UPCAST=2 if interp else (1 if p.is_fp8 and not _fp8_mma_available(dev) else 0),
+        IS_FP8=p.is_fp8, DOT_UPCAST=2 if interp else 0,
         EXACT_FP8_ROUND=interp,
         RETURN_LSE=p.return_lse, HAS_KMEAN=has_kmean, SCALE_BLK=SCALE_BLOCK,
     )
