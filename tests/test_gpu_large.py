@@ -19,10 +19,10 @@ def _inputs(b, s, hq, hkv, dqk, dv, seed=0):
     return make_qkv("llama3-8b", b, s, heads=hq, kv_heads=hkv, seed=seed, device="cuda")
 
 
-def _ref_subset(q, k, v, causal, heads=2):
-    """float64 reference on the first kv group only (keeps 32K checks fast)."""
+def _ref_subset(q, k, v, causal):
+    """float64 reference for the query heads of the first KV head only (keeps 32K checks fast)."""
     group = q.shape[2] // k.shape[2]
-    return attention_ref(q[:, :, : group * 1], k[:, :, :1], v[:, :, :1], causal=causal)
+    return attention_ref(q[:, :, :group], k[:, :, :1], v[:, :, :1], causal=causal)
 
 
 @pytest.mark.parametrize("s,hq,hkv,dims", [

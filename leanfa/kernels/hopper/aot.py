@@ -9,9 +9,6 @@ signature, and runs the full pipeline (Gluon -> TTGIR -> LLVM -> PTX -> ptxas cu
 from __future__ import annotations
 
 import os
-import re
-import subprocess
-import tempfile
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +16,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import mangle_type
+
+from ..aot import ptxas_usage
 
 from . import launch as L
 
@@ -110,23 +109,6 @@ def compile_variant(v: Variant) -> Compiled:
     src = GluonASTSource(plan.kernel, sig, constexprs=consts)
     ck = triton.compile(src, target=TARGET, options={"num_warps": c["num_warps"]})
     ptx = ck.asm["ptx"]
-    regs, ss, sl = _ptxas_usage(ptx)
+    regs, ss, sl = ptxas_usage(ptx)
     return Compiled(v.name, regs, ss, sl, ck.metadata.shared, ptx.count("wgmma.mma_async"), ptx,
                     ck.asm["ttgir"])
-
-
-def _ptxas_usage(ptx: str):
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    ptxas = get_ptxas(90).path
-    with tempfile.TemporaryDirectory() as d:
-        p = os.path.join(d, "k.ptx")
-        with open(p, "w") as f:
-            f.write(ptx)
-        r = subprocess.run([ptxas, "-arch=sm_90a", "-v", p, "-o", os.path.join(d, "k.cubin")],
-                           capture_output=True, text=True)
-    txt = r.stdout + r.stderr
-    regs = int(m.group(1)) if (m := re.search(r"Used (\d+) registers", txt)) else -1
-    m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", txt)
-    ss, sl = (int(m.group(1)), int(m.group(2))) if m else (-1, -1)
-    return regs, ss, sl
