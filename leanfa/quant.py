@@ -34,7 +34,7 @@ import triton.language as tl
 
 from .kernels.fp8 import E4M3_MAX, E4M3_MAX_C, to_e4m3
 from .kernels.sequences import sequence_span
-from .scales import SCALE_BLOCK, num_scale_blocks
+from .scales import SCALE_BLOCK, broadcast_strides, num_scale_blocks
 
 GRANULARITIES = ("block", "head", "tensor")
 FP8_DTYPE = torch.float8_e4m3fn
@@ -220,10 +220,7 @@ def _quantize_launch(x, y, seqs: _Seqs, *, mean=None, scale=None, compute_scale=
         return
     nblk = num_scale_blocks(seqs.max_seqlen)
     dummy = torch.empty(1, dtype=torch.float32, device=x.device)
-    if scale is not None:
-        s_strides = (scale.stride(0), scale.stride(1), scale.stride(2) if scale.shape[2] > 1 else 0)
-    else:
-        s_strides = (0, 0, 0)
+    s_strides = broadcast_strides(scale) if scale is not None else (0, 0, 0)
     _quantize_blocks[(nblk, n)](
         x, y, seqs.cu_arg(dummy), mean if mean is not None else dummy,
         scale if scale is not None else dummy, ch_scale if ch_scale is not None else dummy,

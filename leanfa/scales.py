@@ -31,6 +31,18 @@ def num_scale_blocks(seqlen: int) -> int:
     return max(1, -(-seqlen // SCALE_BLOCK))
 
 
+def broadcast_strides(table: torch.Tensor) -> tuple[int, ...]:
+    """Strides of a scale/mean table as a kernel must index it: 0 along every size-1 dim.
+
+    Tables built here are often views of a smaller tensor (``None``, a scalar or a ``(B, H)``
+    descale becomes ``(B, H, 1)``), and expand/unsqueeze keep a nonzero stride on a size-1 dim.
+    Kernels read ``table[b, h, token // SCALE_BLOCK]`` for every block; with that stride they
+    would read past the table for block >= 1 (the Hopper kernel's NaN-for-Sk>128 bug on
+    2026-11-29). A size-1 dim is a broadcast, so its stride is 0.
+    """
+    return tuple(0 if n == 1 else st for n, st in zip(table.shape, table.stride()))
+
+
 def _check_tensor(name: str, desc: torch.Tensor, device: torch.device) -> None:
     if not isinstance(desc, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor or None, got {type(desc).__name__}")

@@ -166,7 +166,7 @@ def _expect_caught(shape=(1, 600, 600, 2, 1), causal=True):
 def test_mutation_raw_scale_strides(monkeypatch):
     """The 2026-11-29 bug: the block stride of a broadcast (size-1) scale table was passed as 1."""
     reset_shadows()
-    monkeypatch.setattr(L, "table_strides", lambda t: tuple(t.stride()))
+    monkeypatch.setattr(L, "broadcast_strides", lambda t: tuple(t.stride()))
     assert "out of its storage" in _expect_caught()
 
 

@@ -18,14 +18,13 @@ the blocks that cross it; the grid launches the heaviest query blocks first.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from ..scales import SCALE_BLOCK
+from ..scales import SCALE_BLOCK, broadcast_strides
 from .fp8 import to_e4m3
+from .outputs import allocate_outputs
 from .sequences import sequence_span
 
 LOG2E = 1.4426950408889634
@@ -263,24 +262,6 @@ def run(problem):
     return out, lse
 
 
-def allocate_outputs(problem):
-    """Output (and LSE) buffers; filled with NaN first when ``LEANFA_POISON_OUTPUTS=1`` so a
-    test can prove every element was written."""
-    p = problem
-    dev = p.q.device
-    if p.varlen:
-        out = torch.empty((p.q.shape[0], p.heads, p.head_dim_v), dtype=p.out_dtype, device=dev)
-        lse = torch.empty((p.heads, p.q.shape[0]), dtype=torch.float32, device=dev) if p.return_lse else None
-    else:
-        out = torch.empty((p.batch, p.max_seqlen_q, p.heads, p.head_dim_v), dtype=p.out_dtype, device=dev)
-        lse = torch.empty((p.batch, p.heads, p.max_seqlen_q), dtype=torch.float32, device=dev) if p.return_lse else None
-    if os.environ.get("LEANFA_POISON_OUTPUTS", "0") == "1":
-        out.fill_(float("nan"))
-        if lse is not None:
-            lse.fill_(float("nan"))
-    return out, lse
-
-
 def _launch(problem, out, lse):
     p = problem
     q, k, v = p.q, p.k, p.v
@@ -293,8 +274,7 @@ def _launch(problem, out, lse):
         return
     q_scale, k_scale = p.q_scale, p.k_scale
     # a one-block table serves every token: stride 0 keeps token // 128 in bounds
-    qs_strides = (q_scale.stride(0), q_scale.stride(1), q_scale.stride(2) if q_scale.shape[2] > 1 else 0)
-    ks_strides = (k_scale.stride(0), k_scale.stride(1), k_scale.stride(2) if k_scale.shape[2] > 1 else 0)
+    qs_strides, ks_strides = broadcast_strides(q_scale), broadcast_strides(k_scale)
     k_mean = p.k_mean
     has_kmean = k_mean is not None and p.return_lse
     km = k_mean if k_mean is not None else q_scale

@@ -11,17 +11,16 @@ not; anything it rejects runs on the portable kernel instead -- never a wrong an
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 
+from ..outputs import allocate_outputs
 from . import launch as _launch
 
 #: ``backend="auto"`` picks this kernel only once it passes the GPU check
 #: (scripts/hopper_gpu_check.py). 2026-11-29 H200 run: wrong (NaN) whenever Sk > 128 (more than
 #: one KV block) or Sq > 128 -- cause: the broadcast Q/K descale tables were indexed with their
-#: size-1 block stride (1, not 0), reading past the table (fixed in launch.table_strides; caught
+#: size-1 block stride (1, not 0), reading past the table (fixed by scales.broadcast_strides; caught
 #: on CPU by tests/test_hopper_emulate.py). Stays opt-in (``backend="hopper"``) until a GPU run
 #: of the fix passes.
 VALIDATED = True
@@ -70,13 +69,7 @@ def supports(problem) -> tuple[bool, str]:
 def run(problem):
     """Run a problem :func:`supports` accepted; return ``(out, lse or None)``."""
     q, k, v = problem.q, problem.k, problem.v
-    B, Sq, Hq, _ = q.shape
-    out = torch.empty((B, Sq, Hq, problem.head_dim_v), dtype=problem.out_dtype, device=q.device)
-    lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device) if problem.return_lse else None
-    if os.environ.get("LEANFA_POISON_OUTPUTS", "0") == "1":  # tests: unwritten elements show as NaN
-        out.fill_(float("nan"))
-        if lse is not None:
-            lse.fill_(float("nan"))
+    out, lse = allocate_outputs(problem)
     plan = _launch.make_plan(q, k, v, out, lse, problem.q_scale, problem.k_scale, problem.v_scale,
                              problem.k_mean, causal=problem.causal, softmax_scale=problem.softmax_scale,
                              return_lse=problem.return_lse)

@@ -19,6 +19,7 @@ import torch
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ...scales import broadcast_strides
 from .kernel import attn_fwd_kernel
 from .kernel_ws import attn_fwd_ws_kernel
 
@@ -124,19 +125,6 @@ class Plan:
         return KERNELS[self.version]
 
 
-def table_strides(t: torch.Tensor):
-    """Strides of a scale/mean table as the kernel must index it: 0 along every size-1 dim.
-
-    The descale tables are broadcast views (``scales.token_scale_table``): ``None``, a scalar or a
-    ``(B, H)`` descale becomes a ``(B, H, 1)`` tensor whose *block* stride is still 1 (expand and
-    unsqueeze keep the stride of a size-1 dim). The kernel reads ``table[b, h, token // 128]``
-    for every key/query block, so passing that stride reads past the table for block >= 1
-    (garbage / NaN from neighbouring allocations: the 2026-11-29 NaN-for-Sk>128 bug). A size-1
-    dim is a broadcast: its stride is 0 (the portable kernel does the same).
-    """
-    return tuple(0 if n == 1 else st for n, st in zip(t.shape, t.stride()))
-
-
 def _desc(t: torch.Tensor, shape, strides, block):
     layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[t.dtype])
     return TensorDescriptor(t, shape, strides, block, layout)
@@ -158,7 +146,7 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
         v_desc = _desc(v, *_bshd_as_bhsd(v), [1, 1, BLOCK_N, Dv])
     num_m_tiles = triton_cdiv(Sq, BLOCK_M)
     # the kernel reads table[b, h, token // 128] for every Q tile / key block: a table must have one
-    # entry per 128-token block, or a single broadcast one (stride 0, see table_strides)
+    # entry per 128-token block, or a single broadcast one (stride 0, see scales.broadcast_strides)
     for name, t, n in (("q_scale", q_scale, num_m_tiles), ("k_scale", k_scale, triton_cdiv(Sk, BLOCK_N))):
         if t.shape[2] not in (1, n):
             raise ValueError(f"{name} table has {t.shape[2]} blocks, expected 1 or {n}")
@@ -168,10 +156,10 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
         q_desc, k_desc, v_desc,
         out, out.stride(0), out.stride(1), out.stride(2),
         lse if lse is not None else v_scale,
-        q_scale, *table_strides(q_scale),
-        k_scale, *table_strides(k_scale),
-        v_scale, *table_strides(v_scale),
-        km, *table_strides(km),
+        q_scale, *broadcast_strides(q_scale),
+        k_scale, *broadcast_strides(k_scale),
+        v_scale, *broadcast_strides(v_scale),
+        km, *broadcast_strides(km),
         Sq, Sk, Hq, Hq // Hkv, num_m_tiles,
         float(softmax_scale * LOG2E), float(softmax_scale),
     )
