@@ -8,8 +8,6 @@ raises where it does not apply; ``backend="portable"`` forces the portable kerne
 
 from __future__ import annotations
 
-import torch
-
 from .. import _versions
 from . import portable
 

@@ -14,17 +14,16 @@ from __future__ import annotations
 import torch
 import triton
 
+from ... import _versions
 from ..outputs import allocate_outputs
 from . import launch as _launch
 
 #: ``backend="auto"`` picks this kernel only once it passes the GPU check
-#: (scripts/hopper_gpu_check.py). 2026-11-29 H200 run: wrong (NaN) whenever Sk > 128 (more than
-#: one KV block) or Sq > 128 -- cause: the broadcast Q/K descale tables were indexed with their
-#: size-1 block stride (1, not 0), reading past the table (fixed by scales.broadcast_strides; caught
-#: on CPU by tests/test_hopper_emulate.py). Stays opt-in (``backend="hopper"``) until a GPU run
-#: of the fix passes.
+#: (scripts/hopper_gpu_check.py). First H200 run (2026-11-29): wrong (NaN) whenever Sk > 128 or
+#: Sq > 128 -- the broadcast Q/K descale tables were indexed with their size-1 block stride
+#: (1, not 0), reading past the table (fixed by scales.broadcast_strides; caught on CPU by
+#: tests/test_hopper_emulate.py). The fix passed 90/90 cases on the H200 (run 3), so it is on.
 VALIDATED = True
-TESTED_TRITON = ("3.6.",)
 HEAD_DIMS = ((128, 128), (192, 128))
 IN_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -32,8 +31,9 @@ OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 def supports(problem) -> tuple[bool, str]:
     """Whether the Hopper kernel can run ``problem``; if not, the reason."""
-    if not triton.__version__.startswith(TESTED_TRITON):
-        return False, f"the Hopper kernel is tested on triton 3.6.x only (found {triton.__version__})"
+    if _versions.untested({"triton": triton.__version__}):
+        tested = ", ".join(f"{v}.x" for v in _versions.TESTED["triton"])
+        return False, f"the Hopper kernel is tested on triton {tested} only (found {triton.__version__})"
     q, k, v = problem.q, problem.k, problem.v
     if q.device.type != "cuda":
         return False, f"the Hopper kernel needs CUDA tensors (got {q.device})"
