@@ -71,7 +71,7 @@ class FP8QKV:
                     k_mean=self.k_mean)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seqlen_dense", "num_heads"])
 def _channel_stats(
     X, CU, SUM, AMAX, seqlen_dense, num_heads,
     stride_xb, stride_xs, stride_xh, stride_xd,
@@ -109,7 +109,7 @@ def _channel_stats(
         tl.store(AMAX + out, amax, mask=offs_d < HEAD_DIM)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seqlen_dense", "num_heads"])
 def _quantize_blocks(
     X, Y, CU, MEAN, SCALE, CH_SCALE, seqlen_dense, num_heads,
     stride_xb, stride_xs, stride_xh, stride_xd,

@@ -12,6 +12,7 @@ one-line repro: ``--replay SEED`` rebuilds exactly that case.
 
     python scripts/gpu_fuzz_campaign.py                 # 150 s, seed 0
     python scripts/gpu_fuzz_campaign.py --seconds 300 --seed 7
+    python scripts/gpu_fuzz_campaign.py --seconds 240 --workers 12   # thousands of cases
     python scripts/gpu_fuzz_campaign.py --replay 123456789
 
 Prints "cases run N, failures F" and a table grouped by backend / mode; exit status 1 on any
@@ -103,38 +104,68 @@ def run_one(seed: int, stats, failures, verbose: bool):
             print(f"ok   seed={seed} backend={backend} err={err:.3g} :: {case.label()}", flush=True)
 
 
+def campaign(seed: int, seconds: float, max_cases: int, replay=None, verbose=False):
+    """One process's share: (cases run, stats, failures). Case seeds come from ``seed``."""
+    stats = collections.defaultdict(lambda: [0, 0, 0.0])  # key -> [runs, failures, max err]
+    failures = []
+    t0 = time.time()
+    n = 0
+    master = random.Random(seed)
+    while True:
+        if replay is not None:
+            if n >= len(replay):
+                break
+            case_seed = replay[n]
+        else:
+            if time.time() - t0 > seconds or n >= max_cases:
+                break
+            case_seed = master.randrange(2**31)
+        run_one(case_seed, stats, failures, verbose or replay is not None)
+        n += 1
+        if replay is None and n % 200 == 0:
+            print(f"  [seed {seed}] {n} cases, {len(failures)} failures, {time.time() - t0:.0f} s", flush=True)
+    torch.cuda.synchronize()
+    return n, dict(stats), failures
+
+
+def _worker(args):
+    seed, seconds, max_cases = args
+    return campaign(seed, seconds, max_cases)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seconds", type=float, default=150.0, help="time budget (default 150)")
     ap.add_argument("--seed", type=int, default=0, help="campaign seed (case seeds derive from it)")
-    ap.add_argument("--max-cases", type=int, default=10**9)
+    ap.add_argument("--max-cases", type=int, default=10**9, help="per worker")
+    ap.add_argument("--workers", type=int, default=1,
+                    help="processes sharing the GPU (compiles are CPU-bound; Triton's disk cache is shared)")
     ap.add_argument("--replay", type=int, nargs="*", help="run only these case seeds, verbosely")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     print(f"leanfa GPU fuzz: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-          f"campaign seed {args.seed}, budget {args.seconds:.0f} s", flush=True)
-    stats = collections.defaultdict(lambda: [0, 0, 0.0])  # key -> [runs, failures, max err]
-    failures = []
+          f"campaign seed {args.seed}, budget {args.seconds:.0f} s, workers {args.workers}", flush=True)
     t0 = time.time()
-    seeds = args.replay if args.replay else None
-    n = 0
-    master = random.Random(args.seed)
-    while True:
-        if seeds is not None:
-            if n >= len(seeds):
-                break
-            seed = seeds[n]
-        else:
-            if time.time() - t0 > args.seconds or n >= args.max_cases:
-                break
-            seed = master.randrange(2**31)
-        run_one(seed, stats, failures, args.verbose or seeds is not None)
-        n += 1
-        if seeds is None and n % 200 == 0:
-            print(f"  {n} cases, {len(failures)} failures, {time.time() - t0:.0f} s", flush=True)
-    torch.cuda.synchronize()
+    if args.replay or args.workers <= 1:
+        results = [campaign(args.seed, args.seconds, args.max_cases, args.replay, args.verbose)]
+    else:
+        import multiprocessing as mp
+
+        # worker i draws from seed * 1000 + i: disjoint streams, each reproducible on its own
+        jobs = [(args.seed * 1000 + i, args.seconds, args.max_cases) for i in range(args.workers)]
+        with mp.get_context("spawn").Pool(args.workers) as pool:
+            results = pool.map(_worker, jobs)
+    n = sum(r[0] for r in results)
+    stats = collections.defaultdict(lambda: [0, 0, 0.0])
+    failures = []
+    for _, part, fails in results:
+        failures += fails
+        for key, (runs, nfail, mx) in part.items():
+            stats[key][0] += runs
+            stats[key][1] += nfail
+            stats[key][2] = max(stats[key][2], mx)
     total_runs = sum(s[0] for s in stats.values())
     total_fail = sum(s[1] for s in stats.values())
     print(f"\n{'backend':<10} {'mode':<16} {'runs':>6} {'fail':>5} {'max rel err':>12}")

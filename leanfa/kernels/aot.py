@@ -66,7 +66,8 @@ def _attn_types(elem: str, out: str):
     t = {n: "i32" for n in portable._attn_fwd.arg_names if n.startswith("stride_")}
     t.update(Q=f"*{elem}", K=f"*{elem}", V=f"*{elem}", O=f"*{out}", LSE="*fp32", QS="*fp32", KS="*fp32",
              VS="*fp32", KMEAN="*fp32", CU_Q="*i32", CU_K="*i32", qk_scale="fp32", sm_scale="fp32",
-             seqlen_q_dense="i32", seqlen_k_dense="i32", num_heads="i32")
+             seqlen_q_dense="i32", seqlen_k_dense="i32", num_heads="i32", group="i32",
+             seq_bucket="i32")
     return t
 
 
@@ -87,9 +88,9 @@ def attention_variants(quick: bool = False, fp8: bool = True):
         if quick and (elem == "fp16" or dqk in (64, 256) or (varlen and causal) or (lse and not causal)):
             continue
         yield dict(HEAD_DIM_QK=dqk, HEAD_DIM_V=dv, BLOCK_DQK=triton.next_power_of_2(dqk),
-                   BLOCK_DV=triton.next_power_of_2(dv), SEQ_BUCKET=4096, CAUSAL=causal, VARLEN=varlen,
+                   BLOCK_DV=triton.next_power_of_2(dv), CAUSAL=causal, VARLEN=varlen,
                    IS_FP8=elem == "fp8e4nv", DOT_UPCAST=0, EXACT_FP8_ROUND=False, RETURN_LSE=lse,
-                   HAS_KMEAN=lse and elem == "fp8e4nv", SCALE_BLK=128, GROUP=2, BLOCK_M=128,
+                   HAS_KMEAN=lse and elem == "fp8e4nv", SCALE_BLK=128, BLOCK_M=128,
                    BLOCK_N=64 if dqk > 128 else 128), elem
 
 

@@ -100,10 +100,14 @@ def _attend_kv_block(
     return acc, l_i, m_new
 
 
-@triton.jit
+# Lengths, head counts and the GQA group change from call to call: they are not specialized,
+# so a new sequence length or head layout reuses the compiled kernel instead of compiling
+# another (Triton would otherwise specialize each on ==1 and divisibility by 16).
+# ``seq_bucket`` is read only by the autotuner's key.
+@triton.jit(do_not_specialize=["seqlen_q_dense", "seqlen_k_dense", "num_heads", "group", "seq_bucket"])
 def _attn_fwd(
     Q, K, V, O, LSE, QS, KS, VS, KMEAN, CU_Q, CU_K,
-    qk_scale, sm_scale, seqlen_q_dense, seqlen_k_dense, num_heads,
+    qk_scale, sm_scale, seqlen_q_dense, seqlen_k_dense, num_heads, group, seq_bucket,
     stride_qb, stride_qs, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -113,10 +117,8 @@ def _attn_fwd(
     stride_ksb, stride_ksh, stride_ksn,
     stride_vsb, stride_vsh, stride_vsd,
     stride_kmb, stride_kmh, stride_kmd,
-    GROUP: tl.constexpr,
     HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    SEQ_BUCKET: tl.constexpr,
     CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
     IS_FP8: tl.constexpr, DOT_UPCAST: tl.constexpr, EXACT_FP8_ROUND: tl.constexpr,
     RETURN_LSE: tl.constexpr, HAS_KMEAN: tl.constexpr,
@@ -129,7 +131,7 @@ def _attn_fwd(
     pid_m = tl.num_programs(1) - 1 - tl.program_id(1)  # heaviest (last) query blocks first
     b = pid_bh // num_heads
     h = pid_bh % num_heads
-    hk = h // GROUP
+    hk = h // group
     q_start, seqlen_q = sequence_span(CU_Q, b, seqlen_q_dense, VARLEN)
     k_start, seqlen_k = sequence_span(CU_K, b, seqlen_k_dense, VARLEN)
     start_m = pid_m * BLOCK_M
@@ -235,7 +237,7 @@ def _prune_configs(configs, named_args, **kwargs):
 
 _attn_fwd_tuned = triton.autotune(
     configs=_configs(),
-    key=["HEAD_DIM_QK", "HEAD_DIM_V", "IS_FP8", "CAUSAL", "VARLEN", "GROUP", "SEQ_BUCKET", "RETURN_LSE"],
+    key=["HEAD_DIM_QK", "HEAD_DIM_V", "IS_FP8", "CAUSAL", "VARLEN", "group", "seq_bucket", "RETURN_LSE"],
     prune_configs_by={"early_config_prune": _prune_configs},
 )(_attn_fwd)
 
@@ -283,10 +285,8 @@ def _launch(problem, out, lse):
     cu_k = p.cu_seqlens_k if p.varlen else q_scale
     interp = _interpreting(q)
     args = dict(
-        GROUP=p.heads // p.kv_heads,
         HEAD_DIM_QK=p.head_dim_qk, HEAD_DIM_V=p.head_dim_v,
         BLOCK_DQK=triton.next_power_of_2(p.head_dim_qk), BLOCK_DV=triton.next_power_of_2(p.head_dim_v),
-        SEQ_BUCKET=min(triton.next_power_of_2(p.max_seqlen_q), 1 << 15),
         CAUSAL=p.causal, VARLEN=p.varlen,
         IS_FP8=p.is_fp8, DOT_UPCAST=2 if interp else 0,
         EXACT_FP8_ROUND=interp,
@@ -308,6 +308,7 @@ def _launch(problem, out, lse):
         q, k, v, out, lse if lse is not None else out, q_scale, k_scale, p.v_scale, km, cu_q, cu_k,
         p.softmax_scale * LOG2E, p.softmax_scale,
         p.max_seqlen_q if not p.varlen else 0, k.shape[1] if not p.varlen else 0, p.heads,
+        p.heads // p.kv_heads, min(triton.next_power_of_2(p.max_seqlen_q), 1 << 15),
         *_strides4(q, p.varlen), *_strides4(k, p.varlen), *_strides4(v, p.varlen), *_strides4(out, p.varlen),
         *lse_strides, *qs_strides, *ks_strides, *p.v_scale.stride(), *km_strides,
         **args,
