@@ -33,7 +33,7 @@ run_steps() {
   steps=${steps/perf/hopper_v2 bench accuracy}
   for s in $steps; do
     case $s in
-      pytest) step pytest 420 16 env LEANFA_FUZZ_PROFILE=ci python3 -m pytest -q -p no:cacheprovider -rfEs \
+      pytest) step pytest 360 16 env LEANFA_FUZZ_PROFILE=ci python3 -m pytest -q -p no:cacheprovider -rfEs \
                 -n "$WORKERS" --dist loadfile tests --ignore tests/test_packaging.py \
                 --deselect tests/test_readme.py::test_api_docs_build_without_warnings ;;
       pytest_long) step pytest_long 240 10 python3 -m pytest -q -p no:cacheprovider -rfEs \
@@ -43,9 +43,13 @@ run_steps() {
                 --causal true --impl 'leanfa-*,cudnn-bf16,cudnn-fp8' --out "$OUT/r/bench" ;;
       accuracy) step accuracy 150 40 python3 -m leanfa.cli accuracy --out "$OUT/r/accuracy" ;;
       profile) step profile 150 30 python3 -m leanfa.cli profile --out "$OUT/r/profile" ;;
-      fuzz) step fuzz 200 14 python3 scripts/gpu_fuzz_campaign.py --seconds 170 --seed 1 --workers "$WORKERS" ;;
+      fuzz) step fuzz 190 14 python3 scripts/gpu_fuzz_campaign.py --seconds 150 --seed 1 --workers "$WORKERS" ;;
       sanitize) step sanitize 110 12 python3 scripts/sanitize.py --tools memcheck racecheck synccheck --timeout 30 ;;
       sweep) step sweep 560 20 python3 -m leanfa.cli bench --no-progress --sweep standard --out "$OUT/r/sweep" ;;
+      sweep_causal) step sweep_causal 330 20 python3 -m leanfa.cli bench --no-progress --sweep standard --causal true \
+                --name bench-standard-causal --out "$OUT/r/sweep" ;;
+      sweep_full) step sweep_full 330 20 python3 -m leanfa.cli bench --no-progress --sweep standard --causal false \
+                --name bench-standard-full --out "$OUT/r/sweep" ;;
       models) step models 330 24 python3 -m leanfa.cli bench --no-progress --sweep models,varlen --out "$OUT/r/models" ;;
     esac
   done
