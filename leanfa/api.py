@@ -75,6 +75,18 @@ def check_fp8_device(device: torch.device) -> None:
             )
 
 
+def check_device(q: torch.Tensor) -> None:
+    """leanfa's kernels run on CUDA tensors, or on CPU tensors under the Triton interpreter."""
+    if q.device.type == "cpu":
+        if not interpreter_enabled():
+            raise ValueError(
+                "q is a CPU tensor; leanfa runs on CUDA tensors (or on the CPU under "
+                "TRITON_INTERPRET=1, for tests)"
+            )
+    elif q.device.type != "cuda":
+        raise ValueError(f"q is on {q.device}; leanfa needs CUDA tensors")
+
+
 def _check_inputs(q, k, v, ranks: int) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -90,14 +102,7 @@ def _check_inputs(q, k, v, ranks: int) -> None:
         raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if q.device.type == "cpu":
-        if not interpreter_enabled():
-            raise ValueError(
-                "q is a CPU tensor; leanfa runs on CUDA tensors (or on the CPU under "
-                "TRITON_INTERPRET=1, for tests)"
-            )
-    elif q.device.type != "cuda":
-        raise ValueError(f"q is on {q.device}; leanfa needs CUDA tensors")
+    check_device(q)
     if q.dtype == FP8_DTYPE:
         check_fp8_device(q.device)
     for name, t in (("q", q), ("k", k), ("v", v)):

@@ -280,8 +280,9 @@ def _check(q, k, v, granularity, cu_q, cu_k, max_q, max_k):
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
     if isinstance(q, torch.Tensor):
-        from .api import check_fp8_device
+        from .api import check_device, check_fp8_device
 
+        check_device(q)
         check_fp8_device(q.device)  # the quantizer writes float8_e4m3fn
     varlen = cu_q is not None or cu_k is not None
     for name, t in (("q", q), ("k", k), ("v", v)):

@@ -70,7 +70,7 @@ def test_rotation_keeps_scores_and_lse(device, llama):
     r = qt.rotation
     assert r is not None and r.shape == (128, 128)
     # k_mean is the mean of the rotated K, so (dequantized q) . k_mean stays q . mean(K)
-    assert torch.allclose(qt.k_mean[0, 0].cpu(), (k.float().mean(1)[0, 0] @ r.cpu()), atol=1e-4)
+    assert torch.allclose(qt.k_mean[0, 0].cpu(), (k.float().mean(1)[0, 0].cpu() @ r.cpu()), atol=1e-4)
     out, lse = leanfa.flash_attn_func(qt, causal=True, return_lse=True, out_dtype=torch.float32)
     ref = attention_ref(q, k, v, causal=True)
     assert rel_l2(out.cpu(), ref.cpu()) < 0.3  # FP8 on a sink-heavy preset

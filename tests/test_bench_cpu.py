@@ -16,6 +16,8 @@ from leanfa.bench.runner import BenchConfig, add_ratios, run_bench
 from leanfa.bench.timing import Timing, quantile, summarize
 
 NO_GPU = not torch.cuda.is_available()
+# runs leanfa on CPU tensors through the interpreter: the CPU (CI) path only
+CPU_ONLY = pytest.mark.skipif(not NO_GPU, reason="runs the interpreter path on CPU tensors (CI)")
 
 # ------------------------------------------------------------------------------------- CLI
 
@@ -209,6 +211,7 @@ def _not_applicable(case, x):
     raise NotApplicable("does not do this")
 
 
+@CPU_ONLY
 def test_run_bench_end_to_end_on_cpu(tmp_path):
     cases = [shapes.Case("standard", "d64", "gaussian", 1, 32, 4, 2, 64, 64, True),
              shapes.Case("varlen", "d64", "gaussian", 3, 24, 4, 2, 64, 64, True, (24, 9, 3))]
@@ -423,6 +426,7 @@ def test_profile_orchestration_with_fake_ncu(tmp_path, monkeypatch):
     assert (tmp_path / "out" / "prof.md").exists() and len(files) == 2
 
 
+@CPU_ONLY
 def test_sdpa_impl_and_accuracy_rows_on_cpu():
     from leanfa.bench import impls as impls_mod
     from leanfa.bench.accuracy import accuracy_rows

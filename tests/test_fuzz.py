@@ -40,7 +40,9 @@ Tolerances (relative L2 of the output vs float64; absolute LSE error), with the 
   (With real activations, V has a per-channel mean: many keys average the rounding noise but not
   the mean, so relative error *falls* with more keys and is largest with few -- the same bound.)
 * LSE: 16-bit and raw FP8 logits are exact products accumulated in fp32, so |dLSE| is ~1e-6 *
-  |s|: tolerance 1e-3 + 1e-4 |lse|. fp8q: the LSE carries the weighted logit error (~5e-2 rms,
+  |s|: tolerance 1e-3 + 1e-4 |lse|. On a GPU the FP8 MMA accumulates with reduced precision
+  (see ``fp8_accumulation_slack``): raw FP8 adds (d/32) * 2^-12 * scale * max sum |q k| per row
+  (the H200 fuzz campaign measured LSE errors up to 0.05 at d = 256, softmax_scale = 1). fp8q: the LSE carries the weighted logit error (~5e-2 rms,
   and we take the max over rows); tolerance 0.3 + 1e-2 |lse|.
 
 CI budget: the ``ci`` profile (default without CUDA) runs ~60 examples with a bound on the
@@ -431,6 +433,20 @@ def run_case(case: Case, backend: str = "auto"):
     return compare(case, out, lse, ref, ref_lse)
 
 
+def fp8_accumulation_slack(case: Case) -> torch.Tensor:
+    """Per-row LSE slack for FP8 inputs on a GPU: the FP8 MMA of Hopper (wgmma, also under
+    cuDNN's FP8 attention) accumulates q.k with reduced precision -- the running fp32 sum is cut
+    to ~13-14 mantissa bits at each 32-wide k-step (DeepSeek-V3 report, sec. 3.3.2) -- so a
+    logit can be off by ~(d/32) * 2^-13 * scale * sum_i |q_i k_i|. The LSE inherits at most the
+    largest such error. ``attention_ref`` on |q|, |k| returns log sum_j exp(scale sum_i |q_i k_ji|),
+    which bounds max_j of that sum from above; the slack is (d/32) * 2^-12 (2x margin) times it.
+    (The CPU interpreter accumulates exactly: no slack there.)"""
+    q, k, v = case.ref_args
+    kw = dict(case.ref_kwargs, k_mean=None)  # the K-mean term is added in fp32, exactly
+    _, lse_abs = attention_ref(q.float().abs().to(q.dtype), k.float().abs().to(k.dtype), v, **kw)
+    return (q.shape[-1] / 32) * 2.0**-12 * lse_abs.clamp(min=0)
+
+
 def compare(case: Case, out, lse, ref, ref_lse):
     p = case.params
     fails = []
@@ -467,8 +483,11 @@ def compare(case: Case, out, lse, ref, ref_lse):
             if fin.any():
                 diff = (lse.double() - ref_lse)[fin].abs()
                 bound = lse_atol + lse_rtol * ref_lse[fin].abs()
+                if p["mode"] == "fp8raw" and lse.is_cuda:
+                    bound = bound + fp8_accumulation_slack(case)[fin]
                 if (diff > bound).any():
-                    fails.append(f"LSE error {diff.max().item():.3g} above {lse_atol} + {lse_rtol}|lse|")
+                    fails.append(f"LSE error {diff.max().item():.3g} above {lse_atol} + {lse_rtol}|lse|"
+                                 + (" + FP8 accumulation slack" if p["mode"] == "fp8raw" and lse.is_cuda else ""))
     return fails, err
 
 

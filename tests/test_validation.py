@@ -1,4 +1,7 @@
-"""Every bad-input class raises the documented exception, naming the argument, before launch."""
+"""Every bad-input class raises the documented exception, naming the argument, before launch.
+
+Tensors live on the device the kernels would use (CUDA when present, else the CPU under the
+interpreter), so each case reaches the check it names instead of the device check."""
 
 import pytest
 import torch
@@ -6,18 +9,20 @@ import torch
 import leanfa
 
 BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def t(*shape, dtype=BF16):
-    return torch.zeros(shape, dtype=torch.float32).to(dtype)
+    return torch.zeros(shape, dtype=torch.float32, device=DEV).to(dtype)
 
 
-Q, K, V = t(1, 8, 4, 128), t(1, 8, 2, 128), t(1, 8, 2, 128)
-Q8, K8, V8 = (x.to(FP8) for x in (Q, K, V))
-CU = torch.tensor([0, 8], dtype=torch.int32)
-ONE = torch.ones(())
-QT = leanfa.FP8QKV(Q8, K8, V8, ONE, ONE, ONE, None, "tensor")  # a dense quantized triple
-QTV = leanfa.FP8QKV(Q8[0], K8[0], V8[0], ONE, ONE, ONE, None, "tensor")  # a packed one
+with DEV:  # torch.ones / torch.tensor below (and inside the cases, see test_bad_input) land on DEV
+    Q, K, V = t(1, 8, 4, 128), t(1, 8, 2, 128), t(1, 8, 2, 128)
+    Q8, K8, V8 = (x.to(FP8) for x in (Q, K, V))
+    CU = torch.tensor([0, 8], dtype=torch.int32)
+    ONE = torch.ones(())
+    QT = leanfa.FP8QKV(Q8, K8, V8, ONE, ONE, ONE, None, "tensor")  # a dense quantized triple
+    QTV = leanfa.FP8QKV(Q8[0], K8[0], V8[0], ONE, ONE, ONE, None, "tensor")  # a packed one
 
 CASES = [  # (id, call, exception, message fragment)
     ("q not a tensor", lambda: leanfa.flash_attn_func([1], K, V), TypeError, "q must be a torch.Tensor"),
@@ -107,14 +112,16 @@ CASES = [  # (id, call, exception, message fragment)
 
 @pytest.mark.parametrize("call,exc,msg", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_bad_input(call, exc, msg):
-    with pytest.raises(exc, match=msg):
+    with DEV, pytest.raises(exc, match=msg):
         call()
 
 
 def test_cpu_tensors_without_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="CPU tensor"):
-        leanfa.flash_attn_func(Q, K, V)
+        leanfa.flash_attn_func(Q.cpu(), K.cpu(), V.cpu())
+    with pytest.raises(ValueError, match="CPU tensor"):
+        leanfa.quantize_fp8(Q.cpu(), K.cpu(), V.cpu())
 
 
 def test_fp8_on_pre_ada_gpu_is_refused(monkeypatch):
