@@ -42,7 +42,8 @@ run_steps() {
       bench) step bench 200 12 python3 -m leanfa.cli bench --quick --no-progress --sweep standard --seqlens 4k,16k \
                 --causal true --impl 'leanfa-*,cudnn-bf16,cudnn-fp8' --out "$OUT/r/bench" ;;
       accuracy) step accuracy 150 40 python3 -m leanfa.cli accuracy --out "$OUT/r/accuracy" ;;
-      profile) step profile 150 30 python3 -m leanfa.cli profile --out "$OUT/r/profile" ;;
+      profile) step profile 150 30 python3 -m leanfa.cli profile --out "$OUT/r/profile" \
+                --impl leanfa-hopper-fp8-kernel,leanfa-portable-fp8-kernel,cudnn-fp8 ;;
       fuzz) step fuzz 190 14 python3 scripts/gpu_fuzz_campaign.py --seconds 150 --seed 1 --workers "$WORKERS" ;;
       sanitize) step sanitize 110 12 python3 scripts/sanitize.py --tools memcheck racecheck synccheck --timeout 30 ;;
       sweep) step sweep 560 20 python3 -m leanfa.cli bench --no-progress --sweep standard --out "$OUT/r/sweep" ;;
@@ -50,6 +51,8 @@ run_steps() {
                 --name bench-standard-causal --out "$OUT/r/sweep" ;;
       sweep_full) step sweep_full 330 20 python3 -m leanfa.cli bench --no-progress --sweep standard --causal false \
                 --name bench-standard-full --out "$OUT/r/sweep" ;;
+      pytest:*) step pytest_subset 200 12 python3 -m pytest -q -p no:cacheprovider -rfEs -n "$WORKERS" \
+                $(echo "${s#pytest:}" | tr ',' ' ') ;;
       py:*) f=${s#py:}; step "$(basename "$f" .py)" 150 30 python3 "$f" ;;  # a one-off script
       models) step models 330 24 python3 -m leanfa.cli bench --no-progress --sweep models,varlen --out "$OUT/r/models" ;;
     esac

@@ -78,7 +78,9 @@ def test_rotation_keeps_scores_and_lse(device, llama):
     # P/V rounding only, and the LSE (k_mean correction in the rotated space) is exact
     qref, qref_lse = attention_ref(qt, causal=True, return_lse=True)
     assert rel_l2(out.cpu(), qref.cpu()) < 0.05
-    assert torch.allclose(lse.double().cpu(), qref_lse.cpu(), atol=1e-3, rtol=0)
+    # exact on the CPU; a GPU's FP8 MMA accumulates q.k with ~13-bit precision (measured on the
+    # H200: logit error <= 2^-12.8 * sum|q k|, 2.6e-3 on this LSE of ~10)
+    assert torch.allclose(lse.double().cpu(), qref_lse.cpu(), atol=1e-2 if lse.is_cuda else 1e-3, rtol=0)
 
 
 def test_default_is_unrotated(device):

@@ -110,7 +110,16 @@ CASES = [  # (id, call, exception, message fragment)
 ]
 
 
-@pytest.mark.parametrize("call,exc,msg", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+# cu_seqlens *values* are checked on CPU tensors only: reading them from a GPU tensor would
+# sync the host on every call (flash-attn does not check them either; documented in the API)
+CPU_VALUE_CHECKS = {"cu not monotonic", "cu total", "cu first", "max_seqlen small",
+                    "quantize varlen max_seqlen small", "quantize varlen cu total"}
+_CASES = [pytest.param(*c[1:], id=c[0], marks=pytest.mark.skipif(
+    DEV.type == "cuda" and c[0] in CPU_VALUE_CHECKS, reason="cu_seqlens values on a GPU are not read (no host sync)"))
+    for c in CASES]
+
+
+@pytest.mark.parametrize("call,exc,msg", _CASES)
 def test_bad_input(call, exc, msg):
     with DEV, pytest.raises(exc, match=msg):
         call()
