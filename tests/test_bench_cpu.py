@@ -493,3 +493,43 @@ def test_gpu_cudnn_fp8_matches_reference(varlen):
         out = p.output(p.run())
         err = errors.error_metrics(errors.subset_of(out, q_heads, batch0), ref)["rel_l2"]
         assert err < (0.2 if impl.precision == "fp8" else 1e-2), (impl.name, err)
+
+
+def test_git_tree_names_the_working_tree(tmp_path):
+    """The tree hash recorded in result files equals the tree of the commit holding the same
+    files, whether or not they are committed yet (a copied checkout's HEAD can be stale)."""
+    import subprocess
+
+    from leanfa.bench.env import git_tree
+
+    def git(*args):
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path,
+                              check=True, capture_output=True, text=True).stdout.strip()
+
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("commit", "-qm", "one")
+    assert git_tree(str(tmp_path)) == git("rev-parse", "HEAD^{tree}")
+    (tmp_path / "a.py").write_text("x = 2\n")
+    (tmp_path / "b.py").write_text("y = 1\n")
+    dirty = git_tree(str(tmp_path))
+    assert dirty != git("rev-parse", "HEAD^{tree}")
+    assert git("diff", "--cached", "--name-only") == ""  # the real index was left alone
+    git("add", "-A")
+    git("commit", "-qm", "two")
+    assert dirty == git("rev-parse", "HEAD^{tree}")
+
+
+def test_fp8_check_scales_with_the_rounding_floor():
+    """The FP8 check bound follows the error of per-tensor e4m3 rounding of the inputs: Gaussian
+    inputs keep the fixed bound, K-outlier presets (Qwen2.5) raise it (else every FP8 row,
+    cuDNN's included, was rejected on them: H200 run 6)."""
+    floors = {}
+    for preset in ("gaussian", "qwen2.5-7b"):
+        case = shapes.Case("accuracy", preset, preset, 1, 256, 4, 2, 128, 128, True)
+        x = make_inputs(case, device="cpu", seed=0)
+        floors[preset] = errors.fp8_rounding_floor(x, True, errors.reference_subset(x, True)[0])
+    assert 0.01 < floors["gaussian"] < 0.1  # 3 mantissa bits on Q, K, V: ~4-5e-2
+    assert floors["gaussian"] * errors.FP8_FLOOR_FACTOR < errors.CHECK_TOL["fp8"]
+    assert floors["qwen2.5-7b"] * errors.FP8_FLOOR_FACTOR > errors.CHECK_TOL["fp8"]

@@ -33,6 +33,34 @@ def git_commit(cwd: str | None = None) -> str | None:
         return None
 
 
+def git_tree(cwd: str | None = None) -> str | None:
+    """Git tree hash of the working tree as it is (tracked and new, non-ignored files), without
+    touching the real index. It names the measured code even where HEAD is stale (a copied
+    working tree, a dirty checkout): ``git log --format='%h %T' | grep <tree>`` finds the commit."""
+    cwd = cwd or os.path.dirname(os.path.abspath(__file__))
+    import shutil
+    import tempfile
+
+    try:
+        top = subprocess.run(["git", "rev-parse", "--show-toplevel", "--git-path", "index"], cwd=cwd,
+                             capture_output=True, text=True, timeout=10)
+        if top.returncode != 0:
+            return None
+        root, index = top.stdout.split("\n")[:2]
+        with tempfile.TemporaryDirectory() as d:
+            tmp = os.path.join(d, "index")
+            src = index if os.path.isabs(index) else os.path.join(cwd, index)
+            if os.path.exists(src):
+                shutil.copy(src, tmp)
+            env = dict(os.environ, GIT_INDEX_FILE=tmp)
+            if subprocess.run(["git", "add", "-A"], cwd=root, env=env, capture_output=True, timeout=60).returncode:
+                return None
+            tree = subprocess.run(["git", "write-tree"], cwd=root, env=env, capture_output=True, text=True, timeout=30)
+            return tree.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+
+
 def gpu_name(device_index: int = 0) -> str:
     import torch
 
@@ -64,6 +92,7 @@ def environment(device_index: int = 0) -> dict:
     env = {
         "date": _dt.datetime.now().isoformat(timespec="seconds"),
         "git_commit": git_commit(),
+        "git_tree": git_tree(),
         "gpu": gpu_name(device_index),
         "python": platform.python_version(),
         "torch": torch.__version__,

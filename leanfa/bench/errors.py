@@ -51,6 +51,16 @@ def head_subset(heads: int, kv_heads: int) -> tuple[list[int], list[int]]:
     return q_idx, [h // group for h in q_idx]
 
 
+def _subset(inputs):
+    """(q, k, v, reference kwargs, q_heads, batch0): the head subset the checks run on."""
+    heads, kv_heads = inputs.q.shape[-2], inputs.k.shape[-2]
+    q_idx, kv_idx = head_subset(heads, kv_heads)
+    if inputs.varlen:
+        kw = dict(cu_seqlens_q=inputs.cu_seqlens, cu_seqlens_k=inputs.cu_seqlens)
+        return inputs.q[:, q_idx], inputs.k[:, kv_idx], inputs.v[:, kv_idx], kw, q_idx, False
+    return inputs.q[:1, :, q_idx], inputs.k[:1, :, kv_idx], inputs.v[:1, :, kv_idx], {}, q_idx, True
+
+
 def reference_subset(inputs, causal: bool) -> tuple[torch.Tensor, list[int], bool]:
     """Float64 reference output on the head subset (batch 0 unless varlen).
 
@@ -59,15 +69,30 @@ def reference_subset(inputs, causal: bool) -> tuple[torch.Tensor, list[int], boo
     """
     from leanfa.reference import attention_ref
 
-    heads, kv_heads = inputs.q.shape[-2], inputs.k.shape[-2]
-    q_idx, kv_idx = head_subset(heads, kv_heads)
-    if inputs.varlen:
-        q, k, v = inputs.q[:, q_idx], inputs.k[:, kv_idx], inputs.v[:, kv_idx]
-        ref = attention_ref(q, k, v, causal=causal, cu_seqlens_q=inputs.cu_seqlens,
-                            cu_seqlens_k=inputs.cu_seqlens)
-        return ref, q_idx, False
-    q, k, v = inputs.q[:1, :, q_idx], inputs.k[:1, :, kv_idx], inputs.v[:1, :, kv_idx]
-    return attention_ref(q, k, v, causal=causal), q_idx, True
+    q, k, v, kw, q_idx, batch0 = _subset(inputs)
+    return attention_ref(q, k, v, causal=causal, **kw), q_idx, batch0
+
+
+#: an FP8 row passes its check below max(CHECK_TOL["fp8"], FP8_FLOOR_FACTOR x the FP8 floor)
+FP8_FLOOR_FACTOR = 2.0
+
+
+def fp8_rounding_floor(inputs, causal: bool, ref: torch.Tensor) -> float:
+    """Relative L2 error of *exact* attention on Q, K, V rounded to e4m3 with one scale per
+    tensor, on the checked head subset: the error any FP8 attention starts from before smarter
+    scaling (cuDNN FP8 sits near it). On activations with strong K outliers (Qwen2.5) it
+    exceeds the fixed FP8 bound, so the check scales with it instead of rejecting every FP8
+    row on that input; a broken kernel (error ~1 or NaN) still fails."""
+    from leanfa.reference import attention_ref
+
+    def e4m3(x):
+        x = x.double()
+        s = x.abs().amax().clamp(min=1e-30) / 448.0
+        return (x / s).to(torch.float8_e4m3fn).double() * s
+
+    q, k, v, kw, _, _ = _subset(inputs)
+    out = attention_ref(e4m3(q), e4m3(k), e4m3(v), causal=causal, **kw)
+    return error_metrics(out, ref)["rel_l2"]
 
 
 def subset_of(out: torch.Tensor, q_heads: list[int], batch0: bool) -> torch.Tensor:

@@ -66,7 +66,7 @@ def md_table(headers: list[str], rows: list[list]) -> str:
 
 def env_lines(env: dict) -> list[str]:
     keys = ("gpu", "driver", "power_limit_w", "torch", "triton", "cuda", "cudnn_torch",
-            "cudnn_frontend", "cudnn_backend", "git_commit", "date")
+            "cudnn_frontend", "cudnn_backend", "git_commit", "git_tree", "date")
     return [", ".join(f"{k}: {env[k]}" for k in keys if env.get(k) is not None)]
 
 

@@ -5,8 +5,9 @@ on a subset of heads, then for each implementation
 
 1. ``prepare`` it on every copy (``NotApplicable`` -> row "n/a" with the reason);
 2. run it once and compare with the reference (relative L2 over the head subset); above
-   the precision's tolerance, or on any exception, the row is "FAILED" with the error and
-   no speed is reported;
+   the precision's tolerance (for FP8: the larger of the fixed bound and twice the error of
+   per-tensor e4m3 rounding of the inputs, ``errors.fp8_rounding_floor``), or on any
+   exception, the row is "FAILED" with the error and no speed is reported;
 3. time it (:func:`leanfa.bench.timing.time_calls`) with the NVML sampler running.
 
 Afterwards :func:`add_ratios` adds TFLOP/s, the % of the same-run GEMM rate of the row's
@@ -94,12 +95,15 @@ def bench_one(case: Case, impl: Impl, copies, ref_info, cfg: BenchConfig, timer,
         out = prepared[0].output(prepared[0].run())
         if ref_info is None:
             raise RuntimeError("no reference to check against")
-        ref, q_heads, batch0 = ref_info
+        ref, q_heads, batch0, fp8_floor = ref_info
         err = errors.error_metrics(errors.subset_of(out, q_heads, batch0), ref)
         row["check_rel_l2"] = err["rel_l2"]
         tol = cfg.check_tol[impl.precision]
+        if impl.precision == "fp8" and fp8_floor is not None:
+            tol = max(tol, errors.FP8_FLOOR_FACTOR * fp8_floor)
+            row["check_fp8_floor"] = fp8_floor
         if not err["rel_l2"] <= tol:
-            row.update(status="FAILED", error=f"check: relative L2 {err['rel_l2']:.3g} > {tol:g}")
+            row.update(status="FAILED", error=f"check: relative L2 {err['rel_l2']:.3g} > {tol:.3g}")
             return row
         del out
         sampler = sampler_factory()
@@ -159,6 +163,9 @@ def run_bench(cases, impls, cfg: BenchConfig, *, timer=None, sampler_factory=Non
                            max_copies=cfg.max_copies)
             copies = make_copies(case, n, device=cfg.device, seed=cfg.seed)
             ref_info = errors.reference_subset(copies[0], case.causal)
+            floor = (errors.fp8_rounding_floor(copies[0], case.causal, ref_info[0])
+                     if any(i.precision == "fp8" for i in impls) else None)
+            ref_info = (*ref_info, floor)
         except Exception as e:
             case_error = f"inputs/reference: {_short(e)}"
         for impl in impls:
