@@ -183,3 +183,33 @@ def test_compile_inductor_cudagraphs_gpu():
     for _ in range(3):
         got = compiled(x)
     torch.testing.assert_close(got, eager, rtol=2e-2, atol=2e-2)
+
+
+def test_eager_calls_skip_the_dispatcher_and_traced_ones_do_not(device):
+    """Plain eager calls run the implementation directly (the op's dispatch is ~80 us of host
+    time); inputs that require grad, fake tensors and dispatch modes still go through the op."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from leanfa import ops
+
+    q, k, v = _qkv(device)
+    assert ops._plain_eager(q, k, v, None)
+    out = leanfa.flash_attn_func(q, k, v, causal=True)
+    assert out.grad_fn is None
+    quant = leanfa.quantize_fp8(q, k, v)  # the quantizer takes the same path
+    assert quant.q.grad_fn is None
+
+    qg = q.clone().requires_grad_()
+    assert not ops._plain_eager(qg, k, v)
+    with torch.no_grad():
+        assert ops._plain_eager(qg, k, v)
+    out_g = leanfa.flash_attn_func(qg, k, v, causal=True)  # through the op: backward says why
+    torch.testing.assert_close(out_g.detach(), out, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        out_g.float().sum().backward()
+
+    with FakeTensorMode() as mode:
+        fq, fk, fv = (mode.from_tensor(t) for t in (q, k, v))
+        assert not ops._plain_eager(fq, fk, fv)
+        fo = leanfa.flash_attn_func(fq, fk, fv, causal=True)  # the op's fake implementation
+        assert fo.shape == out.shape and fo.dtype == out.dtype
