@@ -15,6 +15,7 @@ commands:
   bench      time leanfa against cuDNN, FlashAttention and others (GPU)
   accuracy   error vs float64 of every implementation on every activation profile (GPU)
   profile    Nsight Compute counters of one attention call (GPU)
+  report     re-render the markdown and plots of result JSON files (any machine)
 """
 
 
@@ -90,6 +91,25 @@ def demo(argv: list[str]) -> int:
     return 0
 
 
+def report(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="leanfa report",
+                                     description="Re-render the markdown and plots of leanfa result JSON files.")
+    parser.add_argument("files", nargs="+", help="bench/accuracy/profile JSON written by leanfa")
+    parser.add_argument("--no-plots", action="store_true")
+    args = parser.parse_args(argv)
+    from .bench.report import rerender
+
+    for path in args.files:
+        try:
+            written = rerender(path, plots=not args.no_plots)
+        except (OSError, ValueError) as e:
+            print(f"leanfa report: {e}", file=sys.stderr)
+            return 1
+        for w in written:
+            print(f"wrote {w}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -101,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         rc = demo(rest)
         print(f"done in {time.time() - start:.1f} s")
         return rc
+    if command == "report":
+        return report(rest)
     if command in ("bench", "accuracy", "profile"):
         from .bench.cli import main as bench_main
 

@@ -5,6 +5,7 @@ fake timer (leanfa's portable kernel runs in Triton's interpreter; see conftest.
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -293,6 +294,15 @@ def test_bench_writers(tmp_path):
         png = tmp_path / f"bench-{sweep}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(files) == 4
+    # `leanfa report` re-renders them from the JSON alone (e.g. after a run cut before its plots)
+    payload["kind"] = "bench"
+    report.write_json(str(tmp_path / "cut.json"), payload)
+    written = report.rerender(str(tmp_path / "cut.json"))
+    assert sorted(os.path.basename(w) for w in written) == ["cut-standard.png", "cut-varlen.png", "cut.md"]
+    assert (tmp_path / "cut.md").read_text() == md
+    with pytest.raises(ValueError, match="not a leanfa result"):
+        report.write_json(str(tmp_path / "other.json"), {"rows": []})
+        report.rerender(str(tmp_path / "other.json"))
 
 
 def test_accuracy_and_profile_writers(tmp_path):

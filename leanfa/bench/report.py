@@ -334,3 +334,23 @@ def write_profile(out_dir: str, payload: dict, stem: str = "profile") -> list[st
         f.write(profile_markdown(payload) + "\n")
     files.append(md)
     return files
+
+
+# --------------------------------------------------------------------------------- re-render
+
+
+def rerender(path: str, plots: bool = True) -> list[str]:
+    """Write the markdown (and plots) of a result JSON again, next to it: after a run cut
+    before its plots (results are written as rows arrive), or after editing ``rows``."""
+    with open(path) as f:
+        payload = json.load(f)
+    out_dir = os.path.dirname(os.path.abspath(path))
+    stem = os.path.splitext(os.path.basename(path))[0]
+    kind = payload.get("kind")
+    if kind == "bench":
+        return write_bench(out_dir, payload, plots=plots, stem=stem)[1:]
+    if kind == "accuracy":
+        return write_accuracy(out_dir, payload, plots=plots)[1:]
+    if kind == "profile":
+        return write_profile(out_dir, payload, stem=stem)[1:]
+    raise ValueError(f"{path}: not a leanfa result file (kind={kind!r})")
