@@ -7,7 +7,7 @@
 
 1. Correctness: the case list of scripts/hopper_gpu_check.py (``default_cases``; run_case,
    NaN-poisoned outputs, float64 reference) with ``LEANFA_HOPPER_KERNEL=v2``. Each config runs in
-   a child process with a timeout, so a hang (mbarrier deadlock) is reported as HANG and the
+   a child process with a timeout, so a hang (mbarrier deadlock) is reported as TIMEOUT (with the count of passing cases) and the
    timings still run: ``v2 pipe=1`` (the default v2) on all cases, ``v2 pipe=0`` on the small set.
 2. Timings, causal, B*S = 16K, 16 heads, S = 4K/16K, d 128/128 and 192/128: cuDNN BF16 (torch
    SDPA cuDNN backend), cuDNN FP8 (leanfa.bench cudnn-fp8, cudnn frontend, if importable), v1
@@ -76,7 +76,9 @@ def run_child(cfg, small, timeout, prefix=(), sanitize=False):
         status = "PASS" if r.returncode == 0 else f"FAIL(rc={r.returncode})"
     except subprocess.TimeoutExpired as e:
         out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-        status = "HANG/TIMEOUT"
+        done = sum(ln.startswith("PASS") for ln in out.splitlines())
+        # a deadlock and a slow run (compiles) look alike here: say how far it got
+        status = f"TIMEOUT after {done} passing cases (the next one neither passed nor failed)"
     lines = out.splitlines()
     keep = [ln for ln in lines if ln.startswith(("FAIL", "ERROR", "NOT-PASS", "RESULT", "=====", "Traceback"))
             or "ERROR SUMMARY" in ln or "Race" in ln or "race" in ln or "Error" in ln]
@@ -185,7 +187,8 @@ def main():
           f"triton {triton.__version__}", flush=True)
     t0 = time.time()
     status = {
-        "v2": run_child("v2", small=False, timeout=170),
+        # 90 cases: run 7 (2026-11-29) passed 89 in 170 s, the last cut by the limit
+        "v2": run_child("v2", small=False, timeout=300),
         "v2-nopipe": run_child("v2-nopipe", small=True, timeout=60),
     }
     ok = [c for c, s in status.items() if s == "PASS"]
