@@ -20,8 +20,11 @@
   (``FP8QKV.rotation`` is ``R``): ``k_mean`` is the mean of ``KR`` (= ``mean(K) R``), so the
   LSE correction ``softmax_scale * (dequantized q)·k_mean`` stays exact.
 
-All passes are Triton kernels: a per-channel statistics pass (K mean, V amax) and a quantize
-pass per 128-token block that also computes the block's scale when ``granularity="block"``.
+All passes are Triton kernels (:mod:`leanfa.kernels.quantize`): a per-channel statistics pass
+(K mean, V amax) and a quantize pass per 128-token block that also computes the block's scale
+when ``granularity="block"``. For that default granularity the two passes cover Q, K and V in
+one launch each (the K mean and V scales are finished inside the quantize kernel); per-head
+and per-tensor scales need global maxima in between and use one launch per tensor and pass.
 """
 
 from __future__ import annotations
@@ -30,10 +33,9 @@ from dataclasses import dataclass
 
 import torch
 import triton
-import triton.language as tl
 
-from .kernels.fp8 import E4M3_MAX, E4M3_MAX_C, to_e4m3
-from .kernels.sequences import sequence_span
+from .kernels.fp8 import E4M3_MAX
+from .kernels.quantize import channel_stats, kv_stats, quantize_blocks, quantize_qkv
 from .scales import SCALE_BLOCK, broadcast_strides, num_scale_blocks
 
 GRANULARITIES = ("block", "head", "tensor")
@@ -71,98 +73,6 @@ class FP8QKV:
                     k_mean=self.k_mean)
 
 
-@triton.jit(do_not_specialize=["seqlen_dense", "num_heads"])
-def _channel_stats(
-    X, CU, SUM, AMAX, seqlen_dense, num_heads,
-    stride_xb, stride_xs, stride_xh, stride_xd,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr,
-    VARLEN: tl.constexpr, WANT_SUM: tl.constexpr, WANT_AMAX: tl.constexpr,
-):
-    """Per (batch, head, chunk of CHUNK tokens): the sum of each channel and/or its max |x|.
-
-    Partial results go to SUM/AMAX[(b*H + h), chunk, :]; the host reduces over chunks, so a
-    long sequence is read by many programs at once instead of one.
-    """
-    chunk = tl.program_id(0)
-    pid = tl.program_id(1)
-    b = pid // num_heads
-    h = pid % num_heads
-    start, seqlen = sequence_span(CU, b, seqlen_dense, VARLEN)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_s = tl.arange(0, BLOCK_S)
-    s_begin = chunk * CHUNK
-    base = X + b.to(tl.int64) * stride_xb + (start + s_begin).to(tl.int64) * stride_xs + h.to(tl.int64) * stride_xh
-    total = tl.zeros([BLOCK_D], tl.float32)
-    amax = tl.zeros([BLOCK_D], tl.float32)
-    for s0 in range(0, CHUNK, BLOCK_S):
-        rows = s0 + offs_s
-        x = tl.load(base + rows[:, None] * stride_xs + offs_d[None, :] * stride_xd,
-                    mask=(s_begin + rows[:, None] < seqlen) & (offs_d[None, :] < HEAD_DIM), other=0.0).to(tl.float32)
-        if WANT_SUM:
-            total += tl.sum(x, 0)
-        if WANT_AMAX:
-            amax = tl.maximum(amax, tl.max(tl.abs(x), 0))
-    out = (pid * tl.num_programs(0) + chunk) * HEAD_DIM + offs_d
-    if WANT_SUM:
-        tl.store(SUM + out, total, mask=offs_d < HEAD_DIM)
-    if WANT_AMAX:
-        tl.store(AMAX + out, amax, mask=offs_d < HEAD_DIM)
-
-
-@triton.jit(do_not_specialize=["seqlen_dense", "num_heads"])
-def _quantize_blocks(
-    X, Y, CU, MEAN, SCALE, CH_SCALE, seqlen_dense, num_heads,
-    stride_xb, stride_xs, stride_xh, stride_xd,
-    stride_yb, stride_ys, stride_yh, stride_yd,
-    stride_sb, stride_sh, stride_sn,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    VARLEN: tl.constexpr, SUBTRACT_MEAN: tl.constexpr, COMPUTE_SCALE: tl.constexpr,
-    CHANNEL_SCALE: tl.constexpr, EXACT_ROUND: tl.constexpr,
-):
-    """Quantize one block of BLOCK_S tokens of one head to e4m3.
-
-    COMPUTE_SCALE: the block's descale (amax / 448) is computed here and written to SCALE;
-    otherwise it is read from SCALE (stride 0 for a per-head/per-tensor table). CHANNEL_SCALE:
-    divide by a per-channel descale CH_SCALE[b, h, d] instead (V).
-    """
-    blk = tl.program_id(0)
-    pid = tl.program_id(1)
-    b = pid // num_heads
-    h = pid % num_heads
-    start, seqlen = sequence_span(CU, b, seqlen_dense, VARLEN)
-    s0 = blk * BLOCK_S
-    if s0 >= seqlen:
-        return
-    offs_d = tl.arange(0, BLOCK_D)
-    rows = s0 + tl.arange(0, BLOCK_S)
-    mask = (rows[:, None] < seqlen) & (offs_d[None, :] < HEAD_DIM)
-    local = tl.arange(0, BLOCK_S)  # 64-bit block base, 32-bit offsets inside the block
-    xb = X + b.to(tl.int64) * stride_xb + (start + s0).to(tl.int64) * stride_xs + h.to(tl.int64) * stride_xh
-    x = tl.load(xb + local[:, None] * stride_xs + offs_d[None, :] * stride_xd,
-                mask=mask, other=0.0).to(tl.float32)
-    if SUBTRACT_MEAN:
-        mean = tl.load(MEAN + pid * HEAD_DIM + offs_d, mask=offs_d < HEAD_DIM, other=0.0)
-        x = tl.where(mask, x - mean[None, :], 0.0)
-    if CHANNEL_SCALE:
-        ch = tl.load(CH_SCALE + pid * HEAD_DIM + offs_d, mask=offs_d < HEAD_DIM, other=1.0)
-        x = x / ch[None, :]
-    else:
-        scale_ptr = SCALE + b * stride_sb + h * stride_sh + blk * stride_sn
-        if COMPUTE_SCALE:
-            amax = tl.max(tl.max(tl.abs(x), 1), 0)
-            descale = tl.where(amax > 0.0, amax / E4M3_MAX_C, 1.0)
-            tl.store(scale_ptr, descale)
-        else:
-            descale = tl.load(scale_ptr)
-        x = x / descale
-    yb = Y + b.to(tl.int64) * stride_yb + (start + s0).to(tl.int64) * stride_ys + h.to(tl.int64) * stride_yh
-    tl.store(yb + local[:, None] * stride_ys + offs_d[None, :] * stride_yd,
-             # clamp keeping NaN (a plain clamp maps NaN to +-448 on the GPU: a silent wrong
-             # answer); the e4m3 conversion keeps NaN, so a NaN input stays NaN
-             to_e4m3(tl.clamp(x, -E4M3_MAX_C, E4M3_MAX_C, propagate_nan=tl.PropagateNan.ALL), False, EXACT_ROUND),
-             mask=mask)
-
-
 def _strides(t: torch.Tensor, varlen: bool):
     return (0, *t.stride()) if varlen else t.stride()
 
@@ -197,7 +107,7 @@ def _channel_stats_launch(x, seqs: _Seqs, want_sum: bool, want_amax: bool):
     part_sum = torch.zeros((seqs.batch, seqs.heads, nchunks, seqs.dim), dtype=torch.float32, device=x.device)
     part_amax = torch.zeros_like(part_sum) if want_amax else part_sum
     if n:
-        _channel_stats[(nchunks, n)](
+        channel_stats[(nchunks, n)](
             x, seqs.cu_arg(part_sum), part_sum, part_amax, seqs.seqlen_dense, seqs.heads,
             *_strides(x, seqs.varlen), HEAD_DIM=seqs.dim, BLOCK_D=triton.next_power_of_2(seqs.dim),
             BLOCK_S=64 if seqs.dim <= 128 else 32, CHUNK=STATS_CHUNK,
@@ -221,7 +131,7 @@ def _quantize_launch(x, y, seqs: _Seqs, *, mean=None, scale=None, compute_scale=
     nblk = num_scale_blocks(seqs.max_seqlen)
     dummy = torch.empty(1, dtype=torch.float32, device=x.device)
     s_strides = broadcast_strides(scale) if scale is not None else (0, 0, 0)
-    _quantize_blocks[(nblk, n)](
+    quantize_blocks[(nblk, n)](
         x, y, seqs.cu_arg(dummy), mean if mean is not None else dummy,
         scale if scale is not None else dummy, ch_scale if ch_scale is not None else dummy,
         seqs.seqlen_dense, seqs.heads, *_strides(x, seqs.varlen), *_strides(y, seqs.varlen), *s_strides,
@@ -254,6 +164,18 @@ def _quantize_qk(x: torch.Tensor, seqs: _Seqs, granularity: str, mean):
     return y, descale
 
 
+def _transposed_fp8_like(v: torch.Tensor, seqs: _Seqs) -> torch.Tensor:
+    """An e4m3 tensor shaped like ``v`` whose storage is transposed, token axis padded to
+    V_TOKEN_ALIGN: ``(B, Hkv, Dv, S)`` viewed as ``(B, S, Hkv, Dv)`` (varlen: ``(Hkv, Dv, total)``)."""
+    tokens = v.shape[0] if seqs.varlen else v.shape[1]
+    padded = -(-max(tokens, 1) // V_TOKEN_ALIGN) * V_TOKEN_ALIGN
+    if seqs.varlen:
+        store = torch.empty((seqs.heads, v.shape[-1], padded), dtype=FP8_DTYPE, device=v.device)
+        return store.permute(2, 0, 1)[:tokens]
+    store = torch.empty((seqs.batch, seqs.heads, v.shape[-1], padded), dtype=FP8_DTYPE, device=v.device)
+    return store.permute(0, 3, 1, 2)[:, :tokens]
+
+
 def _quantize_v(v: torch.Tensor, seqs: _Seqs, granularity: str):
     """V with per-channel (or per-tensor) scales, written transposed."""
     _, amax = _channel_stats_launch(v, seqs, want_sum=False, want_amax=True)
@@ -264,16 +186,53 @@ def _quantize_v(v: torch.Tensor, seqs: _Seqs, granularity: str):
     else:
         descale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
         ch = descale
-    tokens = v.shape[0] if seqs.varlen else v.shape[1]
-    padded = -(-max(tokens, 1) // V_TOKEN_ALIGN) * V_TOKEN_ALIGN
-    if seqs.varlen:  # storage (Hkv, Dv, total) -> view (total, Hkv, Dv)
-        store = torch.empty((seqs.heads, seqs.dim, padded), dtype=FP8_DTYPE, device=v.device)
-        y = store.permute(2, 0, 1)[:tokens]
-    else:  # storage (B, Hkv, Dv, S) -> view (B, S, Hkv, Dv)
-        store = torch.empty((seqs.batch, seqs.heads, seqs.dim, padded), dtype=FP8_DTYPE, device=v.device)
-        y = store.permute(0, 3, 1, 2)[:, :tokens]
+    y = _transposed_fp8_like(v, seqs)
     _quantize_launch(v, y, seqs, ch_scale=ch)
     return y, descale
+
+
+#: the fused quantizer's largest head dim: one program holds a 128-token fp32 tile and three
+#: inlined branches; at d256 it spills even with 16 warps (AOT, sm90: 412 bytes), so d256 takes
+#: the per-tensor kernels. 8 warps: with 4 it spills at d128 (864 bytes).
+FUSED_MAX_DIM = 192
+FUSED_WARPS = 8
+
+
+def _quantize_block_fused(q, k, v, sq: _Seqs, sk: _Seqs, smooth_k: bool):
+    """``granularity="block"`` in two launches: K/V statistics, then Q, K, V together."""
+    dev = q.device
+    nchunks = max(1, -(-sk.max_seqlen // STATS_CHUNK))
+    n_kv = sk.batch * sk.heads
+    dqk, dv = q.shape[-1], v.shape[-1]
+    f32 = dict(dtype=torch.float32, device=dev)
+    ksum = torch.empty((n_kv, nchunks, dqk) if smooth_k else (1,), **f32)
+    vamax = torch.empty((n_kv, nchunks, dv), **f32)
+    nblk_q, nblk_k = num_scale_blocks(sq.max_seqlen), num_scale_blocks(sk.max_seqlen)
+    q8 = torch.empty(q.shape, dtype=FP8_DTYPE, device=dev)
+    k8 = torch.empty(k.shape, dtype=FP8_DTYPE, device=dev)
+    v8 = _transposed_fp8_like(v, sk)
+    q_descale = torch.empty((sq.batch, sq.heads, nblk_q), **f32)
+    k_descale = torch.empty((sk.batch, sk.heads, nblk_k), **f32)
+    k_mean = torch.empty((sk.batch, sk.heads, dqk), **f32) if smooth_k else None
+    v_descale = torch.empty((sk.batch, sk.heads, dv), **f32)
+    bd_qk, bd_v = triton.next_power_of_2(dqk), triton.next_power_of_2(dv)
+    cu_k = sk.cu_arg(vamax)
+    if n_kv:
+        kv_stats[(nchunks, n_kv)](
+            k, v, cu_k, ksum, vamax, sk.seqlen_dense, sk.heads, *_strides(k, sk.varlen), *_strides(v, sk.varlen),
+            DQK=dqk, BLOCK_DQK=bd_qk, DV=dv, BLOCK_DV=bd_v, BLOCK_S=64 if max(dqk, dv) <= 128 else 32,
+            CHUNK=STATS_CHUNK, VARLEN=sk.varlen, WANT_KSUM=smooth_k)
+    programs = sq.batch * sq.heads + 2 * n_kv
+    if programs:
+        quantize_qkv[(max(nblk_q, nblk_k), programs)](
+            q, k, v, q8, k8, v8, sq.cu_arg(vamax), cu_k, ksum, vamax, q_descale, k_descale,
+            k_mean if k_mean is not None else vamax, v_descale,
+            sq.seqlen_dense, sk.seqlen_dense, sq.batch, sq.heads, sk.heads, nchunks, nblk_q, nblk_k,
+            *_strides(q, sq.varlen), *_strides(k, sk.varlen), *_strides(v, sk.varlen),
+            *_strides(q8, sq.varlen), *_strides(k8, sk.varlen), *_strides(v8, sk.varlen),
+            DQK=dqk, BLOCK_DQK=bd_qk, DV=dv, BLOCK_DV=bd_v, BLOCK_S=SCALE_BLOCK, VARLEN=sq.varlen,
+            SMOOTH_K=smooth_k, EXACT_ROUND=dev.type == "cpu", num_warps=FUSED_WARPS)
+    return q8, q_descale, k8, k_descale, k_mean, v8, v_descale
 
 
 def _check(q, k, v, granularity, cu_q, cu_k, max_q, max_k):
@@ -370,9 +329,12 @@ def quantize_fp8(
     sq = _Seqs(q, cu_seqlens_q, max_seqlen_q)
     sk = _Seqs(k, cu_seqlens_k, max_seqlen_k)
     sv = _Seqs(v, cu_seqlens_k, max_seqlen_k)
-    k_mean = _channel_stats_launch(k, sk, want_sum=True, want_amax=False)[0] if smooth_k else None
-    q8, q_descale = _quantize_qk(q, sq, granularity, None)
-    k8, k_descale = _quantize_qk(k, sk, granularity, k_mean)
-    v8, v_descale = _quantize_v(v, sv, granularity)
+    if granularity == "block" and max(q.shape[-1], v.shape[-1]) <= FUSED_MAX_DIM:
+        q8, q_descale, k8, k_descale, k_mean, v8, v_descale = _quantize_block_fused(q, k, v, sq, sk, smooth_k)
+    else:
+        k_mean = _channel_stats_launch(k, sk, want_sum=True, want_amax=False)[0] if smooth_k else None
+        q8, q_descale = _quantize_qk(q, sq, granularity, None)
+        k8, k_descale = _quantize_qk(k, sk, granularity, k_mean)
+        v8, v_descale = _quantize_v(v, sv, granularity)
     return FP8QKV(q=q8, k=k8, v=v8, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
                   k_mean=k_mean, granularity=granularity, rotation=rotation)

@@ -90,3 +90,53 @@ def test_bad_granularity():
     x = torch.randn(1, 4, 1, 64)
     with pytest.raises(ValueError, match="granularity"):
         leanfa.quantize_fp8(x, x, x, granularity="row")
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("smooth_k", [True, False])
+def test_fused_block_path_matches_per_tensor_kernels(device, varlen, smooth_k):
+    """granularity="block" runs two fused launches (K/V statistics, then Q, K, V together); the
+    general per-tensor kernels compute the same thing: identical Q, V and scales, and K equal up
+    to the summation order of its mean (a few e4m3 roundings may flip by one step)."""
+    from leanfa import quant
+
+    g = torch.Generator().manual_seed(5)
+    hq, hkv, dqk, dv = 6, 2, 192, 128
+    if varlen:
+        lens_q, lens_k = [1, 300, 0, 129], [2, 700, 0, 1]  # empty and one-token sequences
+        shape_q, shape_k = (sum(lens_q), hq), (sum(lens_k), hkv)
+        cu = lambda ls: torch.tensor([0] + list(torch.tensor(ls).cumsum(0)), dtype=torch.int32, device=device)  # noqa: E731
+        kw = dict(cu_seqlens_q=cu(lens_q), cu_seqlens_k=cu(lens_k), max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k))
+    else:
+        shape_q, shape_k, kw = (2, 300, hq), (2, 700, hkv), {}
+    q = (torch.randn(*shape_q, dqk, generator=g) * 3).to(torch.bfloat16).to(device)
+    k = (torch.randn(*shape_k, dqk, generator=g) + torch.randn(dqk, generator=g) * 4).to(device)  # fp32, biased
+    # V sliced out of a wider buffer (non-contiguous) with outlier channels
+    v = (torch.randn(*shape_k, 2 * dv, generator=g) * torch.linspace(0.1, 20, 2 * dv)).to(torch.float16).to(device)[..., ::2]
+    fused = leanfa.quantize_fp8(q, k, v, granularity="block", smooth_k=smooth_k, **kw)
+
+    sq = quant._Seqs(q, kw.get("cu_seqlens_q"), kw.get("max_seqlen_q"))
+    sk = quant._Seqs(k, kw.get("cu_seqlens_k"), kw.get("max_seqlen_k"))
+    k_mean = quant._channel_stats_launch(k, sk, want_sum=True, want_amax=False)[0] if smooth_k else None
+    q8, qd = quant._quantize_qk(q, sq, "block", None)
+    k8, kd = quant._quantize_qk(k, sk, "block", k_mean)
+    v8, vd = quant._quantize_v(v, quant._Seqs(v, kw.get("cu_seqlens_k"), kw.get("max_seqlen_k")), "block")
+
+    assert fused.v.stride() == v8.stride() and fused.q_descale.shape == qd.shape
+    assert torch.equal(fused.q.view(torch.uint8), q8.view(torch.uint8))
+    assert torch.equal(fused.v.view(torch.uint8), v8.view(torch.uint8))
+    assert torch.equal(fused.v_descale, vd)
+    # scale tables: only entries of blocks inside a sequence are defined
+    nb = lambda ls: [-(-n // 128) for n in ls] if varlen else [-(-shape_q[1] // 128)] * 2  # noqa: E731
+    for b, n in enumerate(nb(lens_q) if varlen else nb(None)):
+        assert torch.equal(fused.q_descale[b, :, :n], qd[b, :, :n])
+    if smooth_k:
+        torch.testing.assert_close(fused.k_mean, k_mean, rtol=1e-5, atol=1e-6)
+    else:
+        assert fused.k_mean is None
+    diff = (fused.k.float() - k8.float()).abs()
+    step = k8.float().abs() / 8 + 2.0**-9  # one e4m3 step at that magnitude (3 mantissa bits)
+    assert (diff <= step).all() and (diff > 0).float().mean() < 1e-3
+    kn = [-(-n // 128) for n in lens_k] if varlen else [-(-shape_k[1] // 128)] * 2
+    for b, n in enumerate(kn):
+        torch.testing.assert_close(fused.k_descale[b, :, :n], kd[b, :, :n], rtol=1e-5, atol=0)

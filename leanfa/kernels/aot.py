@@ -19,8 +19,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from .. import quant
-from . import portable
+from ..quant import FUSED_WARPS
+from . import portable, quantize
 
 
 def _compile(fn, types: dict, constexprs: dict, target, num_warps=4, num_stages=2):
@@ -103,6 +103,15 @@ def quant_variants(quick: bool = False):
                    COMPUTE_SCALE=compute, CHANNEL_SCALE=channel, EXACT_ROUND=False), elem
 
 
+def fused_quant_variants(quick: bool = False):
+    """(dims, varlen, smooth_k) of the fused granularity="block" quantizer kernels (head dims
+    up to ``quant.FUSED_MAX_DIM``)."""
+    for dims, varlen, smooth in itertools.product([(128, 128), (192, 128), (64, 64)], [False, True], [True, False]):
+        if quick and (dims[0] in (64, 256) or not smooth):
+            continue
+        yield dims, varlen, smooth
+
+
 def compile_all(target=GPUTarget("cuda", 90, 32), limit=None, verbose=True, quick=False):
     results = []
     fp8 = target.arch >= 89
@@ -113,18 +122,33 @@ def compile_all(target=GPUTarget("cuda", 90, 32), limit=None, verbose=True, quic
         ck = _compile(portable._attn_fwd, _attn_types(elem, "bf16"), c, target, num_warps=8, num_stages=3)
         results.append(_summary(f"attn {elem} d{c['HEAD_DIM_QK']}/{c['HEAD_DIM_V']} causal={c['CAUSAL']} "
                                 f"varlen={c['VARLEN']} lse={c['RETURN_LSE']}", ck, target.arch))
-    qtypes = {n: "i32" for n in quant._quantize_blocks.arg_names if n.startswith("stride_")}
+    qtypes = {n: "i32" for n in quantize.quantize_blocks.arg_names if n.startswith("stride_")}
     for c, elem in quant_variants(quick) if fp8 else ():
         qtypes.update(X=f"*{elem}", Y="*fp8e4nv", CU="*i32", MEAN="*fp32", SCALE="*fp32", CH_SCALE="*fp32",
                       seqlen_dense="i32", num_heads="i32")
-        ck = _compile(quant._quantize_blocks, qtypes, {**c, "stride_xd": 1, "stride_yd": 1}, target)
+        ck = _compile(quantize.quantize_blocks, qtypes, {**c, "stride_xd": 1, "stride_yd": 1}, target)
         results.append(_summary(f"quantize {elem} mean={c['SUBTRACT_MEAN']} compute={c['COMPUTE_SCALE']} "
                                 f"channel={c['CHANNEL_SCALE']}", ck, target.arch))
-    stypes = {n: "i32" for n in quant._channel_stats.arg_names if n.startswith("stride_")}
+    stypes = {n: "i32" for n in quantize.channel_stats.arg_names if n.startswith("stride_")}
     stypes.update(X="*bf16", CU="*i32", SUM="*fp32", AMAX="*fp32", seqlen_dense="i32", num_heads="i32")
-    ck = _compile(quant._channel_stats, stypes, dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=64, VARLEN=True,
-                                                      CHUNK=512, WANT_SUM=True, WANT_AMAX=True, stride_xd=1), target)
+    ck = _compile(quantize.channel_stats, stypes, dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=64, VARLEN=True,
+                                                       CHUNK=512, WANT_SUM=True, WANT_AMAX=True, stride_xd=1), target)
     results.append(_summary("channel_stats bf16", ck, target.arch))
+    for (dqk, dv), varlen, smooth in fused_quant_variants(quick) if fp8 else ():
+        dims = dict(DQK=dqk, BLOCK_DQK=triton.next_power_of_2(dqk), DV=dv, BLOCK_DV=triton.next_power_of_2(dv))
+        t = {n: "i32" for n in quantize.kv_stats.arg_names if n.startswith("stride_") or n in ("seqlen_dense", "num_heads")}
+        t.update(K="*bf16", V="*bf16", CU="*i32", KSUM="*fp32", VAMAX="*fp32")
+        ck = _compile(quantize.kv_stats, t, dict(**dims, BLOCK_S=64 if max(dqk, dv) <= 128 else 32, CHUNK=512,
+                                                 VARLEN=varlen, WANT_KSUM=smooth, stride_kd=1, stride_vd=1), target)
+        results.append(_summary(f"kv_stats bf16 d{dqk}/{dv} varlen={varlen} ksum={smooth}", ck, target.arch))
+        t = {n: "i32" for n in quantize.quantize_qkv.arg_names}
+        t.update({n: "*bf16" for n in ("Q", "K", "V")}, **{n: "*fp8e4nv" for n in ("Q8", "K8", "V8")},
+                 CU_Q="*i32", CU_K="*i32", **{n: "*fp32" for n in ("KSUM", "VAMAX", "QS", "KS", "KMEAN", "VS")})
+        ck = _compile(quantize.quantize_qkv, t, dict(**dims, BLOCK_S=128, VARLEN=varlen, SMOOTH_K=smooth,
+                                                     EXACT_ROUND=False, stride_qd=1, stride_kd=1, stride_vd=1,
+                                                     stride_q8d=1, stride_k8d=1, stride_v8s=1), target,
+                      num_warps=FUSED_WARPS)
+        results.append(_summary(f"quantize_qkv bf16 d{dqk}/{dv} varlen={varlen} smooth_k={smooth}", ck, target.arch))
     if verbose:
         for name, regs, spills, smem in results:
             print(f"{name:<90} regs={regs:4d} spills={spills:4d} smem={smem}")
