@@ -83,6 +83,15 @@ def quantize_tile(xb, yb, s0, seqlen, stride_xs, stride_xd, stride_ys, stride_yd
 
 
 @triton.jit
+def _sequence_head(i, CU, seqlen_dense, num_heads, VARLEN: tl.constexpr):
+    """(batch, head, first token, length) of flat head index ``i = b * num_heads + h``."""
+    b = i // num_heads
+    h = i % num_heads
+    start, seqlen = sequence_span(CU, b, seqlen_dense, VARLEN)
+    return b, h, start, seqlen
+
+
+@triton.jit
 def _head_base(X, b, h, token, stride_b, stride_s, stride_h):
     """Pointer to ``token`` of head ``h`` of sequence ``b`` (64-bit offsets)."""
     return X + b.to(tl.int64) * stride_b + token.to(tl.int64) * stride_s + h.to(tl.int64) * stride_h
@@ -105,9 +114,7 @@ def channel_stats(
     """
     chunk = tl.program_id(0)
     pid = tl.program_id(1)
-    b = pid // num_heads
-    h = pid % num_heads
-    start, seqlen = sequence_span(CU, b, seqlen_dense, VARLEN)
+    b, h, start, seqlen = _sequence_head(pid, CU, seqlen_dense, num_heads, VARLEN)
     s_begin = chunk * CHUNK
     base = _head_base(X, b, h, start + s_begin, stride_xb, stride_xs, stride_xh)
     total, amax = chunk_stats(base, s_begin, seqlen, stride_xs, stride_xd,
@@ -135,9 +142,7 @@ def quantize_blocks(
     per-head/per-tensor scale)."""
     blk = tl.program_id(0)
     pid = tl.program_id(1)
-    b = pid // num_heads
-    h = pid % num_heads
-    start, seqlen = sequence_span(CU, b, seqlen_dense, VARLEN)
+    b, h, start, seqlen = _sequence_head(pid, CU, seqlen_dense, num_heads, VARLEN)
     s0 = blk * BLOCK_S
     if s0 >= seqlen:
         return
@@ -171,9 +176,7 @@ def kv_stats(
     that :func:`quantize_qkv` finishes. Every slot is written (zeros past a sequence's end)."""
     chunk = tl.program_id(0)
     pid = tl.program_id(1)
-    b = pid // num_heads
-    h = pid % num_heads
-    start, seqlen = sequence_span(CU, b, seqlen_dense, VARLEN)
+    b, h, start, seqlen = _sequence_head(pid, CU, seqlen_dense, num_heads, VARLEN)
     s_begin = chunk * CHUNK
     slot = pid * tl.num_programs(0) + chunk
     if WANT_KSUM:
@@ -214,9 +217,7 @@ def quantize_qkv(
     nk = batch * heads_kv
     s0 = blk * BLOCK_S
     if pid < nq:
-        b = pid // heads_q
-        h = pid % heads_q
-        start, seqlen = sequence_span(CU_Q, b, seqlen_q_dense, VARLEN)
+        b, h, start, seqlen = _sequence_head(pid, CU_Q, seqlen_q_dense, heads_q, VARLEN)
         if s0 < seqlen:
             quantize_tile(_head_base(Q, b, h, start + s0, stride_qb, stride_qs, stride_qh),
                           _head_base(Q8, b, h, start + s0, stride_q8b, stride_q8s, stride_q8h),
@@ -226,9 +227,7 @@ def quantize_qkv(
                           DQK, BLOCK_DQK, BLOCK_S, False, True, False, EXACT_ROUND)
     else:
         kv = pid - nq if pid < nq + nk else pid - nq - nk
-        b = kv // heads_kv
-        h = kv % heads_kv
-        start, seqlen = sequence_span(CU_K, b, seqlen_k_dense, VARLEN)
+        b, h, start, seqlen = _sequence_head(kv, CU_K, seqlen_k_dense, heads_kv, VARLEN)
         if pid < nq + nk:  # K
             offs_dk = tl.arange(0, BLOCK_DQK)
             mean = tl.zeros([BLOCK_DQK], tl.float32)
