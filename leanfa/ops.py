@@ -29,6 +29,7 @@ outside capture (the usual warm-up iteration), then capture and replay.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -97,17 +98,23 @@ def fwd(
     return_lse: bool,
     out_dtype: torch.dtype,
     backend: str,
+    sink_q: Optional[torch.Tensor] = None,
+    sink_k: Optional[torch.Tensor] = None,
+    sink_v: Optional[torch.Tensor] = None,
+    sink_keys: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense forward on ``(B, S, H, D)`` tensors; returns ``(out, lse)`` (``lse`` empty unless
-    ``return_lse``)."""
+    ``return_lse``). FP8 calls may attend keys ``[0, sink_keys)`` in 16 bits from
+    ``sink_q``/``sink_k``/``sink_v`` (the unquantized inputs)."""
     problem = _problem(q, k, v, None, None, None, None, q_scale, k_scale, v_scale, k_mean,
                        softmax_scale, causal, return_lse, out_dtype)
+    problem = dataclasses.replace(problem, sink_keys=sink_keys, sink_q=sink_q, sink_k=sink_k, sink_v=sink_v)
     return _execute(problem, backend)
 
 
 @fwd.register_fake
 def _fwd_fake(q, k, v, q_scale, k_scale, v_scale, k_mean, softmax_scale, causal, return_lse,
-              out_dtype, backend):
+              out_dtype, backend, sink_q=None, sink_k=None, sink_v=None, sink_keys=0):
     b, sq, hq, _ = q.shape
     out = q.new_empty((b, sq, hq, v.shape[-1]), dtype=out_dtype)
     lse = q.new_empty((b, hq, sq) if return_lse else (0,), dtype=torch.float32)
@@ -152,7 +159,8 @@ def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 def call(problem, backend: str):
     """Run a validated :class:`leanfa.api.Problem` through the custom op; ``(out, lse or None)``."""
     p = problem
-    if _plain_eager(p.q, p.k, p.v, p.q_scale, p.k_scale, p.v_scale, p.k_mean, p.cu_seqlens_q, p.cu_seqlens_k):
+    if _plain_eager(p.q, p.k, p.v, p.q_scale, p.k_scale, p.v_scale, p.k_mean, p.cu_seqlens_q, p.cu_seqlens_k,
+                    p.sink_q, p.sink_k, p.sink_v):
         out, lse = _execute(p, backend)
         return out, (lse if p.return_lse else None)
     scalars = (p.softmax_scale, p.causal, p.return_lse, p.out_dtype, backend)
@@ -161,7 +169,8 @@ def call(problem, backend: str):
             p.q, p.k, p.v, p.cu_seqlens_q, p.cu_seqlens_k, p.max_seqlen_q, p.max_seqlen_k,
             p.q_scale, p.k_scale, p.v_scale, p.k_mean, *scalars)
     else:
-        out, lse = torch.ops.leanfa.fwd(p.q, p.k, p.v, p.q_scale, p.k_scale, p.v_scale, p.k_mean, *scalars)
+        out, lse = torch.ops.leanfa.fwd(p.q, p.k, p.v, p.q_scale, p.k_scale, p.v_scale, p.k_mean, *scalars,
+                                        p.sink_q, p.sink_k, p.sink_v, p.sink_keys)
     return out, (lse if p.return_lse else None)
 
 

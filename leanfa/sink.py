@@ -5,8 +5,12 @@ of that from the attention-sink key(s) at the start of the sequence — a key of
 score carries a large absolute rounding error (docs/accuracy-notes.md: keeping the first 128
 keys in BF16 gives 0.25–0.5x the error of all-FP8 on the Llama/Mistral/Qwen/DeepSeek presets).
 
-How: keys ``[0, P)`` are attended in BF16, keys ``[P, Sk)`` in FP8, and the two partial results
-are merged exactly with their log-sum-exps: ``out = Σ_i exp(lse_i − lse) · out_i``. With the
+Two implementations. In the kernel (``P`` a multiple of 128, portable backend): the FP8 call
+also reads the unquantized Q, K, V and attends keys ``[0, P)`` from them after its FP8 keys, in
+the same online softmax (scores of the smoothed K are matched by subtracting ``q·k_mean``); the
+extra work is ``P`` keys per query tile and no extra launch. Split (any ``P``, any backend;
+:func:`attention_sink_bf16`): keys ``[0, P)`` are attended in BF16, keys ``[P, Sk)`` in FP8, and
+the two partial results are merged exactly with their log-sum-exps: ``out = Σ_i exp(lse_i − lse) · out_i``. With the
 bottom-right causal convention the FP8 part is an ordinary causal call on ``k[:, P:]``; the
 BF16 part is causal for the query rows that do not see the whole prefix and non-causal for the
 rest. Dense inputs only. Extra work: a ``Sq x P`` BF16 block per head (~2P/Sk of a causal
@@ -16,6 +20,10 @@ call: 1.6% at 16K, 6% at 4K, 25% at 1K tokens) and one merge pass over the outpu
 from __future__ import annotations
 
 import torch
+
+#: ``bf16_sink_keys`` that are a multiple of this run inside the FP8 kernel (portable backend):
+#: the sink blocks are whole KV tiles and K scale blocks. Other values use the split below.
+SINK_BLOCK = 128
 
 
 def merge_partials(out_a, lse_a, out_b, lse_b):

@@ -148,21 +148,48 @@ def test_causal_first_row_sees_first_key(device):
     assert torch.allclose(out[0, 0, 0].float(), v[0, 0, 0].float(), atol=1e-2)
 
 
-@pytest.mark.parametrize("sq,sk,causal", [(192, 192, True), (150, 260, True), (260, 150, True), (192, 192, False)])
-def test_fp8_bf16_sink_keys(device, sq, sk, causal):
-    """First keys in BF16, the rest in FP8, merged by LSE: exact semantics (masking, empty
-    rows, LSE) and lower error than all-FP8 on a model-like profile with a sink token."""
+SINK_CASES = [  # preset, sq, sk, causal
+    ("llama3-8b", 192, 192, True), ("llama3-8b", 150, 260, True), ("llama3-8b", 260, 150, True),
+    ("llama3-8b", 192, 192, False), ("qwen2.5-7b", 100, 100, True),  # every key is a sink key
+    ("qwen2.5-7b", 300, 90, True), ("deepseek-v3-mla", 90, 300, False),
+]
+
+
+@pytest.mark.parametrize("sink", [64, 128])  # 64: the LSE-merge split; 128: inside the FP8 kernel
+@pytest.mark.parametrize("preset,sq,sk,causal", SINK_CASES)
+def test_fp8_bf16_sink_keys(device, preset, sq, sk, causal, sink):
+    """First keys in BF16, the rest in FP8: exact semantics (masking, empty rows, LSE) and
+    lower error than all-FP8 on model-like profiles with a sink token."""
     from leanfa.activations import make_qkv
 
-    q, k, v = make_qkv("llama3-8b", 1, sq, heads=2, kv_heads=1, seqlen_k=sk, device=device)
+    q, k, v = make_qkv(preset, 1, sq, heads=2, kv_heads=1, seqlen_k=sk, device=device)
     ref, ref_lse = attention_ref(q, k, v, causal=causal, return_lse=True)
-    out, lse = leanfa.attention(q, k, v, causal=causal, bf16_sink_keys=64, return_lse=True)
+    out, lse = leanfa.attention(q, k, v, causal=causal, bf16_sink_keys=sink, return_lse=True)
     plain = leanfa.attention(q, k, v, causal=causal)
-    assert out.dtype == q.dtype and out.shape == q.shape
+    assert out.dtype == q.dtype and out.shape == (*q.shape[:3], v.shape[-1])
     assert rel_l2(out, ref) < rel_l2(plain, ref)
+    if sk <= sink:  # all keys in 16 bits: as accurate as BF16 attention
+        assert rel_l2(out, ref) < TOL[BF16]
     _check_lse(lse, ref_lse, 0.5)
     if causal and sq > sk:
         assert torch.all(out[:, : sq - sk] == 0)
+
+
+def test_in_kernel_sink_at_least_as_accurate_as_the_split(device):
+    """The in-kernel sink (one softmax over BF16 sink keys and FP8 keys) against the split (two
+    calls merged by their LSEs, whose FP8 part's LSE carries e4m3 error in q.k_mean): on
+    outlier-K presets the in-kernel output and LSE are at least as accurate."""
+    from leanfa.activations import make_qkv
+    from leanfa.sink import attention_sink_bf16
+
+    for preset in ("llama3-8b", "qwen2.5-7b"):
+        q, k, v = make_qkv(preset, 1, 320, heads=2, kv_heads=1, device=device)
+        ref, ref_lse = attention_ref(q, k, v, causal=True, return_lse=True)
+        o_in, l_in = leanfa.attention(q, k, v, causal=True, bf16_sink_keys=128, return_lse=True)
+        o_sp, l_sp = attention_sink_bf16(q, k, v, prefix=128, causal=True, softmax_scale=None, return_lse=True,
+                                         quantize_kwargs=dict(granularity="block", smooth_k=True), backend="portable")
+        assert rel_l2(o_in, ref) <= 1.05 * rel_l2(o_sp, ref), preset
+        assert (l_in.double() - ref_lse).abs().max() <= 1.05 * (l_sp.double() - ref_lse).abs().max(), preset
 
 
 def test_bf16_sink_keys_rejects_varlen_and_bf16(device):

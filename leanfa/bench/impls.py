@@ -381,7 +381,8 @@ def all_impls() -> list[Impl]:
                  f"leanfa.attention(precision='fp8', backend='{b}'): quantization + kernel",
                  _leanfa_fp8_e2e(b), _leanfa_available),
             Impl(f"leanfa-{b}-fp8-sink", "leanfa", "fp8", "e2e",
-                 f"leanfa.attention(precision='fp8', bf16_sink_keys=128, backend='{b}')",
+                 f"leanfa.attention(precision='fp8', bf16_sink_keys=128, backend='{b}'): "
+                 + ("sink keys inside the FP8 kernel" if b == "portable" else "BF16 and FP8 calls merged by LSE"),
                  _leanfa_fp8_sink(b), _leanfa_available),
             Impl(f"leanfa-{b}-fp8-kernel", "leanfa", "fp8", "kernel",
                  f"flash_attn_func(quantize_fp8(q, k, v), backend='{b}'): kernel alone",

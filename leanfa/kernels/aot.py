@@ -66,6 +66,8 @@ def _attn_types(elem: str, out: str):
     t = {n: "i32" for n in portable._attn_fwd.arg_names if n.startswith("stride_")}
     t.update(Q=f"*{elem}", K=f"*{elem}", V=f"*{elem}", O=f"*{out}", LSE="*fp32", QS="*fp32", KS="*fp32",
              VS="*fp32", KMEAN="*fp32", CU_Q="*i32", CU_K="*i32", qk_scale="fp32", sm_scale="fp32",
+             SQ=f"*{'bf16' if elem == 'fp8e4nv' else elem}", SK=f"*{'bf16' if elem == 'fp8e4nv' else elem}",
+             SV=f"*{'bf16' if elem == 'fp8e4nv' else elem}",
              seqlen_q_dense="i32", seqlen_k_dense="i32", num_heads="i32", group="i32",
              seq_bucket="i32")
     return t
@@ -90,8 +92,13 @@ def attention_variants(quick: bool = False, fp8: bool = True):
         yield dict(HEAD_DIM_QK=dqk, HEAD_DIM_V=dv, BLOCK_DQK=triton.next_power_of_2(dqk),
                    BLOCK_DV=triton.next_power_of_2(dv), CAUSAL=causal, VARLEN=varlen,
                    IS_FP8=elem == "fp8e4nv", DOT_UPCAST=0, EXACT_FP8_ROUND=False, RETURN_LSE=lse,
-                   HAS_KMEAN=lse and elem == "fp8e4nv", SCALE_BLK=128, BLOCK_M=128,
+                   HAS_KMEAN=lse and elem == "fp8e4nv", SCALE_BLK=128, SINK=0, SINK_SHIFT=False, BLOCK_M=128,
                    BLOCK_N=64 if dqk > 128 else 128), elem
+    for dqk, dv in [(128, 128), (192, 128)] if fp8 else ():  # FP8 with the first 128 keys in BF16
+        yield dict(HEAD_DIM_QK=dqk, HEAD_DIM_V=dv, BLOCK_DQK=triton.next_power_of_2(dqk),
+                   BLOCK_DV=triton.next_power_of_2(dv), CAUSAL=True, VARLEN=False, IS_FP8=True, DOT_UPCAST=0,
+                   EXACT_FP8_ROUND=False, RETURN_LSE=True, HAS_KMEAN=True, SCALE_BLK=128, SINK=128,
+                   SINK_SHIFT=True, BLOCK_M=128, BLOCK_N=64 if dqk > 128 else 128), "fp8e4nv"
 
 
 def quant_variants(quick: bool = False):
@@ -118,10 +125,11 @@ def compile_all(target=GPUTarget("cuda", 90, 32), limit=None, verbose=True, quic
     for i, (c, elem) in enumerate(attention_variants(quick, fp8)):
         if limit is not None and i >= limit:
             break
-        c = {**c, **_unit_strides(elem)}
+        c = {**c, **_unit_strides(elem), **({"stride_sqd": 1, "stride_skd": 1, "stride_svd": 1} if c["SINK"] else {})}
         ck = _compile(portable._attn_fwd, _attn_types(elem, "bf16"), c, target, num_warps=8, num_stages=3)
         results.append(_summary(f"attn {elem} d{c['HEAD_DIM_QK']}/{c['HEAD_DIM_V']} causal={c['CAUSAL']} "
-                                f"varlen={c['VARLEN']} lse={c['RETURN_LSE']}", ck, target.arch))
+                                f"varlen={c['VARLEN']} lse={c['RETURN_LSE']}"
+                                + (f" sink={c['SINK']}" if c["SINK"] else ""), ck, target.arch))
     qtypes = {n: "i32" for n in quantize.quantize_blocks.arg_names if n.startswith("stride_")}
     for c, elem in quant_variants(quick) if fp8 else ():
         qtypes.update(X=f"*{elem}", Y="*fp8e4nv", CU="*i32", MEAN="*fp32", SCALE="*fp32", CH_SCALE="*fp32",

@@ -25,6 +25,8 @@ def hopper_applies(problem) -> tuple[bool, str]:
     hopper = _hopper()
     if hopper is None:
         return False, "triton.experimental.gluon is not available"
+    if problem.sink_keys:
+        return False, "BF16 sink keys (bf16_sink_keys) run in the portable kernel"
     return hopper.supports(problem)
 
 

@@ -56,6 +56,19 @@ def _upcast(x, DOT_UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _softmax_step(s, c, acc, l_i, m_i, P_SHIFT: tl.constexpr):
+    """Online-softmax update for one block of raw scores ``s`` (scaled by ``c`` per row, log2
+    domain): returns P = exp2(s c - (m_new - P_SHIFT)), O and l rescaled to the new max, m_new."""
+    m_new = tl.maximum(m_i, tl.max(s, 1) * c)
+    m_use = tl.where(m_new == NEG_INF, 0.0, m_new)  # rows with nothing visible yet
+    p = tl.math.exp2(s * c[:, None] - (m_use - P_SHIFT)[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    return p, acc, l_i, m_new
+
+
+@triton.jit
 def _attend_kv_block(
     acc, l_i, m_i, q, c_row,
     k_blk, v_blk, k_scale,
@@ -81,12 +94,7 @@ def _attend_kv_block(
         if CAUSAL:
             visible = visible & (cols[None, :] <= offs_m[:, None] + causal_offset)
         s = tl.where(visible, s, NEG_INF)
-    m_new = tl.maximum(m_i, tl.max(s, 1) * c)
-    m_use = tl.where(m_new == NEG_INF, 0.0, m_new)  # rows with nothing visible yet
-    p = tl.math.exp2(s * c[:, None] - (m_use - P_SHIFT)[:, None])
-    alpha = tl.math.exp2(m_i - m_use)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
+    p, acc, l_i, m_new = _softmax_step(s, c, acc, l_i, m_i, P_SHIFT)
     v = _load_tile(v_blk + offs_n[:, None] * stride_vs + offs_dv[None, :] * stride_vd,
                    key_ok[:, None], offs_dv[None, :] < HEAD_DIM_V,
                    MASKED, BLOCK_DV != HEAD_DIM_V)
@@ -100,6 +108,35 @@ def _attend_kv_block(
     return acc, l_i, m_new
 
 
+@triton.jit
+def _attend_sink_block(
+    acc, l_i, m_i, qb, q_shift, c_row, inv_v_scale,
+    kb_blk, vb_blk, start_n, offs_m, offs_n, offs_dqk, offs_dv, seqlen_k, causal_offset,
+    stride_ks, stride_kd, stride_vs, stride_vd,
+    HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_UPCAST: tl.constexpr, P_SHIFT: tl.constexpr,
+):
+    """One block of the BF16 sink keys inside an FP8 call: 16-bit Q, K, V and P. Scores are
+    ``q.k - q_shift`` (q_shift = q.k_mean when K was smoothed, so they match the FP8 scores of
+    the smoothed K); this block's P V is in real units, the FP8 accumulator in units of the V
+    descale, hence the ``inv_v_scale``."""
+    cols = start_n + offs_n
+    key_ok = cols < seqlen_k
+    kt = _load_tile(kb_blk + offs_n[None, :] * stride_ks + offs_dqk[:, None] * stride_kd,
+                    key_ok[None, :], offs_dqk[:, None] < HEAD_DIM_QK, True, BLOCK_DQK != HEAD_DIM_QK)
+    s = tl.dot(qb, _upcast(kt, DOT_UPCAST)) - q_shift[:, None]
+    visible = key_ok[None, :]
+    if CAUSAL:
+        visible = visible & (cols[None, :] <= offs_m[:, None] + causal_offset)
+    s = tl.where(visible, s, NEG_INF)
+    p, acc, l_i, m_new = _softmax_step(s, c_row, acc, l_i, m_i, P_SHIFT)
+    v = _load_tile(vb_blk + offs_n[:, None] * stride_vs + offs_dv[None, :] * stride_vd,
+                   key_ok[:, None], offs_dv[None, :] < HEAD_DIM_V, True, BLOCK_DV != HEAD_DIM_V)
+    pv = tl.dot(_upcast(p.to(v.dtype), DOT_UPCAST), _upcast(v, DOT_UPCAST))
+    acc += pv * inv_v_scale[None, :]
+    return acc, l_i, m_new
+
+
 # Head counts and the GQA group change from call to call but not the code: they are not
 # specialized (Triton would compile a variant per ==1 / divisible-by-16 pattern). The dense
 # sequence lengths stay specialized: without it the FP8 kernel measured 6% slower on the H200
@@ -107,7 +144,7 @@ def _attend_kv_block(
 # the autotuner's key.
 @triton.jit(do_not_specialize=["num_heads", "group", "seq_bucket"])
 def _attn_fwd(
-    Q, K, V, O, LSE, QS, KS, VS, KMEAN, CU_Q, CU_K,
+    Q, K, V, O, LSE, QS, KS, VS, KMEAN, CU_Q, CU_K, SQ, SK, SV,
     qk_scale, sm_scale, seqlen_q_dense, seqlen_k_dense, num_heads, group, seq_bucket,
     stride_qb, stride_qs, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
@@ -118,12 +155,15 @@ def _attn_fwd(
     stride_ksb, stride_ksh, stride_ksn,
     stride_vsb, stride_vsh, stride_vsd,
     stride_kmb, stride_kmh, stride_kmd,
+    stride_sqb, stride_sqs, stride_sqh, stride_sqd,
+    stride_skb, stride_sks, stride_skh, stride_skd,
+    stride_svb, stride_svs, stride_svh, stride_svd,
     HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
     IS_FP8: tl.constexpr, DOT_UPCAST: tl.constexpr, EXACT_FP8_ROUND: tl.constexpr,
     RETURN_LSE: tl.constexpr, HAS_KMEAN: tl.constexpr,
-    SCALE_BLK: tl.constexpr,
+    SCALE_BLK: tl.constexpr, SINK: tl.constexpr, SINK_SHIFT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     tl.static_assert(SCALE_BLK % BLOCK_N == 0, "a KV tile must lie inside one K scale block")
@@ -179,8 +219,10 @@ def _attn_fwd(
         if (first_row_sees // BLOCK_N) * BLOCK_N < n_full:
             n_full = (first_row_sees // BLOCK_N) * BLOCK_N
     k_scale_ptr = KS + b * stride_ksb + hk * stride_ksh
+    if SINK > 0:  # keys [0, SINK) are attended in 16 bits after the FP8 keys (below)
+        n_full = tl.maximum(n_full, SINK)
 
-    for start_n in range(0, n_full, BLOCK_N):
+    for start_n in range(SINK, n_full, BLOCK_N):
         k_scale = tl.load(k_scale_ptr + (start_n // SCALE_BLK) * stride_ksn) if IS_FP8 else 1.0
         acc, l_i, m_i = _attend_kv_block(
             acc, l_i, m_i, q, c_row,
@@ -198,6 +240,33 @@ def _attn_fwd(
             stride_ks, stride_kd, stride_vs, stride_vd,
             HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV,
             True, CAUSAL, IS_FP8, DOT_UPCAST, EXACT_FP8_ROUND, P_SHIFT)
+    if SINK > 0:
+        # BF16 sink keys, last: the FP8 blocks' P was scaled by their own running max (as if
+        # the sink were a separate call), and the online softmax merges the two exactly
+        tl.static_assert(IS_FP8, "BF16 sink keys are part of an FP8 call")
+        tl.static_assert(SINK % BLOCK_N == 0, "the sink is whole KV tiles")
+        qb = _load_tile(SQ + b.to(tl.int64) * stride_sqb + (q_start + start_m).to(tl.int64) * stride_sqs
+                        + h.to(tl.int64) * stride_sqh + tl.arange(0, BLOCK_M)[:, None] * stride_sqs
+                        + offs_dqk[None, :] * stride_sqd,
+                        row_ok[:, None], offs_dqk[None, :] < HEAD_DIM_QK, True, BLOCK_DQK != HEAD_DIM_QK)
+        q_shift = tl.zeros([BLOCK_M], tl.float32)
+        if SINK_SHIFT:  # K was smoothed: the FP8 scores are q.(k - mean)
+            sink_mean = tl.load(KMEAN + b * stride_kmb + hk * stride_kmh + offs_dqk * stride_kmd,
+                                mask=offs_dqk < HEAD_DIM_QK, other=0.0)
+            q_shift = tl.sum(qb.to(tl.float32) * sink_mean[None, :], 1)
+        qb = _upcast(qb, DOT_UPCAST)
+        inv_v_scale = 1.0 / tl.load(VS + b * stride_vsb + hk * stride_vsh + offs_dv * stride_vsd,
+                                    mask=offs_dv < HEAD_DIM_V, other=1.0)
+        c_sink = tl.full([BLOCK_M], 1.0, tl.float32) * qk_scale
+        kb_base = SK + b.to(tl.int64) * stride_skb + k_start.to(tl.int64) * stride_sks + hk.to(tl.int64) * stride_skh
+        vb_base = SV + b.to(tl.int64) * stride_svb + k_start.to(tl.int64) * stride_svs + hk.to(tl.int64) * stride_svh
+        for start_n in range(0, SINK, BLOCK_N):
+            acc, l_i, m_i = _attend_sink_block(
+                acc, l_i, m_i, qb, q_shift, c_sink, inv_v_scale,
+                kb_base + start_n * stride_sks, vb_base + start_n * stride_svs,
+                start_n, offs_m, offs_n, offs_dqk, offs_dv, seqlen_k, causal_offset,
+                stride_sks, stride_skd, stride_svs, stride_svd,
+                HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, CAUSAL, DOT_UPCAST, P_SHIFT)
 
     # epilogue: normalize, V per-channel descale, store O (and LSE)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -212,11 +281,14 @@ def _attn_fwd(
     if RETURN_LSE:
         lse = (m_i - P_SHIFT + tl.math.log2(l_i)) * 0.6931471805599453
         if HAS_KMEAN:  # K was stored as K - mean: add back softmax_scale * q . mean
-            k_mean = tl.load(KMEAN + b * stride_kmb + hk * stride_kmh + offs_dqk * stride_kmd,
-                             mask=offs_dqk < HEAD_DIM_QK, other=0.0)
-            q_dot_mean = tl.sum(q.to(tl.float32) * k_mean[None, :], 1)
-            if IS_FP8:
-                q_dot_mean = q_dot_mean * q_scale
+            if SINK > 0 and SINK_SHIFT:
+                q_dot_mean = q_shift  # from the 16-bit q: exact (the sink's scores used it too)
+            else:
+                k_mean = tl.load(KMEAN + b * stride_kmb + hk * stride_kmh + offs_dqk * stride_kmd,
+                                 mask=offs_dqk < HEAD_DIM_QK, other=0.0)
+                q_dot_mean = tl.sum(q.to(tl.float32) * k_mean[None, :], 1)
+                if IS_FP8:
+                    q_dot_mean = q_dot_mean * q_scale
             lse = lse + q_dot_mean * sm_scale
         lse_ptrs = LSE + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + (q_start + offs_m).to(tl.int64) * stride_ls
         tl.store(lse_ptrs, lse, mask=row_ok)
@@ -238,7 +310,7 @@ def _prune_configs(configs, named_args, **kwargs):
 
 _attn_fwd_tuned = triton.autotune(
     configs=_configs(),
-    key=["HEAD_DIM_QK", "HEAD_DIM_V", "IS_FP8", "CAUSAL", "VARLEN", "group", "seq_bucket", "RETURN_LSE"],
+    key=["HEAD_DIM_QK", "HEAD_DIM_V", "IS_FP8", "CAUSAL", "VARLEN", "group", "seq_bucket", "RETURN_LSE", "SINK"],
     prune_configs_by={"early_config_prune": _prune_configs},
 )(_attn_fwd)
 
@@ -284,6 +356,9 @@ def _launch(problem, out, lse):
     km_strides = k_mean.stride() if k_mean is not None else (0, 0, 0)
     cu_q = p.cu_seqlens_q if p.varlen else q_scale
     cu_k = p.cu_seqlens_k if p.varlen else q_scale
+    sink = p.sink_keys > 0
+    sq, sk, sv = (p.sink_q, p.sink_k, p.sink_v) if sink else (q, k, v)
+    sink_strides = [*_strides4(sq, p.varlen), *_strides4(sk, p.varlen), *_strides4(sv, p.varlen)] if sink else [0] * 12
     interp = _interpreting(q)
     args = dict(
         HEAD_DIM_QK=p.head_dim_qk, HEAD_DIM_V=p.head_dim_v,
@@ -292,6 +367,7 @@ def _launch(problem, out, lse):
         IS_FP8=p.is_fp8, DOT_UPCAST=2 if interp else 0,
         EXACT_FP8_ROUND=interp,
         RETURN_LSE=p.return_lse, HAS_KMEAN=has_kmean, SCALE_BLK=SCALE_BLOCK,
+        SINK=p.sink_keys, SINK_SHIFT=sink and k_mean is not None,
     )
     if interp:
         kernel = _attn_fwd
@@ -306,11 +382,11 @@ def _launch(problem, out, lse):
         return (p.batch * p.heads, triton.cdiv(p.max_seqlen_q, meta["BLOCK_M"]))
 
     kernel[grid](
-        q, k, v, out, lse if lse is not None else out, q_scale, k_scale, p.v_scale, km, cu_q, cu_k,
+        q, k, v, out, lse if lse is not None else out, q_scale, k_scale, p.v_scale, km, cu_q, cu_k, sq, sk, sv,
         p.softmax_scale * LOG2E, p.softmax_scale,
         p.max_seqlen_q if not p.varlen else 0, k.shape[1] if not p.varlen else 0, p.heads,
         p.heads // p.kv_heads, min(triton.next_power_of_2(p.max_seqlen_q), 1 << 15),
         *_strides4(q, p.varlen), *_strides4(k, p.varlen), *_strides4(v, p.varlen), *_strides4(out, p.varlen),
-        *lse_strides, *qs_strides, *ks_strides, *p.v_scale.stride(), *km_strides,
+        *lse_strides, *qs_strides, *ks_strides, *p.v_scale.stride(), *km_strides, *sink_strides,
         **args,
     )
