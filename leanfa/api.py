@@ -401,7 +401,8 @@ def attention(
     ``bf16_sink_keys=P`` (FP8, dense inputs): attend the first ``P`` keys (the attention-sink
     tokens, where most of the FP8 score error comes from) in BF16 and the rest in FP8, in one
     softmax (:mod:`leanfa.sink`). 128 is a good value: on model-like activations it cuts the
-    FP8 error 2-10x for ``P`` extra 16-bit keys per query tile. A multiple of 128 runs inside the
+    FP8 error ~2-4x at 1K tokens (docs/accuracy-notes.md) for ``P`` extra 16-bit keys per
+    query tile. A multiple of 128 runs inside the
     portable FP8 kernel (``backend="auto"`` picks it for this call); other values, and
     ``backend="hopper"``, run a BF16 call and an FP8 call merged through their LSEs (slower,
     and the FP8 part's LSE error shifts the merge weights). 0 (default) keeps every key in FP8.
