@@ -8,7 +8,8 @@
 # Lane 0 is pinned to 4 CPU cores and the other lanes share the rest, so lane 0 can time
 # while another lane compiles (compiles are CPU-bound). Groups sized for one call (< 10 min):
 # `checks` (pytest, fuzz), `perf` (hopper_v2, bench, accuracy); `sweep` is the full standard
-# bench sweep alone (~8 min), `models` the model-preset and varlen sweeps.
+# bench sweep alone (~8 min), `models` the model-preset and varlen sweeps; `fuzz_long` a ~7 min
+# campaign, `bench_host` the short-sequence rows where host time matters (S = 512, 4K, 16K).
 # Lessons from the 2026-11-29 sessions: the GPU test suite is dominated by Triton compiles
 # (every constexpr combination compiles once), so pytest runs with xdist; the Hopper v2
 # correctness child alone needs > 120 s.
@@ -44,6 +45,10 @@ run_steps() {
       accuracy) step accuracy 150 40 python3 -m leanfa.cli accuracy --out "$OUT/r/accuracy" ;;
       profile) step profile 150 30 python3 -m leanfa.cli profile --out "$OUT/r/profile" \
                 --impl leanfa-hopper-fp8-kernel,leanfa-portable-fp8-kernel,cudnn-fp8 ;;
+      fuzz_long) step fuzz_long 470 14 python3 scripts/gpu_fuzz_campaign.py --seconds 430 --seed 2 --workers "$WORKERS" ;;
+      bench_host) step bench_host 300 14 python3 -m leanfa.cli bench --quick --no-progress --sweep standard \
+                --seqlens 512,4k,16k --causal true --impl 'leanfa-*,cudnn-bf16,cudnn-fp8,cudnn-fp8-e2e' \
+                --name bench-host --out "$OUT/r/bench_host" ;;
       fuzz) step fuzz 190 14 python3 scripts/gpu_fuzz_campaign.py --seconds 150 --seed 1 --workers "$WORKERS" ;;
       sanitize) step sanitize 110 12 python3 scripts/sanitize.py --tools memcheck racecheck synccheck --timeout 30 ;;
       sweep) step sweep 560 20 python3 -m leanfa.cli bench --no-progress --sweep standard --out "$OUT/r/sweep" ;;
