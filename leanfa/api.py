@@ -357,16 +357,17 @@ PRECISIONS = ("fp8", "bf16")
 
 
 def _attention_fp8_in_kernel_sink(q, k, v, sink_keys, causal, softmax_scale, return_lse, granularity,
-                                  smooth_k, backend):
+                                  smooth_k, backend, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
     """``attention(precision="fp8", bf16_sink_keys=P)`` with P a multiple of 128: one FP8 call
-    of the portable kernel that attends keys ``[0, P)`` from the BF16 inputs (see
-    :mod:`leanfa.sink`)."""
+    of the portable kernel that attends keys ``[0, P)`` (of each sequence) from the 16-bit
+    inputs (see :mod:`leanfa.sink`)."""
     from . import ops
 
-    quant = ops.quantize_fp8(q, k, v, granularity=granularity, smooth_k=smooth_k)
+    cu = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+              max_seqlen_k=max_seqlen_k)
+    quant = ops.quantize_fp8(q, k, v, granularity=granularity, smooth_k=smooth_k, **cu)
     qq, kk, vv, qd, kd, vd, km = _unpack_quantized(quant, None, None, None, None, None, None)
-    problem = _build_problem(qq, kk, vv, varlen=False, cu_seqlens_q=None, cu_seqlens_k=None,
-                             max_seqlen_q=None, max_seqlen_k=None, softmax_scale=softmax_scale,
+    problem = _build_problem(qq, kk, vv, varlen=cu_seqlens_q is not None, **cu, softmax_scale=softmax_scale,
                              causal=causal, q_descale=qd, k_descale=kd, v_descale=vd, k_mean=km,
                              return_lse=return_lse, out_dtype=q.dtype)
     problem = dataclasses.replace(problem, sink_keys=sink_keys, sink_q=q, sink_k=k, sink_v=v)
@@ -398,14 +399,15 @@ def attention(
     ``precision="bf16"`` runs the 16-bit kernel on the inputs as they are. Pass
     ``cu_seqlens_*``/``max_seqlen_*`` for packed varlen inputs.
 
-    ``bf16_sink_keys=P`` (FP8, dense inputs): attend the first ``P`` keys (the attention-sink
-    tokens, where most of the FP8 score error comes from) in BF16 and the rest in FP8, in one
+    ``bf16_sink_keys=P`` (FP8): attend the first ``P`` keys (of each sequence) (the attention-sink
+    tokens, where most of the FP8 score error comes from) in 16 bits and the rest in FP8, in one
     softmax (:mod:`leanfa.sink`). 128 is a good value: on model-like activations it cuts the
     FP8 error ~2-4x at 1K tokens (docs/accuracy-notes.md) for ``P`` extra 16-bit keys per
     query tile. A multiple of 128 runs inside the
-    portable FP8 kernel (``backend="auto"`` picks it for this call); other values, and
-    ``backend="hopper"``, run a BF16 call and an FP8 call merged through their LSEs (slower,
-    and the FP8 part's LSE error shifts the merge weights). 0 (default) keeps every key in FP8.
+    portable FP8 kernel (``backend="auto"`` picks it for this call), dense or varlen; other
+    values, and ``backend="hopper"``, run a 16-bit call and an FP8 call merged through their
+    LSEs (dense only; slower, and the FP8 part's LSE error shifts the merge weights). 0
+    (default) keeps every key in FP8.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
@@ -417,16 +419,21 @@ def attention(
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
     if not isinstance(bf16_sink_keys, int) or isinstance(bf16_sink_keys, bool) or bf16_sink_keys < 0:
         raise ValueError(f"bf16_sink_keys must be a non-negative int, got {bf16_sink_keys!r}")
-    if bf16_sink_keys and (varlen or precision != "fp8"):
-        raise ValueError("bf16_sink_keys applies to dense inputs with precision='fp8' only")
+    if bf16_sink_keys and precision != "fp8":
+        raise ValueError("bf16_sink_keys applies to precision='fp8' only")
     if precision == "fp8" and bf16_sink_keys:
         from .quant import _check as _check_quantize
         from .sink import SINK_BLOCK, attention_sink_bf16
 
-        _check_quantize(q, k, v, granularity, None, None, None, None)
-        if bf16_sink_keys % SINK_BLOCK == 0 and backend != "hopper":
+        in_kernel = bf16_sink_keys % SINK_BLOCK == 0 and backend != "hopper"
+        if varlen and not in_kernel:
+            raise ValueError(f"bf16_sink_keys with varlen inputs must be a multiple of {SINK_BLOCK} "
+                             f"(the in-kernel path, backend 'auto' or 'portable'), got {bf16_sink_keys}")
+        _check_quantize(q, k, v, granularity, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        if in_kernel:
             return _attention_fp8_in_kernel_sink(q, k, v, bf16_sink_keys, causal, softmax_scale, return_lse,
-                                                 granularity, smooth_k, backend)
+                                                 granularity, smooth_k, backend, cu_seqlens_q, cu_seqlens_k,
+                                                 max_seqlen_q, max_seqlen_k)
         return attention_sink_bf16(q, k, v, prefix=bf16_sink_keys, causal=causal, softmax_scale=softmax_scale,
                                    return_lse=return_lse, backend=backend,
                                    quantize_kwargs=dict(granularity=granularity, smooth_k=smooth_k))

@@ -29,7 +29,6 @@ outside capture (the usual warm-up iteration), then capture and replay.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 
 import torch
@@ -59,7 +58,7 @@ def _dispatch_mode():
 
 
 def _problem(q, k, v, cu_q, cu_k, max_q, max_k, q_scale, k_scale, v_scale, k_mean,
-             softmax_scale, causal, return_lse, out_dtype):
+             softmax_scale, causal, return_lse, out_dtype, sink_q=None, sink_k=None, sink_v=None, sink_keys=0):
     from .api import Problem
 
     varlen = cu_q is not None
@@ -72,7 +71,7 @@ def _problem(q, k, v, cu_q, cu_k, max_q, max_k, q_scale, k_scale, v_scale, k_mea
         head_dim_qk=q.shape[-1], head_dim_v=v.shape[-1], max_seqlen_q=max_q, max_seqlen_k=max_k,
         cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=causal, softmax_scale=softmax_scale,
         q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, k_mean=k_mean, out_dtype=out_dtype,
-        return_lse=return_lse)
+        return_lse=return_lse, sink_keys=sink_keys, sink_q=sink_q, sink_k=sink_k, sink_v=sink_v)
 
 
 def _execute(problem, backend: str):
@@ -107,8 +106,7 @@ def fwd(
     ``return_lse``). FP8 calls may attend keys ``[0, sink_keys)`` in 16 bits from
     ``sink_q``/``sink_k``/``sink_v`` (the unquantized inputs)."""
     problem = _problem(q, k, v, None, None, None, None, q_scale, k_scale, v_scale, k_mean,
-                       softmax_scale, causal, return_lse, out_dtype)
-    problem = dataclasses.replace(problem, sink_keys=sink_keys, sink_q=sink_q, sink_k=sink_k, sink_v=sink_v)
+                       softmax_scale, causal, return_lse, out_dtype, sink_q, sink_k, sink_v, sink_keys)
     return _execute(problem, backend)
 
 
@@ -139,17 +137,24 @@ def varlen_fwd(
     return_lse: bool,
     out_dtype: torch.dtype,
     backend: str,
+    sink_q: Optional[torch.Tensor] = None,
+    sink_k: Optional[torch.Tensor] = None,
+    sink_v: Optional[torch.Tensor] = None,
+    sink_keys: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed varlen forward on ``(total, H, D)`` tensors; returns ``(out, lse)`` with ``lse``
-    ``(Hq, total_q)`` (empty unless ``return_lse``)."""
+    ``(Hq, total_q)`` (empty unless ``return_lse``). Sink arguments as in :func:`fwd` (the first
+    ``sink_keys`` keys of each sequence)."""
     problem = _problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                       q_scale, k_scale, v_scale, k_mean, softmax_scale, causal, return_lse, out_dtype)
+                       q_scale, k_scale, v_scale, k_mean, softmax_scale, causal, return_lse, out_dtype,
+                       sink_q, sink_k, sink_v, sink_keys)
     return _execute(problem, backend)
 
 
 @varlen_fwd.register_fake
 def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q_scale,
-                     k_scale, v_scale, k_mean, softmax_scale, causal, return_lse, out_dtype, backend):
+                     k_scale, v_scale, k_mean, softmax_scale, causal, return_lse, out_dtype, backend,
+                     sink_q=None, sink_k=None, sink_v=None, sink_keys=0):
     total, hq, _ = q.shape
     out = q.new_empty((total, hq, v.shape[-1]), dtype=out_dtype)
     lse = q.new_empty((hq, total) if return_lse else (0,), dtype=torch.float32)
@@ -163,14 +168,14 @@ def call(problem, backend: str):
                     p.sink_q, p.sink_k, p.sink_v):
         out, lse = _execute(p, backend)
         return out, (lse if p.return_lse else None)
-    scalars = (p.softmax_scale, p.causal, p.return_lse, p.out_dtype, backend)
+    scalars = (p.softmax_scale, p.causal, p.return_lse, p.out_dtype, backend,
+               p.sink_q, p.sink_k, p.sink_v, p.sink_keys)
     if p.varlen:
         out, lse = torch.ops.leanfa.varlen_fwd(
             p.q, p.k, p.v, p.cu_seqlens_q, p.cu_seqlens_k, p.max_seqlen_q, p.max_seqlen_k,
             p.q_scale, p.k_scale, p.v_scale, p.k_mean, *scalars)
     else:
-        out, lse = torch.ops.leanfa.fwd(p.q, p.k, p.v, p.q_scale, p.k_scale, p.v_scale, p.k_mean, *scalars,
-                                        p.sink_q, p.sink_k, p.sink_v, p.sink_keys)
+        out, lse = torch.ops.leanfa.fwd(p.q, p.k, p.v, p.q_scale, p.k_scale, p.v_scale, p.k_mean, *scalars)
     return out, (lse if p.return_lse else None)
 
 

@@ -192,9 +192,37 @@ def test_in_kernel_sink_at_least_as_accurate_as_the_split(device):
         assert (l_in.double() - ref_lse).abs().max() <= 1.05 * (l_sp.double() - ref_lse).abs().max(), preset
 
 
-def test_bf16_sink_keys_rejects_varlen_and_bf16(device):
+def test_fp8_bf16_sink_keys_varlen(device):
+    """Varlen: the first 128 keys of *each* sequence are sink keys. Packed results equal the
+    same sequences run one by one (scales and means are per sequence either way), and beat
+    plain FP8 against float64. Lengths: a long one, one shorter than the sink, one token."""
+    from leanfa.activations import make_qkv
+
+    lens = [300, 90, 1, 200]
+    seqs = [make_qkv("llama3-8b", 1, n, heads=2, kv_heads=1, device=device, seed=i) for i, n in enumerate(lens)]
+    q, k, v = (torch.cat([s[j][0] for s in seqs]) for j in range(3))
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens), max_seqlen_k=max(lens), causal=True)
+    out, lse = leanfa.attention(q, k, v, bf16_sink_keys=128, return_lse=True, **kw)
+    plain = leanfa.attention(q, k, v, **kw)
+    ref, ref_lse = attention_ref(q, k, v, return_lse=True, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    assert rel_l2(out, ref) < rel_l2(plain, ref)
+    _check_lse(lse, ref_lse, 0.5)
+    a = 0
+    for (sq, sk, sv), n in zip(seqs, lens):
+        one, one_lse = leanfa.attention(sq, sk, sv, causal=True, bf16_sink_keys=128, return_lse=True)
+        torch.testing.assert_close(out[a:a + n], one[0], rtol=0, atol=0)
+        torch.testing.assert_close(lse[:, a:a + n], one_lse[0], rtol=0, atol=0)
+        a += n
+
+
+def test_bf16_sink_keys_rejects_bf16_and_split_varlen(device):
     q, k, v = qkv(1, 8, 8, 2, 2, 64, 64, BF16, device)
     with pytest.raises(ValueError, match="bf16_sink_keys"):
         leanfa.attention(q, k, v, precision="bf16", bf16_sink_keys=128)
     with pytest.raises(ValueError, match="bf16_sink_keys"):
         leanfa.attention(q, k, v, bf16_sink_keys=-1)
+    cu = torch.tensor([0, 8], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="multiple of 128"):  # varlen has no split path
+        leanfa.attention(q[0], k[0], v[0], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=8, max_seqlen_k=8,
+                         bf16_sink_keys=64)

@@ -134,13 +134,15 @@ def _leanfa_fp8_e2e(backend: str):
 
 
 def _leanfa_fp8_sink(backend: str, prefix: int = 128):
-    """attention(precision="fp8", bf16_sink_keys=128): first keys in BF16 (dense only)."""
+    """attention(precision="fp8", bf16_sink_keys=128): first keys of each sequence in BF16
+    (in the portable kernel; backend="hopper" runs the dense-only split)."""
     def prepare(case: Case, x: Inputs) -> Prepared:
         lf = _leanfa()
-        if x.varlen:
-            raise NotApplicable("bf16_sink_keys is for dense inputs")
+        if x.varlen and backend == "hopper":
+            raise NotApplicable("bf16_sink_keys with backend='hopper' is the dense-only split")
+        kw = _varlen_kw(x) if x.varlen else {}
         return Prepared(_leanfa_call(lambda: lf.attention(x.q, x.k, x.v, causal=case.causal, precision="fp8",
-                                                          backend=backend, bf16_sink_keys=prefix)))
+                                                          backend=backend, bf16_sink_keys=prefix, **kw)))
     return prepare
 
 
