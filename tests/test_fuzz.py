@@ -10,6 +10,8 @@ The case space (shared with ``scripts/gpu_fuzz_campaign.py``, which draws it wit
   smoothing, from bf16/fp16/fp32 sources) and raw FP8 with user descales in every accepted
   form (None, 0-d, 1-element, (B, Hkv), (B, Hq), per 128-token block, V per channel), V
   token-major or stored transposed, with or without ``k_mean``;
+* ``attention(precision="fp8", bf16_sink_keys=128)`` (mode ``fp8sink``: the first 128 keys of
+  each sequence in 16 bits inside the FP8 kernel), checked with the ``fp8q`` tolerances;
 * causal or not; dense or varlen (empty and length-1 sequences, Sq_b != Sk_b); contiguous,
   heads-major (transposed storage), sliced out of a bigger buffer, or a strided head_dim;
 * ``return_lse``, ``softmax_scale``, ``out_dtype``.
@@ -72,7 +74,7 @@ E4M3_MAX = 448.0
 
 DIMS = [(64, 64), (128, 128), (192, 128), (256, 256)]
 RATIOS = [1, 2, 4, 7, 8, 16]
-MODES = ["bf16", "fp16", "fp8q", "fp8raw"]
+MODES = ["bf16", "fp16", "fp8q", "fp8raw", "fp8sink"]
 LAYOUTS = ["contiguous", "heads_major", "sliced", "dstride"]
 Q_FORMS = ["none", "scalar", "one", "bhkv", "bhq", "block"]
 K_FORMS = ["none", "scalar", "bhkv", "block"]
@@ -80,7 +82,7 @@ V_FORMS = ["none", "scalar", "bhkv", "channel"]
 # lengths around the interpreter tile (32), the GPU tiles (64/128) and the scale block (128)
 SPECIAL_LENS = [1, 2, 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 256, 257]
 
-BASE_TOL = {"bf16": 1.5e-2, "fp16": 5e-3, "fp8raw": 5e-2, "fp8q": 9e-2}
+BASE_TOL = {"bf16": 1.5e-2, "fp16": 5e-3, "fp8raw": 5e-2, "fp8q": 9e-2, "fp8sink": 9e-2}
 
 
 @dataclass(frozen=True)
@@ -150,10 +152,10 @@ def _length(d, hi: int) -> int:
 
 def _mode_params(d, mode: str, varlen: bool) -> dict:
     p = {}
-    if mode == "fp8q":
+    if mode in ("fp8q", "fp8sink"):
         p["granularity"] = d.pick(["block", "head", "tensor"])
         p["smooth_k"] = d.coin()
-        p["src"] = d.pick(["bf16", "fp16", "fp32"])
+        p["src"] = d.pick(["bf16", "fp16", "fp32"] if mode == "fp8q" else ["bf16", "fp16"])
     elif mode == "fp8raw":
         p["q_form"] = d.pick(Q_FORMS)
         p["k_form"] = d.pick(K_FORMS)
@@ -172,8 +174,11 @@ def _common(d, lim: Limits) -> dict:
     mode = d.pick(MODES)
     p = dict(dims=dims, hkv=hkv, hq=hkv * ratio, mode=mode, causal=d.coin(),
              layout=d.pick(LAYOUTS), return_lse=d.coin(), seed=d.int(0, 2**31 - 1))
-    p["softmax_scale"] = None if mode == "fp8q" else d.pick([None, None, 0.05, 0.3, 1.0])
-    p["out_dtype"] = d.pick([None, None, "fp32", "bf16"]) if mode.startswith("fp8") else d.pick([None, None, "fp32"])
+    p["softmax_scale"] = None if mode in ("fp8q", "fp8sink") else d.pick([None, None, 0.05, 0.3, 1.0])
+    if mode == "fp8sink":  # attention() returns the input dtype
+        p["out_dtype"] = None
+    else:
+        p["out_dtype"] = d.pick([None, None, "fp32", "bf16"]) if mode.startswith("fp8") else d.pick([None, None, "fp32"])
     p["v_offset"] = d.coin()  # V with a per-channel mean, like real activations
     return p
 
@@ -304,11 +309,20 @@ def _to_fp8(x64, seq_spans_fn, table, varlen):
 @dataclass
 class Case:
     params: dict
-    args: tuple  # positional args of flash_attn_func / flash_attn_varlen_func
+    args: tuple  # positional args of flash_attn_func / flash_attn_varlen_func (fp8sink: attention)
     kwargs: dict
     ref_args: tuple
     ref_kwargs: dict
     varlen: bool
+
+    def call(self, backend: str = "auto"):
+        """Run leanfa on the case: ``(out, lse or None)``."""
+        if self.params["mode"] == "fp8sink":
+            fn = leanfa.attention
+        else:
+            fn = leanfa.flash_attn_varlen_func if self.varlen else leanfa.flash_attn_func
+        res = fn(*self.args, **self.kwargs, backend=backend)
+        return res if self.kwargs["return_lse"] else (res, None)
 
     def label(self) -> str:
         p = self.params
@@ -370,6 +384,14 @@ def build_case(p: dict, device) -> Case:
         quant = leanfa.quantize_fp8(qq, kk, vv, **qkw)
         args = (quant, None, None)
         ref_args = (qq, kk, vv)
+    elif mode == "fp8sink":  # attention(precision="fp8", bf16_sink_keys=128): the in-kernel sink
+        src = BF16 if p["src"] == "bf16" else FP16
+        qq, kk, vv = place(q, src), place(k, src), place(v, src)
+        kwargs = dict(causal=p["causal"], return_lse=p["return_lse"], softmax_scale=p["softmax_scale"],
+                      precision="fp8", granularity=p["granularity"], smooth_k=p["smooth_k"], bf16_sink_keys=128)
+        if varlen:
+            kwargs.update(cu, max_seqlen_q=max_q, max_seqlen_k=max_k)
+        args, ref_args = (qq, kk, vv), (qq, kk, vv)
     else:  # fp8raw
         q_spans = [q[a:e] for a, e in zip(cu_q, cu_q[1:])] if varlen else list(q)
         k_spans = [k[a:e] for a, e in zip(cu_k, cu_k[1:])] if varlen else list(k)
@@ -411,7 +433,7 @@ def build_case(p: dict, device) -> Case:
         kwargs.update(q_descale=dev(qd), k_descale=dev(kd), v_descale=dev(vd), k_mean=km)
         ref_kwargs.update(q_descale=dev(qd), k_descale=dev(kd), v_descale=dev(vd), k_mean=km)
         args, ref_args = (q8, k8, v8), (q8, k8, v8)
-    if varlen:
+    if varlen and mode != "fp8sink":
         args = args + (cu["cu_seqlens_q"], cu["cu_seqlens_k"], max_q, max_k)
     return Case(p, args, kwargs, ref_args, ref_kwargs, varlen)
 
@@ -419,16 +441,14 @@ def build_case(p: dict, device) -> Case:
 def tolerances(p: dict, rows: int):
     base = BASE_TOL[p["mode"]]
     out_tol = base * (1.0 + 1.0 / math.sqrt(max(rows, 1)))
-    lse_tol = (0.3, 1e-2) if p["mode"] == "fp8q" else (1e-3, 1e-4)
+    lse_tol = (0.3, 1e-2) if p["mode"] in ("fp8q", "fp8sink") else (1e-3, 1e-4)
     return out_tol, lse_tol
 
 
 def run_case(case: Case, backend: str = "auto"):
     """Run leanfa and the reference; return a list of failure strings (empty = pass) and the
     relative error."""
-    fn = leanfa.flash_attn_varlen_func if case.varlen else leanfa.flash_attn_func
-    res = fn(*case.args, **case.kwargs, backend=backend)
-    out, lse = res if case.kwargs["return_lse"] else (res, None)
+    out, lse = case.call(backend)
     ref, ref_lse = attention_ref(*case.ref_args, **case.ref_kwargs)
     return compare(case, out, lse, ref, ref_lse)
 
@@ -450,7 +470,8 @@ def fp8_accumulation_slack(case: Case) -> torch.Tensor:
 def compare(case: Case, out, lse, ref, ref_lse):
     p = case.params
     fails = []
-    want_dtype = _OUT[p["out_dtype"]] or (FP16 if p["mode"] == "fp16" else BF16)
+    want_dtype = _OUT[p["out_dtype"]] or (FP16 if p["mode"] == "fp16" or p.get("src") == "fp16" and p["mode"] == "fp8sink"
+                                          else BF16)
     if out.shape != ref.shape or out.dtype != want_dtype:
         return [f"shape/dtype {tuple(out.shape)} {out.dtype}, want {tuple(ref.shape)} {want_dtype}"], math.nan
     if torch.isnan(out).any():
@@ -549,7 +570,25 @@ def test_campaign_generator_builds(seed):
             continue  # keep this CPU check light; the campaign builds those on the GPU
         if p["kind"] == "varlen" and sum(p["lens_q"]) * p["hq"] * p["dims"][0] > 4e6:
             continue
-        if p["mode"] == "fp8q":
+        if p["mode"] in ("fp8q", "fp8sink"):
             continue  # quantize_fp8 would run the Triton kernels
         case = build_case(p, "cpu")
         assert case.args[0].shape[-2] == p["hq"]
+
+
+# few heads, so that keys past the 128 sink keys fit the interpreter budget
+SINK_LIMITS = Limits(max_len=400, max_batch=1, kv_heads=(1,), budget=160, max_seqs=3, max_heads=4)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_fp8sink_random(device, seed):
+    """The in-kernel sink mode on its own (hypothesis draws it 1 time in 5, mostly with fewer
+    keys than the sink): dense and varlen cases with keys on both sides of the 128-key sink
+    block (16-bit and FP8 keys in one softmax), drawn with random.Random."""
+    rng = random.Random(1000 + seed)
+    while True:
+        p = random_case(rng, GPU_LIMITS if HAS_CUDA else SINK_LIMITS)
+        sk = max(p["lens_k"]) if p["kind"] == "varlen" else p["sk"]
+        if p["mode"] == "fp8sink" and (p["kind"] == "varlen") == (seed % 2 == 1) and sk > 128:
+            break
+    _check(p, device)
