@@ -126,7 +126,11 @@ def compile_all(target=GPUTarget("cuda", 90, 32), limit=None, verbose=True, quic
         if limit is not None and i >= limit:
             break
         c = {**c, **_unit_strides(elem), **({"stride_sqd": 1, "stride_skd": 1, "stride_svd": 1} if c["SINK"] else {})}
-        ck = _compile(portable._attn_fwd, _attn_types(elem, "bf16"), c, target, num_warps=8, num_stages=3)
+        # the largest tile the autotuner may pick for this head-dim class (portable._configs):
+        # 128x128, 3 stages up to d128; 128x64, 2 stages above
+        wide = max(c["BLOCK_DQK"], c["BLOCK_DV"]) > 128
+        ck = _compile(portable._attn_fwd, _attn_types(elem, "bf16"), c, target, num_warps=8,
+                      num_stages=2 if wide else 3)
         results.append(_summary(f"attn {elem} d{c['HEAD_DIM_QK']}/{c['HEAD_DIM_V']} causal={c['CAUSAL']} "
                                 f"varlen={c['VARLEN']} lse={c['RETURN_LSE']}"
                                 + (f" sink={c['SINK']}" if c["SINK"] else ""), ck, target.arch))
