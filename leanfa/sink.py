@@ -69,8 +69,17 @@ def attention_sink_bf16(q, k, v, *, prefix: int, causal: bool, softmax_scale, re
         parts_l.append(l)
     out_a, lse_a = torch.cat(parts_o, dim=1), torch.cat(parts_l, dim=2)
     quant = ops.quantize_fp8(q, k[:, prefix:], v[:, prefix:], **quantize_kwargs)
-    out_b, lse_b = flash_attn_func(quant, softmax_scale=softmax_scale, causal=causal, return_lse=True,
-                                   out_dtype=f32, backend=backend)
+    # the FP8 part's LSE without the K-mean term, which is added back below from the 16-bit q:
+    # with the e4m3 q, a large K mean (outlier channels) puts an error of ~|q - q8|.|mean| into
+    # that LSE, and the merge would weight the two parts wrongly (docs/accuracy-notes.md)
+    out_b, lse_b = flash_attn_func(quant.q, quant.k, quant.v, softmax_scale=softmax_scale, causal=causal,
+                                   q_descale=quant.q_descale, k_descale=quant.k_descale,
+                                   v_descale=quant.v_descale, return_lse=True, out_dtype=f32, backend=backend)
+    if quant.k_mean is not None:
+        scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+        group = q.shape[2] // k.shape[2]
+        mean = quant.k_mean.repeat_interleave(group, dim=1)  # (B, Hq, D)
+        lse_b = lse_b + scale * torch.einsum("bshd,bhd->bhs", q.float(), mean)
     out, lse = merge_partials(out_a, lse_a, out_b, lse_b)
     out = out.to(q.dtype)
     return (out, lse) if return_lse else out

@@ -175,10 +175,12 @@ def test_fp8_bf16_sink_keys(device, preset, sq, sk, causal, sink):
         assert torch.all(out[:, : sq - sk] == 0)
 
 
-def test_in_kernel_sink_at_least_as_accurate_as_the_split(device):
-    """The in-kernel sink (one softmax over BF16 sink keys and FP8 keys) against the split (two
-    calls merged by their LSEs, whose FP8 part's LSE carries e4m3 error in q.k_mean): on
-    outlier-K presets the in-kernel output and LSE are at least as accurate."""
+def test_in_kernel_sink_and_split_agree(device):
+    """The in-kernel sink (one softmax over 16-bit sink keys and FP8 keys) and the split (two
+    calls merged by their LSEs) compute the same thing up to FP8 rounding: output errors vs
+    float64 within 1.3x of each other, and output and LSE errors both well below plain FP8's on
+    outlier-K presets. (Before the split added the K-mean term from the 16-bit q, its merge weights were
+    off and Qwen2.5's error was 3x the in-kernel one.)"""
     from leanfa.activations import make_qkv
     from leanfa.sink import attention_sink_bf16
 
@@ -188,8 +190,14 @@ def test_in_kernel_sink_at_least_as_accurate_as_the_split(device):
         o_in, l_in = leanfa.attention(q, k, v, causal=True, bf16_sink_keys=128, return_lse=True)
         o_sp, l_sp = attention_sink_bf16(q, k, v, prefix=128, causal=True, softmax_scale=None, return_lse=True,
                                          quantize_kwargs=dict(granularity="block", smooth_k=True), backend="portable")
-        assert rel_l2(o_in, ref) <= 1.05 * rel_l2(o_sp, ref), preset
-        assert (l_in.double() - ref_lse).abs().max() <= 1.05 * (l_sp.double() - ref_lse).abs().max(), preset
+        plain, l_8 = leanfa.attention(q, k, v, causal=True, return_lse=True)
+        e_in, e_sp = rel_l2(o_in, ref), rel_l2(o_sp, ref)
+        assert max(e_in, e_sp) < 0.5 * rel_l2(plain, ref), preset
+        assert max(e_in, e_sp) < 1.3 * min(e_in, e_sp), (preset, e_in, e_sp)
+        # worst-row LSE error: both far below plain FP8's (1.7 / 4.1 here; the split's was 0.4-1.1
+        # before its K-mean term came from the 16-bit q)
+        d_in, d_sp, d_8 = ((x.double() - ref_lse).abs().max().item() for x in (l_in, l_sp, l_8))
+        assert max(d_in, d_sp) < 0.15 * d_8, (preset, d_in, d_sp, d_8)
 
 
 def test_fp8_bf16_sink_keys_varlen(device):
