@@ -100,17 +100,27 @@ class _Seqs:
 STATS_CHUNK = 512
 
 
+def _stats_chunks(max_seqlen: int) -> int:
+    """Programs per head of a statistics pass (one per STATS_CHUNK tokens, at least one)."""
+    return max(1, -(-max_seqlen // STATS_CHUNK))
+
+
+def _stats_rows(head_dim: int) -> int:
+    """Tokens per loop step of a statistics pass (BLOCK_S): fewer for wide heads."""
+    return 64 if head_dim <= 128 else 32
+
+
 def _channel_stats_launch(x, seqs: _Seqs, want_sum: bool, want_amax: bool):
     """Per-channel mean (over each sequence) and/or max |x|, as (B, H, D) float32."""
     n = seqs.batch * seqs.heads
-    nchunks = max(1, -(-seqs.max_seqlen // STATS_CHUNK))
+    nchunks = _stats_chunks(seqs.max_seqlen)
     part_sum = torch.zeros((seqs.batch, seqs.heads, nchunks, seqs.dim), dtype=torch.float32, device=x.device)
     part_amax = torch.zeros_like(part_sum) if want_amax else part_sum
     if n:
         channel_stats[(nchunks, n)](
             x, seqs.cu_arg(part_sum), part_sum, part_amax, seqs.seqlen_dense, seqs.heads,
             *_strides(x, seqs.varlen), HEAD_DIM=seqs.dim, BLOCK_D=triton.next_power_of_2(seqs.dim),
-            BLOCK_S=64 if seqs.dim <= 128 else 32, CHUNK=STATS_CHUNK,
+            BLOCK_S=_stats_rows(seqs.dim), CHUNK=STATS_CHUNK,
             VARLEN=seqs.varlen, WANT_SUM=want_sum, WANT_AMAX=want_amax)
     mean = amax = None
     if want_sum:
@@ -201,7 +211,7 @@ FUSED_WARPS = 8
 def _quantize_block_fused(q, k, v, sq: _Seqs, sk: _Seqs, smooth_k: bool):
     """``granularity="block"`` in two launches: K/V statistics, then Q, K, V together."""
     dev = q.device
-    nchunks = max(1, -(-sk.max_seqlen // STATS_CHUNK))
+    nchunks = _stats_chunks(sk.max_seqlen)
     n_kv = sk.batch * sk.heads
     dqk, dv = q.shape[-1], v.shape[-1]
     f32 = dict(dtype=torch.float32, device=dev)
@@ -220,7 +230,7 @@ def _quantize_block_fused(q, k, v, sq: _Seqs, sk: _Seqs, smooth_k: bool):
     if n_kv:
         kv_stats[(nchunks, n_kv)](
             k, v, cu_k, ksum, vamax, sk.seqlen_dense, sk.heads, *_strides(k, sk.varlen), *_strides(v, sk.varlen),
-            DQK=dqk, BLOCK_DQK=bd_qk, DV=dv, BLOCK_DV=bd_v, BLOCK_S=64 if max(dqk, dv) <= 128 else 32,
+            DQK=dqk, BLOCK_DQK=bd_qk, DV=dv, BLOCK_DV=bd_v, BLOCK_S=_stats_rows(max(dqk, dv)),
             CHUNK=STATS_CHUNK, VARLEN=sk.varlen, WANT_KSUM=smooth_k)
     programs = sq.batch * sq.heads + 2 * n_kv
     if programs:

@@ -45,7 +45,7 @@ def attention_sink_bf16(q, k, v, *, prefix: int, causal: bool, softmax_scale, re
                         quantize_kwargs: dict, backend: str):
     """FP8 attention over keys ``[prefix, Sk)`` plus BF16 attention over keys ``[0, prefix)``."""
     from . import ops
-    from .api import flash_attn_func
+    from .api import _resolve_scale, flash_attn_func
 
     sq, sk = q.shape[1], k.shape[1]
     if sk <= prefix:  # everything is "prefix": plain 16-bit attention
@@ -76,10 +76,9 @@ def attention_sink_bf16(q, k, v, *, prefix: int, causal: bool, softmax_scale, re
                                    q_descale=quant.q_descale, k_descale=quant.k_descale,
                                    v_descale=quant.v_descale, return_lse=True, out_dtype=f32, backend=backend)
     if quant.k_mean is not None:
-        scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
         group = q.shape[2] // k.shape[2]
         mean = quant.k_mean.repeat_interleave(group, dim=1)  # (B, Hq, D)
-        lse_b = lse_b + scale * torch.einsum("bshd,bhd->bhs", q.float(), mean)
+        lse_b = lse_b + _resolve_scale(softmax_scale, q.shape[-1]) * torch.einsum("bshd,bhd->bhs", q.float(), mean)
     out, lse = merge_partials(out_a, lse_a, out_b, lse_b)
     out = out.to(q.dtype)
     return (out, lse) if return_lse else out
