@@ -40,6 +40,8 @@ run_steps() {
       pytest_long) step pytest_long 240 10 python3 -m pytest -q -p no:cacheprovider -rfEs \
                 tests/test_edge_cases.py -k "131k or 2_31" ;;
       hopper_v2) step hopper_v2 560 30 python3 scripts/hopper_v2_gpu.py ;;  # v2 child alone up to 300 s
+      hopper_v3) step hopper_v3 560 60 python3 scripts/hopper_v2_gpu.py --check v3:small,v3,v3-nopp:small,v3-poly2:small \
+                --check-timeout 200 --time v2,v3,v3-nopp,v3-poly1,v3-poly2,v3-poly4 ;;
       bench) step bench 200 12 python3 -m leanfa.cli bench --quick --no-progress --sweep standard --seqlens 4k,16k \
                 --causal true --impl 'leanfa-*,cudnn-bf16,cudnn-fp8' --out "$OUT/r/bench" ;;
       accuracy) step accuracy 150 40 python3 -m leanfa.cli accuracy --out "$OUT/r/accuracy" ;;

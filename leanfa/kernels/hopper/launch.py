@@ -21,6 +21,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ...scales import broadcast_strides
 from .kernel import attn_fwd_kernel
+from .kernel_pingpong import attn_fwd_pingpong_kernel
 from .kernel_ws import attn_fwd_ws_kernel
 
 BLOCK_M = 128
@@ -95,11 +96,12 @@ def _stages(dqk: int, dv: int, elt: int) -> int:
 
 
 def kernel_version() -> str:
-    """``LEANFA_HOPPER_KERNEL``: ``v1`` (default: one partition, CTA barrier per refill) or ``v2``
-    (warp-specialized: TMA producer warp + 2 consumer warpgroups, :mod:`.kernel_ws`)."""
+    """``LEANFA_HOPPER_KERNEL``: ``v1`` (default: one partition, CTA barrier per refill), ``v2``
+    (warp-specialized: TMA producer warp + one 8-warp consumer partition, :mod:`.kernel_ws`) or
+    ``v3`` (producer warp + two ping-pong consumer warpgroups, :mod:`.kernel_pingpong`)."""
     v = os.environ.get("LEANFA_HOPPER_KERNEL", "v1").strip().lower() or "v1"
-    if v not in ("v1", "v2"):
-        raise ValueError(f"LEANFA_HOPPER_KERNEL must be v1 or v2, got {v!r}")
+    if v not in KERNELS:
+        raise ValueError(f"LEANFA_HOPPER_KERNEL must be one of {', '.join(KERNELS)}, got {v!r}")
     return v
 
 
@@ -110,7 +112,11 @@ def _flag(name: str, default: bool) -> bool:
 #: v2 knobs (env, read at plan time): LEANFA_HOPPER_PIPE (issue QK^T of block j+1 before the
 #: softmax of block j; default on), LEANFA_HOPPER_RESCALE_SKIP (stale-max threshold; default off),
 #: LEANFA_HOPPER_PRODUCER_REGS (setmaxnreg of the producer warp; default 24).
-KERNELS = {"v1": attn_fwd_kernel, "v2": attn_fwd_ws_kernel}
+#: v3 knobs: LEANFA_HOPPER_PINGPONG (turn barriers between the consumer warpgroups; default on),
+#: LEANFA_HOPPER_POLY (of every 8 FP8 exponentials, how many run as a polynomial on the FMA pipe;
+#: default 0 until measured), LEANFA_HOPPER_RESCALE_SKIP, LEANFA_HOPPER_PRODUCER_REGS.
+KERNELS = {"v1": attn_fwd_kernel, "v2": attn_fwd_ws_kernel, "v3": attn_fwd_pingpong_kernel}
+V3_CONSUMER_REGS = 240  # with a 24-register producer this is what the default partition gets too
 
 
 @dataclass
@@ -138,7 +144,9 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
     is_fp8 = q.dtype == torch.float8_e4m3fn
     kmajor = v_is_kmajor(v)
     dchunk = qk_chunk(Dqk)
-    q_desc = _desc(q, *_bshd_as_bhsd(q), [1, 1, BLOCK_M, dchunk])
+    version = version or kernel_version()
+    q_rows = BLOCK_M // 2 if version == "v3" else BLOCK_M  # v3: one 64-row Q box per consumer warpgroup
+    q_desc = _desc(q, *_bshd_as_bhsd(q), [1, 1, q_rows, dchunk])
     k_desc = _desc(k, *_bshd_as_bhsd(k), [1, 1, BLOCK_N, dchunk])
     if kmajor:
         v_desc = _desc(v, *_v_kmajor_dims(v), [1, 1, Dv, BLOCK_N])
@@ -168,13 +176,19 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
         RETURN_LSE=bool(return_lse), HAS_KMEAN=has_kmean,
         STAGES=_stages(Dqk, Dv, q.element_size()), num_warps=NUM_WARPS,
     )
-    version = version or kernel_version()
-    if version == "v2":
+    if version in ("v2", "v3"):
         constexprs.update(
-            PIPE=_flag("LEANFA_HOPPER_PIPE", True),
             RESCALE_SKIP=_flag("LEANFA_HOPPER_RESCALE_SKIP", False),
             PRODUCER_REGS=int(os.environ.get("LEANFA_HOPPER_PRODUCER_REGS", "24")),
         )
+    if version == "v2":
+        constexprs.update(PIPE=_flag("LEANFA_HOPPER_PIPE", True))
+    if version == "v3":
+        poly = int(os.environ.get("LEANFA_HOPPER_POLY", "0") or 0) if is_fp8 else 0
+        if not 0 <= poly <= 8:
+            raise ValueError(f"LEANFA_HOPPER_POLY must be 0..8 (of every 8 exponentials), got {poly}")
+        constexprs.update(PINGPONG=_flag("LEANFA_HOPPER_PINGPONG", True), POLY=poly,
+                          CONSUMER_REGS=V3_CONSUMER_REGS, num_warps=NUM_WARPS // 2)
     grid = (B * Hq, num_m_tiles)
     return Plan(args, constexprs, grid, version)
 

@@ -15,10 +15,11 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 
 @gluon.jit
-def alloc_barriers(count: gl.constexpr):
+def alloc_barriers(count: gl.constexpr, arrivals: gl.constexpr = 1):
+    """``count`` mbarriers, each completing a phase after ``arrivals`` arrives."""
     bars = gl.allocate_shared_memory(gl.int64, [count, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(count):
-        mbarrier.init(bars.index(i), count=1)
+        mbarrier.init(bars.index(i), count=arrivals)
     return bars
 
 

@@ -21,10 +21,14 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from .exp2 import exp2_mixed
+
 
 @gluon.jit
-def online_softmax_step_lazy(s, c, m_i, l_i, P_OFFSET: gl.constexpr, RESCALE_SKIP: gl.constexpr):
-    """One key block: ``(p, m_new, l_new, alpha)``; the caller rescales the accumulator by alpha."""
+def online_softmax_step_lazy(s, c, m_i, l_i, P_OFFSET: gl.constexpr, RESCALE_SKIP: gl.constexpr,
+                             POLY: gl.constexpr = 0):
+    """One key block: ``(p, m_new, l_new, alpha)``; the caller rescales the accumulator by alpha.
+    ``POLY`` of every 8 exponentials run on the FMA pipe (:func:`.exp2.exp2_mixed`)."""
     TAU: gl.constexpr = 0.8 if P_OFFSET > 0.0 else 8.0
     m_blk = gl.max(s, axis=1) * c
     if RESCALE_SKIP:
@@ -34,6 +38,6 @@ def online_softmax_step_lazy(s, c, m_i, l_i, P_OFFSET: gl.constexpr, RESCALE_SKI
     m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_sub)
     neg_m = P_OFFSET - m_sub
-    p = gl.exp2(gl.fma(s, c, neg_m[:, None]))
+    p = exp2_mixed(gl.fma(s, c, neg_m[:, None]), POLY)
     l_new = l_i * alpha + gl.sum(p, axis=1)
     return p, m_new, l_new, alpha

@@ -1,0 +1,283 @@
+"""The Hopper (sm90) attention forward kernel, v3: two ping-pong consumer warpgroups
+(``LEANFA_HOPPER_KERNEL=v3``).
+
+Same tiles, masks and Lean-P math as :mod:`.kernel` (v1) and :mod:`.kernel_ws` (v2). The CTA
+tile is 128 query rows; the partitions are:
+
+* **producer** (1 warp, 24 registers): both 64-row halves of Q (one barrier each), then every
+  key block the tile visits through the ``STAGES``-deep K/V ring; slot ``s`` is refilled with
+  block ``j >= STAGES`` after ``empty[s]`` saw both consumers release block ``j - STAGES``.
+* **two consumers** (4 warps each, 240 registers): warpgroup ``w`` owns query rows
+  ``[64 w, 64 w + 64)`` and runs the whole key loop on its own -- no barrier couples the two
+  except the *turn* barriers below. In v2 the two warpgroups shared one partition and a
+  barrier per block, so both ran their softmax at the same time and the tensor cores idled.
+
+Ping-pong (``PINGPONG``): a warpgroup issues its wgmmas in *batches* -- ``[PV_j, QK_{j+1}]`` after
+the softmax of block ``j`` -- and a batch waits for the other warpgroup's previous batch to be
+issued (``turn[w]``). The tensor pipe executes in issue order, so while one warpgroup computes
+exponentials the other's two wgmmas run: per 128x128 FP8 block the matrix work of one
+warpgroup (~512 clocks) hides the softmax of the other (~512 MUFU clocks, less with ``POLY``).
+Batch ``k`` of warpgroup 0 waits ``turn[0]`` phase ``(k - 1) & 1`` (batch 0 goes first); batch
+``k`` of warpgroup 1 waits ``turn[1]`` phase ``k & 1``; each signals the other after issuing.
+Both warpgroups run the same number of batches (the CTA's key-block range), so the alternation
+never deadlocks.
+
+``POLY`` (FP8): of every 8 exponentials, ``POLY`` run as a polynomial on the FMA pipe
+(:mod:`.exp2`). FP8 PV keeps the two-level accumulation (a fresh fp32 tile per block, folded
+in by one FFMA), so no block's products sit in the FP8 wgmma accumulator for long.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from .layouts import a_operand_layout, rows_layout, wgmma_layout
+from .masking import kv_block_range, mask_scores
+from .pipeline import alloc_barriers, as_2d, invalidate_barriers, load_kv, v_tile, wait_k
+from .softmax import finish_rows
+from .softmax_ws import online_softmax_step_lazy
+
+SCALE_BLOCK = gl.constexpr(128)  # tokens per Q/K scale block (leanfa.scales.SCALE_BLOCK)
+WG_WARPS = gl.constexpr(4)  # warps per consumer warpgroup
+WG_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M)
+
+
+# ----------------------------------------------------------------------------- producer
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bars, k_bars, v_bars, empty_bars,
+              b, h, hkv, m_start, n_end, V_KMAJOR: gl.constexpr):
+    QK_CHUNKS: gl.constexpr = k_bufs.shape[0] // v_bufs.shape[0]
+    STAGES: gl.constexpr = v_bufs.shape[0]
+    DCHUNK: gl.constexpr = q_desc.block_type.shape[3]
+    for w in gl.static_range(2):  # Q half w -> q_smem[w * QK_CHUNKS + c], barrier q_bars[w]
+        bar = q_bars.index(w)
+        mbarrier.expect(bar, QK_CHUNKS * q_desc.block_type.nbytes)
+        for c in gl.static_range(QK_CHUNKS):
+            tma.async_copy_global_to_shared(q_desc, [b, h, m_start + w * WG_ROWS, c * DCHUNK], bar,
+                                            q_smem.index(w * QK_CHUNKS + c))
+    for j in range(n_end):
+        if j >= STAGES:
+            # slot j % STAGES is free once both consumers released block j - STAGES
+            mbarrier.wait(empty_bars.index(j % STAGES), ((j // STAGES) - 1) & 1)
+        load_kv(k_desc, v_desc, b, hkv, j, k_bufs, v_bufs, k_bars, v_bars, STAGES, V_KMAJOR, QK_CHUNKS)
+
+
+# ----------------------------------------------------------------------------- consumer pieces
+
+@gluon.jit
+def _wait_turn(turn_bars, batch, W: gl.constexpr, PINGPONG: gl.constexpr):
+    """Block until warpgroup ``W`` may issue its wgmma batch number ``batch``."""
+    if PINGPONG:
+        if W == 0:
+            if batch > 0:
+                mbarrier.wait(turn_bars.index(0), (batch - 1) & 1)
+        else:
+            mbarrier.wait(turn_bars.index(1), batch & 1)
+
+
+@gluon.jit
+def _pass_turn(turn_bars, W: gl.constexpr, PINGPONG: gl.constexpr):
+    """The batch is issued: the other warpgroup may issue its next one."""
+    if PINGPONG:
+        mbarrier.arrive(turn_bars.index(1 - W), count=1)
+
+
+@gluon.jit
+def _issue_qk(q_smem, k_bufs, k_bars, j, s_zero, W: gl.constexpr, QK_CHUNKS: gl.constexpr):
+    """Issue S = Q_W K_j^T (async, chained over head-dim chunks)."""
+    STAGES: gl.constexpr = k_bufs.shape[0] // QK_CHUNKS
+    slot = wait_k(k_bars, j, STAGES)
+    s = warpgroup_mma(as_2d(q_smem.index(W * QK_CHUNKS)), as_2d(k_bufs.index(slot * QK_CHUNKS)).permute((1, 0)),
+                      s_zero, use_acc=False, is_async=True)
+    for c in gl.static_range(1, QK_CHUNKS):
+        s = warpgroup_mma(as_2d(q_smem.index(W * QK_CHUNKS + c)),
+                          as_2d(k_bufs.index(slot * QK_CHUNKS + c)).permute((1, 0)), s, is_async=True)
+    return s
+
+
+@gluon.jit
+def _release(empty_bars, j, STAGES: gl.constexpr):
+    """This warpgroup's wgmmas reading block ``j`` are done (waited for): release its slot."""
+    gl.thread_barrier()  # the 4 warps of this partition
+    mbarrier.arrive(empty_bars.index(j % STAGES), count=1)
+
+
+@gluon.jit
+def _consumer(q_smem, k_bufs, v_bufs, q_bars, k_bars, v_bars, empty_bars, turn_bars,
+              out_ptr, stride_ob, stride_os, stride_oh, lse_ptr,
+              q_scale_ptr, stride_qsb, stride_qsh, stride_qsblk,
+              k_scale_ptr, stride_ksb, stride_ksh, stride_ksblk,
+              v_scale_ptr, stride_vsb, stride_vsh, stride_vsd,
+              k_mean_ptr, stride_kmb, stride_kmh, stride_kmd,
+              seqlen_q, seqlen_k, qk_scale, sm_scale,
+              pid_bh, b, h, hkv, m_start, n_full, n_end,
+              HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
+              RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, RESCALE_SKIP: gl.constexpr,
+              PINGPONG: gl.constexpr, POLY: gl.constexpr, W: gl.constexpr):
+    """Warpgroup ``W``: rows ``[m_start + 64 W, + 64)`` against key blocks ``[0, n_end)``."""
+    QK_CHUNKS: gl.constexpr = k_bufs.shape[0] // v_bufs.shape[0]
+    STAGES: gl.constexpr = v_bufs.shape[0]
+    DCHUNK: gl.constexpr = q_smem.shape[4]
+    BLOCK_N: gl.constexpr = k_bufs.shape[3]
+    BITS: gl.constexpr = 8 if IS_FP8 else 16
+    P_OFFSET: gl.constexpr = 8.0 if IS_FP8 else 0.0
+    s_layout: gl.constexpr = wgmma_layout(WG_WARPS, BLOCK_N, BITS)
+    o_layout: gl.constexpr = wgmma_layout(WG_WARPS, HEAD_DV, BITS)
+    p_layout: gl.constexpr = a_operand_layout(o_layout, BITS)
+
+    row0 = m_start + W * WG_ROWS
+    c_q = qk_scale * gl.load(q_scale_ptr + b * stride_qsb + h * stride_qsh + (m_start // SCALE_BLOCK) * stride_qsblk)
+    k_scale_row = k_scale_ptr + b * stride_ksb + hkv * stride_ksh
+    offs_m = row0 + gl.arange(0, WG_ROWS, gl.SliceLayout(1, s_layout))
+    offs_n0 = gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
+    s_zero = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, s_layout)
+    acc = gl.zeros([WG_ROWS, HEAD_DV], gl.float32, o_layout)
+    m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([WG_ROWS], gl.float32, gl.SliceLayout(1, s_layout))
+
+    mbarrier.wait(q_bars.index(W), 0)
+    # batch 0: S_0
+    s = s_zero
+    if n_end > 0:
+        _wait_turn(turn_bars, 0, W, PINGPONG)
+        s_acc = _issue_qk(q_smem, k_bufs, k_bars, 0, s_zero, W, QK_CHUNKS)
+        _pass_turn(turn_bars, W, PINGPONG)
+        s = warpgroup_mma_wait(0, deps=(s_acc, ))
+    for j in range(n_end):
+        # softmax of block j (masked on the diagonal / tail blocks only)
+        c = c_q * gl.load(k_scale_row + ((j * BLOCK_N) // SCALE_BLOCK) * stride_ksblk)
+        if j >= n_full:
+            s = mask_scores(s, offs_m, j * BLOCK_N + offs_n0, seqlen_q, seqlen_k, CAUSAL)
+        p, m_i, l_i, alpha = online_softmax_step_lazy(s, c, m_i, l_i, P_OFFSET, RESCALE_SKIP, POLY)
+        alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        p_op = gl.convert_layout(p.to(v_bufs.dtype), p_layout)
+        v = v_tile(v_bufs, v_bars, j, STAGES, V_KMAJOR)
+        # batch j + 1: PV_j, then S_{j+1}
+        _wait_turn(turn_bars, j + 1, W, PINGPONG)
+        if IS_FP8:
+            # two-level accumulation: this block's PV in a fresh fp32 tile, folded in by one FFMA
+            pv_acc = warpgroup_mma(p_op, v, gl.zeros_like(acc), use_acc=False, is_async=True)
+        else:
+            pv_acc = warpgroup_mma(p_op, v, acc * alpha_o, is_async=True)
+        if j + 1 < n_end:
+            s_acc = _issue_qk(q_smem, k_bufs, k_bars, j + 1, s_zero, W, QK_CHUNKS)
+            _pass_turn(turn_bars, W, PINGPONG)
+            pv, s = warpgroup_mma_wait(0, deps=(pv_acc, s_acc))
+        else:
+            _pass_turn(turn_bars, W, PINGPONG)
+            pv = warpgroup_mma_wait(0, deps=(pv_acc, ))
+        if IS_FP8:
+            acc = gl.fma(acc, alpha_o, pv)
+        else:
+            acc = pv
+        _release(empty_bars, j, STAGES)
+
+    # Epilogue: O = acc / l * v_scale; LSE.
+    inv_l, lse = finish_rows(m_i, l_i, P_OFFSET)
+    offs_mo = row0 + gl.arange(0, WG_ROWS, gl.SliceLayout(1, o_layout))
+    offs_d = gl.arange(0, HEAD_DV, gl.SliceLayout(0, o_layout))
+    v_scale = gl.load(v_scale_ptr + b * stride_vsb + hkv * stride_vsh + offs_d * stride_vsd)
+    out = acc * gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout))[:, None] * v_scale[None, :]
+    o_base = out_ptr + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
+    o_ptrs = o_base + offs_mo.to(gl.int64)[:, None] * stride_os + offs_d[None, :]
+    gl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=offs_mo[:, None] < seqlen_q)
+
+    if RETURN_LSE:
+        if HAS_KMEAN:
+            r_layout: gl.constexpr = rows_layout(WG_WARPS)
+            offs_k = gl.arange(0, DCHUNK, gl.SliceLayout(0, r_layout))
+            dot = gl.zeros([WG_ROWS], gl.float32, gl.SliceLayout(1, r_layout))
+            for ch in gl.static_range(QK_CHUNKS):
+                qv = as_2d(q_smem.index(W * QK_CHUNKS + ch)).load(r_layout).to(gl.float32)
+                km = gl.load(k_mean_ptr + b * stride_kmb + hkv * stride_kmh + (ch * DCHUNK + offs_k) * stride_kmd)
+                dot += gl.sum(qv * km[None, :], axis=1)
+            corr = dot * ((c_q / qk_scale) * sm_scale)
+            lse = lse + gl.convert_layout(corr, gl.SliceLayout(1, s_layout))
+        gl.store(lse_ptr + pid_bh.to(gl.int64) * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
+
+
+# ----------------------------------------------------------------------------- kernel
+
+# head counts vary per call: not specialized (sequence lengths stay specialized, see v2)
+@gluon.jit(do_not_specialize=["num_heads", "group_size", "num_m_tiles"])
+def attn_fwd_pingpong_kernel(
+    q_desc, k_desc, v_desc,
+    out_ptr, stride_ob, stride_os, stride_oh,
+    lse_ptr,
+    q_scale_ptr, stride_qsb, stride_qsh, stride_qsblk,
+    k_scale_ptr, stride_ksb, stride_ksh, stride_ksblk,
+    v_scale_ptr, stride_vsb, stride_vsh, stride_vsd,
+    k_mean_ptr, stride_kmb, stride_kmh, stride_kmd,
+    seqlen_q, seqlen_k, num_heads, group_size, num_m_tiles,
+    qk_scale,  # softmax_scale * log2(e)
+    sm_scale,  # softmax_scale (for the K-mean LSE correction)
+    HEAD_DQK: gl.constexpr, HEAD_DV: gl.constexpr,
+    CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
+    RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, STAGES: gl.constexpr,
+    RESCALE_SKIP: gl.constexpr, PINGPONG: gl.constexpr, POLY: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    gl.static_assert(num_warps == WG_WARPS, "v3 launches with num_warps=4 (the first consumer warpgroup)")
+    gl.static_assert(q_desc.block_type.shape[2] == WG_ROWS, "v3 loads Q in 64-row boxes")
+    DCHUNK: gl.constexpr = q_desc.block_type.shape[3]
+    QK_CHUNKS: gl.constexpr = HEAD_DQK // DCHUNK
+    BLOCK_M: gl.constexpr = 2 * WG_ROWS
+
+    # Heaviest tiles first: all heads' last query tiles are launched before any first tile.
+    pid_bh = gl.program_id(0)
+    pid_m = num_m_tiles - 1 - gl.program_id(1)
+    b = pid_bh // num_heads
+    h = pid_bh % num_heads
+    hkv = h // group_size
+    m_start = pid_m * BLOCK_M
+
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2 * QK_CHUNKS] + q_desc.block_type.shape, q_desc.layout)
+    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES * QK_CHUNKS] + k_desc.block_type.shape, k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_bars = alloc_barriers(2)
+    k_bars = alloc_barriers(STAGES)
+    v_bars = alloc_barriers(STAGES)
+    empty_bars = alloc_barriers(STAGES, 2)  # one release per consumer warpgroup
+    turn_bars = alloc_barriers(2)
+
+    n_full, n_end = kv_block_range(m_start, seqlen_q, seqlen_k, BLOCK_M, k_desc.block_type.shape[2], CAUSAL)
+
+    # the two consumers differ only in their last argument (a tuple concatenation would turn the
+    # constexprs into runtime values)
+    gl.warp_specialize([
+        (_consumer, (q_smem, k_bufs, v_bufs, q_bars, k_bars, v_bars, empty_bars, turn_bars,
+                       out_ptr, stride_ob, stride_os, stride_oh, lse_ptr,
+                       q_scale_ptr, stride_qsb, stride_qsh, stride_qsblk,
+                       k_scale_ptr, stride_ksb, stride_ksh, stride_ksblk,
+                       v_scale_ptr, stride_vsb, stride_vsh, stride_vsd,
+                       k_mean_ptr, stride_kmb, stride_kmh, stride_kmd,
+                       seqlen_q, seqlen_k, qk_scale, sm_scale,
+                       pid_bh, b, h, hkv, m_start, n_full, n_end,
+                       HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, 0)),
+        (_consumer, (q_smem, k_bufs, v_bufs, q_bars, k_bars, v_bars, empty_bars, turn_bars,
+                       out_ptr, stride_ob, stride_os, stride_oh, lse_ptr,
+                       q_scale_ptr, stride_qsb, stride_qsh, stride_qsblk,
+                       k_scale_ptr, stride_ksb, stride_ksh, stride_ksblk,
+                       v_scale_ptr, stride_vsb, stride_vsh, stride_vsd,
+                       k_mean_ptr, stride_kmb, stride_kmh, stride_kmd,
+                       seqlen_q, seqlen_k, qk_scale, sm_scale,
+                       pid_bh, b, h, hkv, m_start, n_full, n_end,
+                       HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, 1)),
+        (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bars, k_bars, v_bars, empty_bars,
+                     b, h, hkv, m_start, n_end, V_KMAJOR)),
+    ], [WG_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+    invalidate_barriers(q_bars, 2)
+    invalidate_barriers(k_bars, STAGES)
+    invalidate_barriers(v_bars, STAGES)
+    invalidate_barriers(empty_bars, STAGES)
+    invalidate_barriers(turn_bars, 2)
