@@ -42,6 +42,16 @@ run_steps() {
       hopper_v2) step hopper_v2 560 30 python3 scripts/hopper_v2_gpu.py ;;  # v2 child alone up to 300 s
       hopper_v3) step hopper_v3 560 60 python3 scripts/hopper_v2_gpu.py --check v3:small,v3,v3-nopp:small,v3-poly2:small \
                 --check-timeout 200 --time v2,v3,v3-nopp,v3-poly1,v3-poly2,v3-poly4 ;;
+      hopper_v3_time) step hopper_v3_time 300 50 python3 scripts/hopper_v2_gpu.py --check "" \
+                --time v3,v3-nopp,v3-poly1 ;;
+      hopper_v3_check) step hopper_v3_check 420 40 python3 scripts/hopper_v2_gpu.py --check v3 --check-timeout 300 \
+                --no-bench --sanitize ;;
+      bench_v3) step bench_v3 200 12 env LEANFA_HOPPER_KERNEL=v3 python3 -m leanfa.cli bench --quick --no-progress \
+                --sweep standard --seqlens 4k,16k --causal true --impl 'leanfa-hopper-*,cudnn-bf16,cudnn-fp8' \
+                --name bench-v3 --out "$OUT/r/bench_v3" ;;
+      profile_v3) step profile_v3 150 30 env LEANFA_HOPPER_KERNEL=v3 python3 -m leanfa.cli profile \
+                --out "$OUT/r/profile_v3" --impl leanfa-hopper-fp8-kernel,leanfa-hopper-bf16,cudnn-fp8 ;;
+      rates) step rates 120 20 python3 -m leanfa.bench.rates --json "$OUT/r/rates.json" ;;
       bench) step bench 200 12 python3 -m leanfa.cli bench --quick --no-progress --sweep standard --seqlens 4k,16k \
                 --causal true --impl 'leanfa-*,cudnn-bf16,cudnn-fp8' --out "$OUT/r/bench" ;;
       accuracy) step accuracy 150 40 python3 -m leanfa.cli accuracy --out "$OUT/r/accuracy" ;;
