@@ -51,6 +51,10 @@ run_steps() {
                 --name bench-v3 --out "$OUT/r/bench_v3" ;;
       profile_v3) step profile_v3 150 30 env LEANFA_HOPPER_KERNEL=v3 python3 -m leanfa.cli profile \
                 --out "$OUT/r/profile_v3" --impl leanfa-hopper-fp8-kernel,leanfa-hopper-bf16,cudnn-fp8 ;;
+      v3_safety) step v2_sanitize 200 20 python3 scripts/hopper_v2_gpu.py --check v2:small --no-bench --sanitize
+                step v3_safety 330 20 python3 scripts/hopper_v2_gpu.py --check v3 --check-timeout 240 --no-bench \
+                --sanitize ;;
+      fuzz_v3) step fuzz_v3 200 16 python3 scripts/gpu_fuzz_campaign.py --seconds 160 --seed 3 --workers "$WORKERS" ;;
       rates) step rates 120 20 python3 -m leanfa.bench.rates --json "$OUT/r/rates.json" ;;
       bench) step bench 200 12 python3 -m leanfa.cli bench --quick --no-progress --sweep standard --seqlens 4k,16k \
                 --causal true --impl 'leanfa-*,cudnn-bf16,cudnn-fp8' --out "$OUT/r/bench" ;;

@@ -37,6 +37,7 @@ CONFIGS = {  # name -> env
     "v2": {"LEANFA_HOPPER_KERNEL": "v2", "LEANFA_HOPPER_PIPE": "1"},
     "v2-nopipe": {"LEANFA_HOPPER_KERNEL": "v2", "LEANFA_HOPPER_PIPE": "0"},
     "v3": {"LEANFA_HOPPER_KERNEL": "v3"},
+    "v3-pp": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_PINGPONG": "1"},
     "v3-nopp": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_PINGPONG": "0"},
     **{f"v3-poly{n}": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_POLY": str(n)} for n in (1, 2, 3, 4, 8)},
 }
@@ -180,7 +181,7 @@ def main():
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--child-sanitize", action="store_true")
     ap.add_argument("--no-bench", action="store_true")
-    ap.add_argument("--sanitize", action="store_true", help="also compute-sanitizer racecheck/synccheck (small)")
+    ap.add_argument("--sanitize", action="store_true", help="also compute-sanitizer memcheck/racecheck/synccheck (small)")
     ap.add_argument("--check", default="v2,v2-nopipe:small",
                     help="configs to check, comma-separated; ':small' for the small case set")
     ap.add_argument("--time", default=None, help="configs to time (default: those whose check passed, and v1)")
@@ -214,7 +215,7 @@ def main():
         if cs is None:
             print("compute-sanitizer not found")
         else:
-            for tool in ("racecheck", "synccheck"):
+            for tool in ("memcheck", "racecheck", "synccheck"):
                 san[tool] = run_child(a.check.split(",")[0].partition(":")[0], small=True, timeout=150, sanitize=True,
                                       prefix=(cs, "--tool", tool, "--error-exitcode", "3"))
 

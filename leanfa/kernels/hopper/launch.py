@@ -96,10 +96,11 @@ def _stages(dqk: int, dv: int, elt: int) -> int:
 
 
 def kernel_version() -> str:
-    """``LEANFA_HOPPER_KERNEL``: ``v1`` (default: one partition, CTA barrier per refill), ``v2``
-    (warp-specialized: TMA producer warp + one 8-warp consumer partition, :mod:`.kernel_ws`) or
-    ``v3`` (producer warp + two ping-pong consumer warpgroups, :mod:`.kernel_pingpong`)."""
-    v = os.environ.get("LEANFA_HOPPER_KERNEL", "v1").strip().lower() or "v1"
+    """``LEANFA_HOPPER_KERNEL``: ``v3`` (default: producer warp + two consumer warpgroups in their
+    own partitions, :mod:`.kernel_pingpong`), ``v1`` (one partition, CTA barrier per refill) or
+    ``v2`` (producer warp + one 8-warp consumer partition, :mod:`.kernel_ws`). H200 run 10:
+    v3 is 1.11-1.24x v1 in FP8 and BF16 at 4K-16K causal (docs/perf-notes.md)."""
+    v = os.environ.get("LEANFA_HOPPER_KERNEL", DEFAULT_VERSION).strip().lower() or DEFAULT_VERSION
     if v not in KERNELS:
         raise ValueError(f"LEANFA_HOPPER_KERNEL must be one of {', '.join(KERNELS)}, got {v!r}")
     return v
@@ -112,10 +113,13 @@ def _flag(name: str, default: bool) -> bool:
 #: v2 knobs (env, read at plan time): LEANFA_HOPPER_PIPE (issue QK^T of block j+1 before the
 #: softmax of block j; default on), LEANFA_HOPPER_RESCALE_SKIP (stale-max threshold; default off),
 #: LEANFA_HOPPER_PRODUCER_REGS (setmaxnreg of the producer warp; default 24).
-#: v3 knobs: LEANFA_HOPPER_PINGPONG (turn barriers between the consumer warpgroups; default on),
+#: v3 knobs: LEANFA_HOPPER_PINGPONG (turn barriers between the consumer warpgroups; default off:
+#: with them FP8 was 1-3% slower than letting the warpgroups drift apart, run 10),
 #: LEANFA_HOPPER_POLY (of every 8 FP8 exponentials, how many run as a polynomial on the FMA pipe;
-#: default 0 until measured), LEANFA_HOPPER_RESCALE_SKIP, LEANFA_HOPPER_PRODUCER_REGS.
+#: default 0: POLY=1 was within 2% either way, 2 and 4 were ~3% and ~10% slower, runs 9-10),
+#: LEANFA_HOPPER_RESCALE_SKIP, LEANFA_HOPPER_PRODUCER_REGS.
 KERNELS = {"v1": attn_fwd_kernel, "v2": attn_fwd_ws_kernel, "v3": attn_fwd_pingpong_kernel}
+DEFAULT_VERSION = "v3"
 V3_CONSUMER_REGS = 240  # with a 24-register producer this is what the default partition gets too
 
 
@@ -187,7 +191,7 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
         poly = int(os.environ.get("LEANFA_HOPPER_POLY", "0") or 0) if is_fp8 else 0
         if not 0 <= poly <= 8:
             raise ValueError(f"LEANFA_HOPPER_POLY must be 0..8 (of every 8 exponentials), got {poly}")
-        constexprs.update(PINGPONG=_flag("LEANFA_HOPPER_PINGPONG", True), POLY=poly,
+        constexprs.update(PINGPONG=_flag("LEANFA_HOPPER_PINGPONG", False), POLY=poly,
                           CONSUMER_REGS=V3_CONSUMER_REGS, num_warps=NUM_WARPS // 2)
     grid = (B * Hq, num_m_tiles)
     return Plan(args, constexprs, grid, version)
