@@ -47,8 +47,8 @@ def _inputs(B, Sq, Sk, Hq, Hkv, dqk, dv, seed=0):
     return q, k.to(torch.bfloat16), v
 
 
-def _check(p, tol, **ref_kw):
-    out, lse, rep = emulate(p)
+def _check(p, tol, version=None, **ref_kw):
+    out, lse, rep = emulate(p, version=version)
     ref, ref_lse = attention_ref(p.q, p.k, p.v, causal=p.causal, softmax_scale=p.softmax_scale,
                                  return_lse=True, **ref_kw)
     assert not torch.isnan(out).any(), "NaN (or never written) in out"
@@ -79,24 +79,26 @@ SHAPES = [  # B, Sq, Sk, Hq, Hkv -- the shapes of the 2026-11-29 H200 failures, 
 ]
 
 
+@pytest.mark.parametrize("version", ["v1", "v3"])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dims", [(128, 128), (192, 128)])
 @pytest.mark.parametrize("causal", [True, False])
-def test_bf16_emulated_matches_reference(shape, dims, causal):
+def test_bf16_emulated_matches_reference(shape, dims, causal, version):
     reset_shadows()
     p = _problem(*_inputs(*shape, *dims), causal)
-    rep = _check(p, 1e-2)
+    rep = _check(p, 1e-2, version=version)
     _check_schedule(p, rep)
 
 
 def _check_schedule(p, rep):
-    """Each tile reads exactly the key blocks some real row of it can see, in order, once each."""
+    """Each tile reads exactly the key blocks some real row of it can see, in order, once each
+    (once per consumer partition: v3 has two, each reading every block of the tile)."""
     B, Sq, Hq, dqk = p.q.shape
     Sk = p.k.shape[1]
     chunks = 1 if dqk & (dqk - 1) == 0 else dqk // 64  # K boxes per key block (launch.qk_chunk)
     n_tiles = -(-Sq // BLOCK)
     assert len(rep.schedule) == B * Hq * n_tiles
-    for (pid_bh, pid1), reads in rep.schedule.items():
+    for (pid_bh, pid1), per_part in rep.schedule.items():
         m0 = (n_tiles - 1 - pid1) * BLOCK
         rows = torch.arange(m0, min(m0 + BLOCK, Sq))
         keys = torch.arange(Sk)
@@ -104,20 +106,23 @@ def _check_schedule(p, rep):
         if p.causal:
             vis = keys[None, :] <= rows[:, None] + (Sk - Sq)
         want = sorted({int(j) // BLOCK for j in keys[vis.any(0)]})
-        got = [c[2] // BLOCK for c in reads]
-        assert got == [j for j in want for _ in range(chunks)], (pid_bh, pid1, got, want)
-        assert all(c[1] == (pid_bh % Hq) // (Hq // p.k.shape[2]) for c in reads)  # the right KV head
+        assert per_part or not want, (pid_bh, pid1, want)
+        for reads in per_part.values():
+            got = [c[2] // BLOCK for c in reads]
+            assert got == [j for j in want for _ in range(chunks)], (pid_bh, pid1, got, want)
+            assert all(c[1] == (pid_bh % Hq) // (Hq // p.k.shape[2]) for c in reads)  # the right KV head
 
 
 @pytest.mark.parametrize("shape", [(1, 300, 700, 2, 1), (1, 700, 300, 2, 2), (1, 1, 600, 2, 1)])
 @pytest.mark.parametrize("dims", [(128, 128), (192, 128)])
 @pytest.mark.parametrize("causal", [True, False])
-def test_fp8_emulated_matches_reference(shape, dims, causal):
+@pytest.mark.parametrize("version", ["v1", "v3"])
+def test_fp8_emulated_matches_reference(shape, dims, causal, version):
     reset_shadows()
     q, k, v = _inputs(*shape, *dims)
     qq = leanfa.quantize_fp8(q, k, v)
     kw = dict(q_descale=qq.q_descale, k_descale=qq.k_descale, v_descale=qq.v_descale, k_mean=qq.k_mean)
-    _check(_problem(qq.q, qq.k, qq.v, causal, **kw), 4e-2, **kw)
+    _check(_problem(qq.q, qq.k, qq.v, causal, **kw), 4e-2, version=version, **kw)
 
 
 @pytest.mark.parametrize("form", ["scalar", "per_head"])
@@ -151,10 +156,10 @@ def _mutated(jit_fn, old, new):
     shadow(jit_fn, source=src.replace(old, new))
 
 
-def _expect_caught(shape=(1, 600, 600, 2, 1), causal=True):
+def _expect_caught(shape=(1, 600, 600, 2, 1), causal=True, version="v1", ws_order="consumer-first"):
     p = _problem(*_inputs(*shape, 128, 128), causal)
     try:
-        out, _, _ = emulate(p)
+        out, _, _ = emulate(p, version=version, ws_order=ws_order)
     except EmulationError as e:
         return str(e)
     ref = attention_ref(p.q, p.k, p.v, causal=causal)
@@ -212,14 +217,15 @@ def test_mutation_q_tile_offset():
     reset_shadows()
 
 
+@pytest.mark.parametrize("version", ["v1", "v3"])
 @pytest.mark.parametrize("stages", [2, 3, 4])
 @pytest.mark.parametrize("causal", [True, False])
-def test_ring_depths(monkeypatch, stages, causal):
+def test_ring_depths(monkeypatch, stages, causal, version):
     """The ring arithmetic (slot = j % STAGES, parity = (j // STAGES) & 1) for every depth."""
     reset_shadows()
     monkeypatch.setattr(L, "stages_for", lambda *a: stages)
     p = _problem(*_inputs(1, 900, 1300, 2, 1, 128, 128), causal)
-    _check_schedule(p, _check(p, 1e-2))
+    _check_schedule(p, _check(p, 1e-2, version=version))
 
 
 # ----------------------------------------------------------------------------- v2 (warp-specialized)
@@ -265,5 +271,58 @@ def test_v2_mutations_caught(fn, old, new):
         p = _problem(q, k, v, True)
         with pytest.raises(EmulationError):
             emulate(p, version="v2", ws_order="producer-first")
+    finally:
+        reset_shadows()
+
+
+# ----------------------------------------------------------------------------- v3 (two consumer partitions)
+
+from leanfa.kernels.hopper import kernel_pingpong as KP  # noqa: E402
+
+
+@pytest.mark.parametrize("order", ["consumer-first", "producer-first"])
+@pytest.mark.parametrize("pingpong", ["1", "0"])
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("shape", V2_SHAPES)
+def test_v3_matches_v1(shape, fp8, pingpong, order, monkeypatch):
+    """v3 (producer warp + two consumer warpgroups, each in its own partition, optional turn
+    barriers) gives v1's numbers, whichever partition runs first."""
+    monkeypatch.setenv("LEANFA_HOPPER_PINGPONG", pingpong)
+    q, k, v = _inputs(*shape, 128, 128)
+    kw = {}
+    if fp8:
+        qq = leanfa.quantize_fp8(q, k, v)
+        q, k, v, kw = qq.q, qq.k, qq.v, qq.descales()
+    p = _problem(q, k, v, True, **kw)
+    o1, l1, _ = emulate(p, version="v1")
+    o3, l3, _ = emulate(p, version="v3", ws_order=order)
+    assert not torch.isnan(o3).any()
+    assert torch.allclose(o1.float(), o3.float(), atol=1e-2, rtol=1e-2)
+    assert torch.equal(torch.isinf(l1), torch.isinf(l3))
+
+
+@pytest.mark.parametrize("fn,old,new,pingpong", [
+    # a warpgroup releases a slot before all its warps are done with it
+    ("_release", "    gl.thread_barrier()  # the 4 warps of this partition\n", "", "0"),
+    # one release per slot instead of one per consumer warpgroup: the slot is refilled while the
+    # other warpgroup may still have to read it
+    ("attn_fwd_pingpong_kernel", "empty_bars = alloc_barriers(STAGES, 2)", "empty_bars = alloc_barriers(STAGES)", "0"),
+    # the producer refills without waiting for the releases
+    ("_producer", "            mbarrier.wait(empty_bars.index(j % STAGES), ((j // STAGES) - 1) & 1)\n",
+     "            pass\n", "0"),
+    # turn barriers: warpgroup 1 waits for the wrong phase (it would issue before its turn / hang)
+    ("_wait_turn", "mbarrier.wait(turn_bars.index(1), batch & 1)", "mbarrier.wait(turn_bars.index(1), (batch + 1) & 1)",
+     "1"),
+    # warpgroup 1 computes with warpgroup 0's query rows
+    ("_issue_qk", "as_2d(q_smem.index(W * QK_CHUNKS))", "as_2d(q_smem.index(0))", "0"),
+])
+def test_v3_mutations_caught(fn, old, new, pingpong, monkeypatch):
+    monkeypatch.setenv("LEANFA_HOPPER_PINGPONG", pingpong)
+    reset_shadows()
+    try:
+        _mutated(getattr(KP, fn), old, new)
+        caught = [_expect_caught((1, 300, 700, 2, 1), version="v3", ws_order=o) for o in
+                  ("producer-first", "consumer-first")]
+        assert all(caught)
     finally:
         reset_shadows()

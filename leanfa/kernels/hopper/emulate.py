@@ -67,7 +67,11 @@ class _Buf:
     read_done_epoch: int = -1
     reads: int = 0
     free: bool = True  # warp-specialized mode: released through an mbarrier the producer observed
-    reader: object = None  # the partition that last read it
+    # per reading partition: [reads, wgmmas in flight, epoch of its last completed read, released]
+    read_parts: dict = field(default_factory=dict)
+
+    def reader(self, part):
+        return self.read_parts.setdefault(part, [0, 0, -1, False])
 
 
 class _Part:
@@ -239,12 +243,13 @@ class SmemView:
             M.err(f"{what} reads shared memory that is {b.state} (copy {b.desc_name}{b.coords}; "
                   "not landed, or landed but not observed through its mbarrier)")
         b.reads += 1
+        b.reader(M.part)[0] += 1
         return self._tensor()
 
     def load(self, layout=None):
         t = self.read("a generic load").clone()
         self.buf().read_done_epoch = M.epoch
-        self.buf().reader = M.part
+        self.buf().reader(M.part)[2] = M.epoch
         return t
 
 
@@ -327,12 +332,15 @@ class _MBarrier:
             M.err("arrive on an uninitialised mbarrier")
         if M.ws is not None:
             # happens-before: every read this partition completed (wgmma waited) *and* followed by a
-            # barrier over the partition's warps (both consumer warpgroups) is released by this arrive
+            # barrier over the partition's warps is released by this arrive; a buffer is handed
+            # back once every partition that read it released it (v3: both consumer warpgroups)
             for a in M.allocs:
                 for b in a.bufs:
-                    if (not b.free and b.reads and b.readers == 0 and b.reader is M.part
-                            and b.read_done_epoch < M.part.epoch):
-                        bar.releases.append(b)
+                    rp = b.read_parts.get(M.part)
+                    if not b.free and rp is not None and rp[1] == 0 and rp[2] < M.part.epoch:
+                        rp[3] = True
+                        if all(r[3] for r in b.read_parts.values()):
+                            bar.releases.append(b)
         M.progress += 1
         bar.arrivals -= count
         if bar.arrivals < 0:
@@ -413,7 +421,7 @@ class _TMA:
         if not bar.valid:
             M.err("TMA on an uninitialised mbarrier")
         b.state, b.bar, b.coords, b.desc_name, b.reads = "pending", bar, coords, desc.name, 0
-        b.free, b.reader = False, None
+        b.free, b.read_parts = False, {}
         M.progress += 1
         bar.inflight.append((b, lambda: desc.box(coords), desc.block_type.nbytes, result.alloc, result.idx))
         M.events.append(("load", desc.name, coords))
@@ -424,9 +432,9 @@ def _operand(x, what):
         b = x.buf()
         t = x.read(what)
         b.readers += 1
-        b.reader = M.part
+        b.reader(M.part)[1] += 1
         M.pending_reads.append(b)
-        M.events.append(("read", b.desc_name, b.coords))
+        M.events.append(("read", b.desc_name, b.coords, M.part.name))
         return t.float()
     return x.float()
 
@@ -446,6 +454,9 @@ def _warpgroup_mma_wait(num_outstanding=0, deps=None):
     for b in M.pending_reads:
         b.readers -= 1
         b.read_done_epoch = M.epoch
+        rp = b.reader(M.part)
+        rp[1] -= 1
+        rp[2] = M.epoch
     M.part.pending_reads = []
     return deps[0] if len(deps) == 1 else tuple(deps)
 
@@ -577,6 +588,11 @@ def _none(*a, **k):
     return None
 
 
+def _static_assert(cond, msg=""):
+    if not cond:
+        M.err(f"static_assert failed: {msg}")
+
+
 gl_fake = types.SimpleNamespace(
     constexpr=lambda x: x,
     float32=torch.float32, float16=torch.float16, bfloat16=torch.bfloat16, int32=torch.int32,
@@ -601,6 +617,7 @@ gl_fake = types.SimpleNamespace(
     thread_barrier=_thread_barrier,
     warp_specialize=_warp_specialize,
     static_range=lambda *a: range(*[int(x) for x in a]),
+    static_assert=_static_assert,
 )
 
 _FAKES = {
@@ -673,7 +690,8 @@ class _LazyShadow:
 @dataclass
 class Report:
     programs: int = 0
-    schedule: dict = field(default_factory=dict)  # (pid_bh, pid_m) -> [K box seq coords read, in order]
+    # (pid_bh, pid_m) -> {partition: [K box coords it read, in order]} (v3: one list per consumer)
+    schedule: dict = field(default_factory=dict)
     waits: dict = field(default_factory=dict)
 
 
@@ -708,10 +726,17 @@ def run_plan(plan, *, programs=None, ws_order="consumer-first") -> Report:
             for b in a.bufs:
                 if b.state == "pending":
                     M.err(f"kernel exits with the copy {b.desc_name}{b.coords} in flight")
-                if b.state in ("landed", "visible") and b.desc_name in ("k", "v") and b.reads != 1:
-                    M.err(f"{b.desc_name} box {b.coords} loaded and read {b.reads} times (expected once)")
+                per_part = [r[0] for r in b.read_parts.values()]
+                if b.state in ("landed", "visible") and b.desc_name in ("k", "v") and (
+                        not per_part or any(n != 1 for n in per_part)):
+                    M.err(f"{b.desc_name} box {b.coords} loaded and read {per_part or 0} times by its "
+                          "consumer partition(s) (expected once by each)")
         rep.programs += 1
-        rep.schedule[pid] = [c for e, d, c in (x for x in M.events if x[0] == "read") if d == "k"]
+        reads = {}
+        for _, d, c, part in (x for x in M.events if x[0] == "read"):
+            if d == "k":
+                reads.setdefault(part, []).append(c)
+        rep.schedule[pid] = reads
         rep.waits[pid] = [x[2] for x in M.events if x[0] == "wait"]
     return rep
 
