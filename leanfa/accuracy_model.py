@@ -25,7 +25,7 @@ Run ``python -m leanfa.accuracy_model`` for the lever table of ``docs/accuracy-n
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 

@@ -340,7 +340,6 @@ def run(problem):
 def _launch(problem, out, lse):
     p = problem
     q, k, v = p.q, p.k, p.v
-    dev = q.device
     if p.varlen:
         lse_strides = (0, *lse.stride()) if lse is not None else (0, 0, 0)
     else:

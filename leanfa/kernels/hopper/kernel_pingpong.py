@@ -38,9 +38,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .layouts import a_operand_layout, rows_layout, wgmma_layout
+from .epilogue import kmean_lse_term, store_output
+from .layouts import a_operand_layout, wgmma_layout
 from .masking import kv_block_range, mask_scores
 from .pipeline import alloc_barriers, as_2d, invalidate_barriers, load_kv, v_tile, wait_k
+from .schedule import program_tile
 from .softmax import finish_rows
 from .softmax_ws import online_softmax_step_lazy
 
@@ -125,7 +127,6 @@ def _consumer(q_smem, k_bufs, v_bufs, q_bars, k_bars, v_bars, empty_bars, turn_b
     """Warpgroup ``W``: rows ``[m_start + 64 W, + 64)`` against key blocks ``[0, n_end)``."""
     QK_CHUNKS: gl.constexpr = k_bufs.shape[0] // v_bufs.shape[0]
     STAGES: gl.constexpr = v_bufs.shape[0]
-    DCHUNK: gl.constexpr = q_smem.shape[4]
     BLOCK_N: gl.constexpr = k_bufs.shape[3]
     BITS: gl.constexpr = 8 if IS_FP8 else 16
     P_OFFSET: gl.constexpr = 8.0 if IS_FP8 else 0.0
@@ -182,24 +183,12 @@ def _consumer(q_smem, k_bufs, v_bufs, q_bars, k_bars, v_bars, empty_bars, turn_b
 
     # Epilogue: O = acc / l * v_scale; LSE.
     inv_l, lse = finish_rows(m_i, l_i, P_OFFSET)
-    offs_mo = row0 + gl.arange(0, WG_ROWS, gl.SliceLayout(1, o_layout))
-    offs_d = gl.arange(0, HEAD_DV, gl.SliceLayout(0, o_layout))
-    v_scale = gl.load(v_scale_ptr + b * stride_vsb + hkv * stride_vsh + offs_d * stride_vsd)
-    out = acc * gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout))[:, None] * v_scale[None, :]
-    o_base = out_ptr + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
-    o_ptrs = o_base + offs_mo.to(gl.int64)[:, None] * stride_os + offs_d[None, :]
-    gl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=offs_mo[:, None] < seqlen_q)
-
+    store_output(acc, inv_l, row0, out_ptr, stride_ob, stride_os, stride_oh, b, h, hkv,
+                 v_scale_ptr, stride_vsb, stride_vsh, stride_vsd, seqlen_q)
     if RETURN_LSE:
         if HAS_KMEAN:
-            r_layout: gl.constexpr = rows_layout(WG_WARPS)
-            offs_k = gl.arange(0, DCHUNK, gl.SliceLayout(0, r_layout))
-            dot = gl.zeros([WG_ROWS], gl.float32, gl.SliceLayout(1, r_layout))
-            for ch in gl.static_range(QK_CHUNKS):
-                qv = as_2d(q_smem.index(W * QK_CHUNKS + ch)).load(r_layout).to(gl.float32)
-                km = gl.load(k_mean_ptr + b * stride_kmb + hkv * stride_kmh + (ch * DCHUNK + offs_k) * stride_kmd)
-                dot += gl.sum(qv * km[None, :], axis=1)
-            corr = dot * ((c_q / qk_scale) * sm_scale)
+            corr = kmean_lse_term(q_smem, W * QK_CHUNKS, QK_CHUNKS, k_mean_ptr, stride_kmb, stride_kmh, stride_kmd,
+                                  b, hkv, (c_q / qk_scale) * sm_scale, WG_WARPS)
             lse = lse + gl.convert_layout(corr, gl.SliceLayout(1, s_layout))
         gl.store(lse_ptr + pid_bh.to(gl.int64) * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
 
@@ -232,13 +221,7 @@ def attn_fwd_pingpong_kernel(
     QK_CHUNKS: gl.constexpr = HEAD_DQK // DCHUNK
     BLOCK_M: gl.constexpr = 2 * WG_ROWS
 
-    # Heaviest tiles first: all heads' last query tiles are launched before any first tile.
-    pid_bh = gl.program_id(0)
-    pid_m = num_m_tiles - 1 - gl.program_id(1)
-    b = pid_bh // num_heads
-    h = pid_bh % num_heads
-    hkv = h // group_size
-    m_start = pid_m * BLOCK_M
+    pid_bh, b, h, hkv, m_start = program_tile(num_heads, group_size, num_m_tiles, BLOCK_M)
 
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2 * QK_CHUNKS] + q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES * QK_CHUNKS] + k_desc.block_type.shape, k_desc.layout)

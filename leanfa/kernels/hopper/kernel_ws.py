@@ -31,7 +31,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .layouts import a_operand_layout, rows_layout, wgmma_layout
+from .epilogue import kmean_lse_term, store_output
+from .layouts import a_operand_layout, wgmma_layout
 from .masking import kv_block_range, mask_scores
 from .pipeline import (
     alloc_barriers,
@@ -42,6 +43,7 @@ from .pipeline import (
     load_q,
     v_tile,
 )
+from .schedule import program_tile
 from .softmax import finish_rows
 from .softmax_ws import online_softmax_step_lazy
 
@@ -186,7 +188,6 @@ def _consumer(q_smem, k_bufs, v_bufs, q_bar, k_bars, v_bars, empty_bars,
               RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, RESCALE_SKIP: gl.constexpr,
               PIPE: gl.constexpr, num_warps: gl.constexpr):
     BLOCK_M: gl.constexpr = q_smem.shape[3]
-    DCHUNK: gl.constexpr = q_smem.shape[4]
     QK_CHUNKS: gl.constexpr = q_smem.shape[0]
     BLOCK_N: gl.constexpr = k_bufs.shape[3]
     BITS: gl.constexpr = 8 if IS_FP8 else 16
@@ -211,24 +212,12 @@ def _consumer(q_smem, k_bufs, v_bufs, q_bar, k_bars, v_bars, empty_bars,
 
     # Epilogue: O = acc / l * v_scale; LSE.
     inv_l, lse = finish_rows(m_i, l_i, P_OFFSET)
-    offs_mo = m_start + gl.arange(0, BLOCK_M, gl.SliceLayout(1, o_layout))
-    offs_d = gl.arange(0, HEAD_DV, gl.SliceLayout(0, o_layout))
-    v_scale = gl.load(v_scale_ptr + b * stride_vsb + hkv * stride_vsh + offs_d * stride_vsd)
-    out = acc * gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout))[:, None] * v_scale[None, :]
-    o_base = out_ptr + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
-    o_ptrs = o_base + offs_mo.to(gl.int64)[:, None] * stride_os + offs_d[None, :]
-    gl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=offs_mo[:, None] < seqlen_q)
-
+    store_output(acc, inv_l, m_start, out_ptr, stride_ob, stride_os, stride_oh, b, h, hkv,
+                 v_scale_ptr, stride_vsb, stride_vsh, stride_vsd, seqlen_q)
     if RETURN_LSE:
         if HAS_KMEAN:
-            r_layout: gl.constexpr = rows_layout(num_warps)
-            offs_k = gl.arange(0, DCHUNK, gl.SliceLayout(0, r_layout))
-            dot = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, r_layout))
-            for c in gl.static_range(QK_CHUNKS):
-                qv = as_2d(q_smem.index(c)).load(r_layout).to(gl.float32)
-                km = gl.load(k_mean_ptr + b * stride_kmb + hkv * stride_kmh + (c * DCHUNK + offs_k) * stride_kmd)
-                dot += gl.sum(qv * km[None, :], axis=1)
-            corr = dot * ((c_q / qk_scale) * sm_scale)
+            corr = kmean_lse_term(q_smem, 0, QK_CHUNKS, k_mean_ptr, stride_kmb, stride_kmh, stride_kmd, b, hkv,
+                                  (c_q / qk_scale) * sm_scale, num_warps)
             lse = lse + gl.convert_layout(corr, gl.SliceLayout(1, s_layout))
         gl.store(lse_ptr + pid_bh.to(gl.int64) * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
 
@@ -260,13 +249,7 @@ def attn_fwd_ws_kernel(
     QK_CHUNKS: gl.constexpr = HEAD_DQK // DCHUNK
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
 
-    # Heaviest tiles first: all heads' last query tiles are launched before any first tile.
-    pid_bh = gl.program_id(0)
-    pid_m = num_m_tiles - 1 - gl.program_id(1)
-    b = pid_bh // num_heads
-    h = pid_bh % num_heads
-    hkv = h // group_size
-    m_start = pid_m * BLOCK_M
+    pid_bh, b, h, hkv, m_start = program_tile(num_heads, group_size, num_m_tiles, BLOCK_M)
 
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [QK_CHUNKS] + q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES * QK_CHUNKS] + k_desc.block_type.shape, k_desc.layout)

@@ -10,7 +10,6 @@ base. Out-of-range boxes are zero-filled, so sequence tails and batch edges are 
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 

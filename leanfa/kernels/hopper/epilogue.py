@@ -1,0 +1,48 @@
+"""The end of a query tile, shared by the Hopper kernels: the output rows and the LSE's K-mean term.
+
+``O = acc / l * v_scale`` (V's per-channel FP8 descale, ones for 16-bit V) is written straight
+from the wgmma accumulator layout with a row mask. When K was smoothed (``K - mean`` before
+quantization, softmax-exact) the LSE lacks ``softmax_scale * <q_row, mean>``, added back from the
+Q tile still in shared memory.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from .layouts import rows_layout
+from .pipeline import as_2d
+
+
+@gluon.jit
+def store_output(acc, inv_l, row0, out_ptr, stride_ob, stride_os, stride_oh, b, h, hkv,
+                 v_scale_ptr, stride_vsb, stride_vsh, stride_vsd, seqlen_q):
+    """Rows ``[row0, row0 + acc.shape[0])`` of head ``h``: ``acc * inv_l * v_scale``."""
+    o_layout: gl.constexpr = acc.type.layout
+    ROWS: gl.constexpr = acc.shape[0]
+    HEAD_DV: gl.constexpr = acc.shape[1]
+    offs_m = row0 + gl.arange(0, ROWS, gl.SliceLayout(1, o_layout))
+    offs_d = gl.arange(0, HEAD_DV, gl.SliceLayout(0, o_layout))
+    v_scale = gl.load(v_scale_ptr + b * stride_vsb + hkv * stride_vsh + offs_d * stride_vsd)
+    out = acc * gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout))[:, None] * v_scale[None, :]
+    o_base = out_ptr + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
+    o_ptrs = o_base + offs_m.to(gl.int64)[:, None] * stride_os + offs_d[None, :]
+    gl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=offs_m[:, None] < seqlen_q)
+
+
+@gluon.jit
+def kmean_lse_term(q_smem, FIRST: gl.constexpr, QK_CHUNKS: gl.constexpr, k_mean_ptr, stride_kmb, stride_kmh,
+                   stride_kmd, b, hkv, scale, num_warps: gl.constexpr):
+    """``scale * <q_row, k_mean>`` per row of the Q tile held in ``q_smem[FIRST : FIRST + QK_CHUNKS]``
+    (head-dim chunks), in ``SliceLayout(1, rows_layout(num_warps))``."""
+    ROWS: gl.constexpr = q_smem.shape[3]
+    DCHUNK: gl.constexpr = q_smem.shape[4]
+    r_layout: gl.constexpr = rows_layout(num_warps)
+    offs_k = gl.arange(0, DCHUNK, gl.SliceLayout(0, r_layout))
+    dot = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, r_layout))
+    for c in gl.static_range(QK_CHUNKS):
+        qv = as_2d(q_smem.index(FIRST + c)).load(r_layout).to(gl.float32)
+        km = gl.load(k_mean_ptr + b * stride_kmb + hkv * stride_kmh + (c * DCHUNK + offs_k) * stride_kmd)
+        dot += gl.sum(qv * km[None, :], axis=1)
+    return dot * scale
