@@ -54,6 +54,8 @@ run_steps() {
       v3_safety) step v2_sanitize 200 20 python3 scripts/hopper_v2_gpu.py --check v2:small --no-bench --sanitize
                 step v3_safety 330 20 python3 scripts/hopper_v2_gpu.py --check v3 --check-timeout 240 --no-bench \
                 --sanitize ;;
+      racecheck_ws) step racecheck_ws 120 20 /usr/local/cuda/bin/compute-sanitizer --tool racecheck --error-exitcode 3 \
+                python3 scripts/racecheck_ws_minimal.py ;;  # is the warp-specialized kernels' racecheck report Triton's?
       fuzz_v3) step fuzz_v3 200 16 python3 scripts/gpu_fuzz_campaign.py --seconds 160 --seed 3 --workers "$WORKERS" ;;
       rates) step rates 120 20 python3 -m leanfa.bench.rates --json "$OUT/r/rates.json" ;;
       bench) step bench 200 12 python3 -m leanfa.cli bench --quick --no-progress --sweep standard --seqlens 4k,16k \

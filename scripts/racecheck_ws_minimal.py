@@ -1,0 +1,70 @@
+#!/usr/bin/env python
+"""Is compute-sanitizer racecheck's report on the warp-specialized Hopper kernels Triton's own?
+
+Runs 10 and 11 (2026-11-29): racecheck flags ~23 hazards in both v2 (kernel_ws.py) and v3
+(kernel_pingpong.py), always between the kernel's first instructions (worker warps reading a
+per-warp state table at the end of shared memory) and the default partition's writes of that
+table (before ``bar.sync 1``, and at exit) -- Triton's ``warp_specialize`` dispatch, not the
+kernels' Q/K/V buffers. This script launches a *minimal* Gluon kernel with the same structure
+and no shared memory of its own: a default partition and one 1-warp worker partition that only
+write disjoint global memory. If racecheck reports the same hazards here, they come from
+Triton's dispatch code.
+
+    compute-sanitizer --tool racecheck --error-exitcode 3 python scripts/racecheck_ws_minimal.py
+    python scripts/racecheck_ws_minimal.py --compile-only     # no GPU: compile for sm90 and exit
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+
+@gluon.jit
+def _default_part(out_ptr, BLOCK: gl.constexpr):
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    offs = gl.program_id(0) * 2 * BLOCK + gl.arange(0, BLOCK, layout)
+    gl.store(out_ptr + offs, offs.to(gl.float32))
+
+
+@gluon.jit
+def _worker_part(out_ptr, BLOCK: gl.constexpr):
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    offs = gl.program_id(0) * 2 * BLOCK + BLOCK + gl.arange(0, BLOCK, layout)
+    gl.store(out_ptr + offs, -offs.to(gl.float32))
+
+
+@gluon.jit
+def ws_minimal_kernel(out_ptr, BLOCK: gl.constexpr):
+    gl.warp_specialize([
+        (_default_part, (out_ptr, BLOCK)),
+        (_worker_part, (out_ptr, BLOCK)),
+    ], [1], [24])
+
+
+def main() -> int:
+    block, grid = 128, 264
+    if "--compile-only" in sys.argv:
+        from triton.backends.compiler import GPUTarget
+        from triton.experimental.gluon._runtime import GluonASTSource
+        src = GluonASTSource(ws_minimal_kernel, {"out_ptr": "*fp32", "BLOCK": "constexpr"},
+                             constexprs={"BLOCK": block})
+        ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        print("compiled for sm90:", ck.asm["ptx"].count("setmaxnreg"), "setmaxnreg")
+        return 0
+    out = torch.full((grid * 2 * block,), float("nan"), device="cuda")
+    ws_minimal_kernel[(grid,)](out, BLOCK=block, num_warps=4)
+    torch.cuda.synchronize()
+    idx = torch.arange(grid * 2 * block, device="cuda", dtype=torch.float32)
+    want = torch.where((idx.long() // block) % 2 == 0, idx, -idx)
+    ok = torch.equal(out, want)
+    print("minimal warp_specialize kernel:", "correct" if ok else "WRONG")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
