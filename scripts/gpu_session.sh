@@ -43,7 +43,9 @@ run_steps() {
       hopper_v3) step hopper_v3 560 60 python3 scripts/hopper_v2_gpu.py --check v3:small,v3,v3-nopp:small,v3-poly2:small \
                 --check-timeout 200 --time v2,v3,v3-nopp,v3-poly1,v3-poly2,v3-poly4 ;;
       hopper_v3_time) step hopper_v3_time 300 50 python3 scripts/hopper_v2_gpu.py --check "" \
-                --time v3,v3-nopp,v3-poly1 ;;
+                --time v3,v3-pp,v3-pvmma,v3-poly1 ;;
+      accuracy_pvmma) step accuracy_pvmma 150 40 env LEANFA_HOPPER_PV_IN_MMA=1 python3 -m leanfa.cli accuracy \
+                --out "$OUT/r/accuracy_pvmma" ;;  # the accuracy cost of FP8 PV in the wgmma accumulator
       hopper_v3_check) step hopper_v3_check 420 40 python3 scripts/hopper_v2_gpu.py --check v3 --check-timeout 300 \
                 --no-bench --sanitize ;;
       bench_v3) step bench_v3 200 12 env LEANFA_HOPPER_KERNEL=v3 python3 -m leanfa.cli bench --quick --no-progress \

@@ -39,10 +39,11 @@ CONFIGS = {  # name -> env
     "v3": {"LEANFA_HOPPER_KERNEL": "v3"},
     "v3-pp": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_PINGPONG": "1"},
     "v3-nopp": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_PINGPONG": "0"},
+    "v3-pvmma": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_PV_IN_MMA": "1"},
     **{f"v3-poly{n}": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_POLY": str(n)} for n in (1, 2, 3, 4, 8)},
 }
 KNOBS = ("LEANFA_HOPPER_KERNEL", "LEANFA_HOPPER_PIPE", "LEANFA_HOPPER_RESCALE_SKIP", "LEANFA_HOPPER_PINGPONG",
-         "LEANFA_HOPPER_POLY")
+         "LEANFA_HOPPER_POLY", "LEANFA_HOPPER_PV_IN_MMA")
 
 
 def _set_env(cfg):

@@ -236,15 +236,17 @@ from leanfa.kernels.hopper import kernel_ws as KW  # noqa: E402
 V2_SHAPES = [(1, 1, 1, 2, 2), (1, 129, 700, 2, 1), (1, 700, 300, 2, 2), (1, 1, 1500, 2, 1)]
 
 
-@pytest.mark.parametrize("version,knob", [("v2", "LEANFA_HOPPER_PIPE"), ("v3", "LEANFA_HOPPER_PINGPONG")])
+@pytest.mark.parametrize("version,knob", [("v2", "LEANFA_HOPPER_PIPE"), ("v3", "LEANFA_HOPPER_PINGPONG"),
+                                          ("v3", "LEANFA_HOPPER_PV_IN_MMA")])
 @pytest.mark.parametrize("order", ["consumer-first", "producer-first"])
 @pytest.mark.parametrize("flag", ["1", "0"])
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("shape", V2_SHAPES)
 def test_warp_specialized_matches_v1(shape, fp8, flag, order, version, knob, monkeypatch):
     """v2 (producer warp + one consumer partition; ``flag``: QK^T of block j+1 issued before the
-    softmax of block j) and v3 (producer warp + two consumer partitions; ``flag``: turn barriers)
-    give v1's numbers, whichever partition runs first."""
+    softmax of block j) and v3 (producer warp + two consumer partitions; ``flag``: turn barriers,
+    or FP8 PV accumulated in the wgmma accumulator) give v1's numbers, whichever partition runs
+    first."""
     monkeypatch.setenv(knob, flag)
     q, k, v = _inputs(*shape, 128, 128)
     kw = {}

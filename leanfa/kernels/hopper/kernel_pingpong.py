@@ -25,6 +25,9 @@ never deadlocks.
 ``POLY`` (FP8): of every 8 exponentials, ``POLY`` run as a polynomial on the FMA pipe
 (:mod:`.exp2`). FP8 PV keeps the two-level accumulation (a fresh fp32 tile per block, folded
 in by one FFMA), so no block's products sit in the FP8 wgmma accumulator for long.
+``PV_IN_MMA`` (experiment, off): FP8 PV accumulates in the wgmma accumulator across all blocks,
+like BF16 (``acc * alpha`` fed back in) -- 64 registers fewer per thread (the room a wider S
+tile needs), at an accuracy cost to be measured (the FP8 MMA keeps ~13 bits when it adds).
 """
 
 from __future__ import annotations
@@ -123,7 +126,7 @@ def _consumer(q_smem, k_bufs, v_bufs, q_bars, k_bars, v_bars, empty_bars, turn_b
               pid_bh, b, h, hkv, m_start, n_full, n_end,
               HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
               RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, RESCALE_SKIP: gl.constexpr,
-              PINGPONG: gl.constexpr, POLY: gl.constexpr, W: gl.constexpr):
+              PINGPONG: gl.constexpr, POLY: gl.constexpr, TWO_LEVEL: gl.constexpr, W: gl.constexpr):
     """Warpgroup ``W``: rows ``[m_start + 64 W, + 64)`` against key blocks ``[0, n_end)``."""
     QK_CHUNKS: gl.constexpr = k_bufs.shape[0] // v_bufs.shape[0]
     STAGES: gl.constexpr = v_bufs.shape[0]
@@ -163,7 +166,7 @@ def _consumer(q_smem, k_bufs, v_bufs, q_bars, k_bars, v_bars, empty_bars, turn_b
         v = v_tile(v_bufs, v_bars, j, STAGES, V_KMAJOR)
         # batch j + 1: PV_j, then S_{j+1}
         _wait_turn(turn_bars, j + 1, W, PINGPONG)
-        if IS_FP8:
+        if TWO_LEVEL:
             # two-level accumulation: this block's PV in a fresh fp32 tile, folded in by one FFMA
             pv_acc = warpgroup_mma(p_op, v, gl.zeros_like(acc), use_acc=False, is_async=True)
         else:
@@ -175,7 +178,7 @@ def _consumer(q_smem, k_bufs, v_bufs, q_bars, k_bars, v_bars, empty_bars, turn_b
         else:
             _pass_turn(turn_bars, W, PINGPONG)
             pv = warpgroup_mma_wait(0, deps=(pv_acc, ))
-        if IS_FP8:
+        if TWO_LEVEL:
             acc = gl.fma(acc, alpha_o, pv)
         else:
             acc = pv
@@ -211,7 +214,7 @@ def attn_fwd_pingpong_kernel(
     HEAD_DQK: gl.constexpr, HEAD_DV: gl.constexpr,
     CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
     RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, STAGES: gl.constexpr,
-    RESCALE_SKIP: gl.constexpr, PINGPONG: gl.constexpr, POLY: gl.constexpr,
+    RESCALE_SKIP: gl.constexpr, PINGPONG: gl.constexpr, POLY: gl.constexpr, PV_IN_MMA: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
@@ -220,6 +223,7 @@ def attn_fwd_pingpong_kernel(
     DCHUNK: gl.constexpr = q_desc.block_type.shape[3]
     QK_CHUNKS: gl.constexpr = HEAD_DQK // DCHUNK
     BLOCK_M: gl.constexpr = 2 * WG_ROWS
+    TWO_LEVEL: gl.constexpr = IS_FP8 and not PV_IN_MMA
 
     pid_bh, b, h, hkv, m_start = program_tile(num_heads, group_size, num_m_tiles, BLOCK_M)
 
@@ -245,7 +249,7 @@ def attn_fwd_pingpong_kernel(
                        k_mean_ptr, stride_kmb, stride_kmh, stride_kmd,
                        seqlen_q, seqlen_k, qk_scale, sm_scale,
                        pid_bh, b, h, hkv, m_start, n_full, n_end,
-                       HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, 0)),
+                       HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, 0)),
         (_consumer, (q_smem, k_bufs, v_bufs, q_bars, k_bars, v_bars, empty_bars, turn_bars,
                        out_ptr, stride_ob, stride_os, stride_oh, lse_ptr,
                        q_scale_ptr, stride_qsb, stride_qsh, stride_qsblk,
@@ -254,7 +258,7 @@ def attn_fwd_pingpong_kernel(
                        k_mean_ptr, stride_kmb, stride_kmh, stride_kmd,
                        seqlen_q, seqlen_k, qk_scale, sm_scale,
                        pid_bh, b, h, hkv, m_start, n_full, n_end,
-                       HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, 1)),
+                       HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, 1)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bars, k_bars, v_bars, empty_bars,
                      b, h, hkv, m_start, n_end, V_KMAJOR)),
     ], [WG_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
