@@ -311,3 +311,26 @@ def test_v3_mutations_caught(fn, old, new, pingpong, monkeypatch):
         assert all(caught)
     finally:
         reset_shadows()
+
+
+# ----------------------------------------------------------------------------- knobs
+
+def test_hopper_knobs(monkeypatch):
+    """v3 is the default Hopper kernel; a bad knob value is an error, never a silent fallback."""
+    for k in ("LEANFA_HOPPER_KERNEL", "LEANFA_HOPPER_POLY", "LEANFA_HOPPER_PINGPONG", "LEANFA_HOPPER_PV_IN_MMA"):
+        monkeypatch.delenv(k, raising=False)
+    assert L.kernel_version() == "v3"
+    q, k, v = _inputs(1, 200, 200, 2, 1, 128, 128)
+    qq = leanfa.quantize_fp8(q, k, v)
+    p = _problem(qq.q, qq.k, qq.v, True, **qq.descales())
+    plan = emulate_mod._make_plan_cpu(L, p, torch.empty(1, 200, 2, 128, dtype=torch.bfloat16), None)
+    assert plan.version == "v3"
+    assert plan.constexprs["PINGPONG"] is False and plan.constexprs["POLY"] == 0
+    assert plan.constexprs["PV_IN_MMA"] is False and plan.constexprs["num_warps"] == 4
+    monkeypatch.setenv("LEANFA_HOPPER_KERNEL", "v9")
+    with pytest.raises(ValueError, match="LEANFA_HOPPER_KERNEL"):
+        L.kernel_version()
+    monkeypatch.setenv("LEANFA_HOPPER_KERNEL", "v3")
+    monkeypatch.setenv("LEANFA_HOPPER_POLY", "9")
+    with pytest.raises(ValueError, match="LEANFA_HOPPER_POLY"):
+        emulate_mod._make_plan_cpu(L, p, torch.empty(1, 200, 2, 128, dtype=torch.bfloat16), None)
