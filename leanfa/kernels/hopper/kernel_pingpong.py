@@ -1,5 +1,5 @@
-"""The Hopper (sm90) attention forward kernel, v3: two ping-pong consumer warpgroups
-(``LEANFA_HOPPER_KERNEL=v3``).
+"""The Hopper (sm90) attention forward kernel, v3 (the default): a TMA producer warp and two
+consumer warpgroups, each in its own partition (``LEANFA_HOPPER_KERNEL=v3``).
 
 Same tiles, masks and Lean-P math as :mod:`.kernel` (v1) and :mod:`.kernel_ws` (v2). The CTA
 tile is 128 query rows; the partitions are:
@@ -8,11 +8,13 @@ tile is 128 query rows; the partitions are:
   key block the tile visits through the ``STAGES``-deep K/V ring; slot ``s`` is refilled with
   block ``j >= STAGES`` after ``empty[s]`` saw both consumers release block ``j - STAGES``.
 * **two consumers** (4 warps each, 240 registers): warpgroup ``w`` owns query rows
-  ``[64 w, 64 w + 64)`` and runs the whole key loop on its own -- no barrier couples the two
-  except the *turn* barriers below. In v2 the two warpgroups shared one partition and a
-  barrier per block, so both ran their softmax at the same time and the tensor cores idled.
+  ``[64 w, 64 w + 64)`` and runs the whole key loop on its own -- nothing couples the two but
+  the K/V ring (and the optional *turn* barriers below). In v2 the two warpgroups shared one
+  partition and a barrier per block, so both ran their softmax at the same time and the tensor
+  cores idled. Left alone, the two partitions drift out of step and overlap each other's
+  softmax with wgmmas: v3 is 1.11-1.24x v1 on the H200 (docs/perf-notes.md, run 10).
 
-Ping-pong (``PINGPONG``): a warpgroup issues its wgmmas in *batches* -- ``[PV_j, QK_{j+1}]`` after
+Ping-pong (``PINGPONG``, off by default: 1-3% slower in FP8, run 10): a warpgroup issues its wgmmas in *batches* -- ``[PV_j, QK_{j+1}]`` after
 the softmax of block ``j`` -- and a batch waits for the other warpgroup's previous batch to be
 issued (``turn[w]``). The tensor pipe executes in issue order, so while one warpgroup computes
 exponentials the other's two wgmmas run: per 128x128 FP8 block the matrix work of one
