@@ -231,7 +231,6 @@ def test_ring_depths(monkeypatch, stages, causal, version):
 
 # ----------------------------------------------------------------------------- v2 (warp-specialized)
 
-from leanfa.kernels.hopper import kernel_ws as KW  # noqa: E402
 
 V2_SHAPES = [(1, 1, 1, 2, 2), (1, 129, 700, 2, 1), (1, 700, 300, 2, 2), (1, 1, 1500, 2, 1)]
 
@@ -261,18 +260,22 @@ def test_warp_specialized_matches_v1(shape, fp8, flag, order, version, knob, mon
     assert torch.equal(torch.isinf(l1), torch.isinf(l2))
 
 
-@pytest.mark.parametrize("fn,old,new", [
-    ("_release", "    gl.thread_barrier()\n", "    pass\n"),  # arrive before the other warpgroup is done
-    ("_producer", "            mbarrier.wait(empty_bars.index(j % STAGES), ((j // STAGES) - 1) & 1)\n",
+# the K/V ring protocol the warp-specialized kernels share (pipeline.py), mutated
+RING_MUTATIONS = [
+    ("release_slot", "    gl.thread_barrier()\n", "    pass\n"),  # arrive before the partition's warps are done
+    ("produce_kv", "            mbarrier.wait(empty_bars.index(j % STAGES), ((j // STAGES) - 1) & 1)\n",
      "            pass\n"),  # refill without waiting for the release
-    ("_producer", "((j // STAGES) - 1) & 1", "(j // STAGES) & 1"),  # wrong empty parity
-])
+    ("produce_kv", "((j // STAGES) - 1) & 1", "(j // STAGES) & 1"),  # wrong empty parity
+]
+
+
+@pytest.mark.parametrize("fn,old,new", RING_MUTATIONS)
 def test_v2_mutations_caught(fn, old, new):
     reset_shadows()
     try:
-        src = inspect.getsource(getattr(KW, fn).fn)
+        src = inspect.getsource(getattr(P, fn).fn)
         assert old in src
-        shadow(getattr(KW, fn), source=src.replace(old, new))
+        shadow(getattr(P, fn), source=src.replace(old, new))
         q, k, v = _inputs(1, 300, 700, 2, 1, 128, 128)
         p = _problem(q, k, v, True)
         with pytest.raises(EmulationError):
@@ -286,26 +289,27 @@ def test_v2_mutations_caught(fn, old, new):
 from leanfa.kernels.hopper import kernel_pingpong as KP  # noqa: E402
 
 
-@pytest.mark.parametrize("fn,old,new,pingpong", [
+@pytest.mark.parametrize("mod,fn,old,new,pingpong", [
     # a warpgroup releases a slot before all its warps are done with it
-    ("_release", "    gl.thread_barrier()  # the 4 warps of this partition\n", "", "0"),
+    (P, "release_slot", "    gl.thread_barrier()\n", "", "0"),
     # one release per slot instead of one per consumer warpgroup: the slot is refilled while the
     # other warpgroup may still have to read it
-    ("attn_fwd_pingpong_kernel", "empty_bars = alloc_barriers(STAGES, 2)", "empty_bars = alloc_barriers(STAGES)", "0"),
+    (KP, "attn_fwd_pingpong_kernel", "empty_bars = alloc_barriers(STAGES, 2)", "empty_bars = alloc_barriers(STAGES)",
+     "0"),
     # the producer refills without waiting for the releases
-    ("_producer", "            mbarrier.wait(empty_bars.index(j % STAGES), ((j // STAGES) - 1) & 1)\n",
+    (P, "produce_kv", "            mbarrier.wait(empty_bars.index(j % STAGES), ((j // STAGES) - 1) & 1)\n",
      "            pass\n", "0"),
     # turn barriers: warpgroup 1 waits for the wrong phase (it would issue before its turn / hang)
-    ("_wait_turn", "mbarrier.wait(turn_bars.index(1), batch & 1)", "mbarrier.wait(turn_bars.index(1), (batch + 1) & 1)",
-     "1"),
+    (KP, "_wait_turn", "mbarrier.wait(turn_bars.index(1), batch & 1)",
+     "mbarrier.wait(turn_bars.index(1), (batch + 1) & 1)", "1"),
     # warpgroup 1 computes with warpgroup 0's query rows
-    ("_issue_qk", "as_2d(q_smem.index(W * QK_CHUNKS))", "as_2d(q_smem.index(0))", "0"),
+    (KP, "_issue_qk", "qk_async(q_smem, W * QK_CHUNKS,", "qk_async(q_smem, 0,", "0"),
 ])
-def test_v3_mutations_caught(fn, old, new, pingpong, monkeypatch):
+def test_v3_mutations_caught(mod, fn, old, new, pingpong, monkeypatch):
     monkeypatch.setenv("LEANFA_HOPPER_PINGPONG", pingpong)
     reset_shadows()
     try:
-        _mutated(getattr(KP, fn), old, new)
+        _mutated(getattr(mod, fn), old, new)
         caught = [_expect_caught((1, 300, 700, 2, 1), version="v3", ws_order=o) for o in
                   ("producer-first", "consumer-first")]
         assert all(caught)

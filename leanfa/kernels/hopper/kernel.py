@@ -28,28 +28,17 @@ from .layouts import a_operand_layout, wgmma_layout
 from .masking import kv_block_range, mask_scores
 from .pipeline import (
     alloc_barriers,
-    as_2d,
     invalidate_barriers,
-    wait_k,
     load_kv,
     load_q,
+    qk_async,
     v_tile,
+    wait_k,
 )
 from .schedule import program_tile
 from .softmax import finish_rows, online_softmax_step
 
 SCALE_BLOCK = gl.constexpr(128)  # tokens per Q/K scale block (leanfa.scales.SCALE_BLOCK)
-
-
-@gluon.jit
-def _qk(q_smem, k_bufs, slot, s_zero, QK_CHUNKS: gl.constexpr):
-    """S = Q K^T, chained over the head-dim chunks (async wgmmas, one wait)."""
-    s = warpgroup_mma(as_2d(q_smem.index(0)), as_2d(k_bufs.index(slot * QK_CHUNKS)).permute((1, 0)), s_zero,
-                      use_acc=False, is_async=True)
-    for c in gl.static_range(1, QK_CHUNKS):
-        s = warpgroup_mma(as_2d(q_smem.index(c)), as_2d(k_bufs.index(slot * QK_CHUNKS + c)).permute((1, 0)), s,
-                          is_async=True)
-    return warpgroup_mma_wait(0, deps=(s, ))
 
 
 @gluon.jit
@@ -81,7 +70,8 @@ def _attend_blocks(lo, hi, n_end, q_smem, k_desc, v_desc, k_bufs, v_bufs, k_bars
 
         # S = Q K^T
         slot = wait_k(k_bars, j, STAGES)
-        s = _qk(q_smem, k_bufs, slot, gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), QK_CHUNKS)
+        s = qk_async(q_smem, 0, k_bufs, slot, gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), QK_CHUNKS)
+        s = warpgroup_mma_wait(0, deps=(s, ))
         if MASK:
             s = mask_scores(s, offs_m, j * BLOCK_N + offs_n0, seqlen_q, seqlen_k, CAUSAL)
 

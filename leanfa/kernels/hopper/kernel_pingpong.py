@@ -46,7 +46,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from .epilogue import kmean_lse_term, store_output
 from .layouts import a_operand_layout, wgmma_layout
 from .masking import kv_block_range, mask_scores
-from .pipeline import alloc_barriers, as_2d, invalidate_barriers, load_kv, v_tile, wait_k
+from .pipeline import alloc_barriers, invalidate_barriers, produce_kv, qk_async, release_slot, v_tile, wait_k
 from .schedule import program_tile
 from .softmax import finish_rows
 from .softmax_ws import online_softmax_step_lazy
@@ -62,7 +62,6 @@ WG_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M)
 def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bars, k_bars, v_bars, empty_bars,
               b, h, hkv, m_start, n_end, V_KMAJOR: gl.constexpr):
     QK_CHUNKS: gl.constexpr = k_bufs.shape[0] // v_bufs.shape[0]
-    STAGES: gl.constexpr = v_bufs.shape[0]
     DCHUNK: gl.constexpr = q_desc.block_type.shape[3]
     for w in gl.static_range(2):  # Q half w -> q_smem[w * QK_CHUNKS + c], barrier q_bars[w]
         bar = q_bars.index(w)
@@ -70,11 +69,7 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bars, k_bars, v_
         for c in gl.static_range(QK_CHUNKS):
             tma.async_copy_global_to_shared(q_desc, [b, h, m_start + w * WG_ROWS, c * DCHUNK], bar,
                                             q_smem.index(w * QK_CHUNKS + c))
-    for j in range(n_end):
-        if j >= STAGES:
-            # slot j % STAGES is free once both consumers released block j - STAGES
-            mbarrier.wait(empty_bars.index(j % STAGES), ((j // STAGES) - 1) & 1)
-        load_kv(k_desc, v_desc, b, hkv, j, k_bufs, v_bufs, k_bars, v_bars, STAGES, V_KMAJOR, QK_CHUNKS)
+    produce_kv(k_desc, v_desc, b, hkv, n_end, k_bufs, v_bufs, k_bars, v_bars, empty_bars, V_KMAJOR)
 
 
 # ----------------------------------------------------------------------------- consumer pieces
@@ -99,22 +94,9 @@ def _pass_turn(turn_bars, W: gl.constexpr, PINGPONG: gl.constexpr):
 
 @gluon.jit
 def _issue_qk(q_smem, k_bufs, k_bars, j, s_zero, W: gl.constexpr, QK_CHUNKS: gl.constexpr):
-    """Issue S = Q_W K_j^T (async, chained over head-dim chunks)."""
+    """Wait for key block ``j`` and issue S = Q_W K_j^T (async)."""
     STAGES: gl.constexpr = k_bufs.shape[0] // QK_CHUNKS
-    slot = wait_k(k_bars, j, STAGES)
-    s = warpgroup_mma(as_2d(q_smem.index(W * QK_CHUNKS)), as_2d(k_bufs.index(slot * QK_CHUNKS)).permute((1, 0)),
-                      s_zero, use_acc=False, is_async=True)
-    for c in gl.static_range(1, QK_CHUNKS):
-        s = warpgroup_mma(as_2d(q_smem.index(W * QK_CHUNKS + c)),
-                          as_2d(k_bufs.index(slot * QK_CHUNKS + c)).permute((1, 0)), s, is_async=True)
-    return s
-
-
-@gluon.jit
-def _release(empty_bars, j, STAGES: gl.constexpr):
-    """This warpgroup's wgmmas reading block ``j`` are done (waited for): release its slot."""
-    gl.thread_barrier()  # the 4 warps of this partition
-    mbarrier.arrive(empty_bars.index(j % STAGES), count=1)
+    return qk_async(q_smem, W * QK_CHUNKS, k_bufs, wait_k(k_bars, j, STAGES), s_zero, QK_CHUNKS)
 
 
 @gluon.jit
@@ -184,7 +166,7 @@ def _consumer(q_smem, k_bufs, v_bufs, q_bars, k_bars, v_bars, empty_bars, turn_b
             acc = gl.fma(acc, alpha_o, pv)
         else:
             acc = pv
-        _release(empty_bars, j, STAGES)
+        release_slot(empty_bars, j % STAGES)  # one release per warpgroup (empty counts 2)
 
     # Epilogue: O = acc / l * v_scale; LSE.
     inv_l, lse = finish_rows(m_i, l_i, P_OFFSET)

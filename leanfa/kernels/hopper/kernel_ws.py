@@ -36,12 +36,13 @@ from .layouts import a_operand_layout, wgmma_layout
 from .masking import kv_block_range, mask_scores
 from .pipeline import (
     alloc_barriers,
-    as_2d,
     invalidate_barriers,
-    wait_k,
-    load_kv,
     load_q,
+    produce_kv,
+    qk_async,
+    release_slot,
     v_tile,
+    wait_k,
 )
 from .schedule import program_tile
 from .softmax import finish_rows
@@ -56,34 +57,11 @@ SCALE_BLOCK = gl.constexpr(128)  # tokens per Q/K scale block (leanfa.scales.SCA
 def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_bars, v_bars, empty_bars,
               b, h, hkv, m_start, n_end, V_KMAJOR: gl.constexpr):
     QK_CHUNKS: gl.constexpr = q_smem.shape[0]
-    STAGES: gl.constexpr = v_bufs.shape[0]
     load_q(q_desc, b, h, m_start, q_bar.index(0), q_smem, QK_CHUNKS)
-    for j in range(n_end):
-        if j >= STAGES:
-            # slot j % STAGES is free once block j - STAGES was released (its (j//STAGES - 1)-th phase)
-            mbarrier.wait(empty_bars.index(j % STAGES), ((j // STAGES) - 1) & 1)
-        load_kv(k_desc, v_desc, b, hkv, j, k_bufs, v_bufs, k_bars, v_bars, STAGES, V_KMAJOR, QK_CHUNKS)
+    produce_kv(k_desc, v_desc, b, hkv, n_end, k_bufs, v_bufs, k_bars, v_bars, empty_bars, V_KMAJOR)
 
 
 # ----------------------------------------------------------------------------- consumer
-
-@gluon.jit
-def _qk_issue(q_smem, k_bufs, slot, s_zero, QK_CHUNKS: gl.constexpr):
-    """Issue S = Q K^T (async, chained over head-dim chunks); the caller waits."""
-    s = warpgroup_mma(as_2d(q_smem.index(0)), as_2d(k_bufs.index(slot * QK_CHUNKS)).permute((1, 0)), s_zero,
-                      use_acc=False, is_async=True)
-    for c in gl.static_range(1, QK_CHUNKS):
-        s = warpgroup_mma(as_2d(q_smem.index(c)), as_2d(k_bufs.index(slot * QK_CHUNKS + c)).permute((1, 0)), s,
-                          is_async=True)
-    return s
-
-
-@gluon.jit
-def _release(empty_bars, slot):
-    """Both consumer warpgroups are done with ``slot`` (their wgmmas were waited for): free it."""
-    gl.thread_barrier()
-    mbarrier.arrive(empty_bars.index(slot), count=1)
-
 
 @gluon.jit
 def _softmax_pv(s, j, v_bufs, v_bars, acc, m_i, l_i, c, offs_m, offs_n0, seqlen_q, seqlen_k,
@@ -140,18 +118,18 @@ def _attend_blocks(lo, hi, q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars,
         # end-of-iteration wait together with PV_{j-1}.
         s_next = s_zero
         if lo < hi:
-            s_next = warpgroup_mma_wait(0, deps=(_qk_issue(q_smem, k_bufs, wait_k(k_bars, lo, STAGES), s_zero,
+            s_next = warpgroup_mma_wait(0, deps=(qk_async(q_smem, 0, k_bufs, wait_k(k_bars, lo, STAGES), s_zero,
                                                            QK_CHUNKS), ))
         for j in range(lo, hi - 1):
             c = c_q * gl.load(k_scale_row + ((j * BLOCK_N) // SCALE_BLOCK) * stride_ksblk)
             s = s_next
-            s_acc = _qk_issue(q_smem, k_bufs, wait_k(k_bars, j + 1, STAGES), s_zero, QK_CHUNKS)
+            s_acc = qk_async(q_smem, 0, k_bufs, wait_k(k_bars, j + 1, STAGES), s_zero, QK_CHUNKS)
             pv, alpha_o, m_i, l_i = _softmax_pv(s, j, v_bufs, v_bars, acc, m_i, l_i, c, offs_m, offs_n0,
                                                 seqlen_q, seqlen_k, MASK, CAUSAL, IS_FP8, V_KMAJOR, P_OFFSET,
                                                 RESCALE_SKIP)
             pv, s_next = warpgroup_mma_wait(0, deps=(pv, s_acc))
             acc = _fold(acc, pv, alpha_o, IS_FP8)
-            _release(empty_bars, j % STAGES)
+            release_slot(empty_bars, j % STAGES)
         if lo < hi:
             j = hi - 1
             c = c_q * gl.load(k_scale_row + ((j * BLOCK_N) // SCALE_BLOCK) * stride_ksblk)
@@ -160,18 +138,18 @@ def _attend_blocks(lo, hi, q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars,
                                                 RESCALE_SKIP)
             pv = warpgroup_mma_wait(0, deps=(pv, ))
             acc = _fold(acc, pv, alpha_o, IS_FP8)
-            _release(empty_bars, j % STAGES)
+            release_slot(empty_bars, j % STAGES)
     else:
         for j in range(lo, hi):
             c = c_q * gl.load(k_scale_row + ((j * BLOCK_N) // SCALE_BLOCK) * stride_ksblk)
-            s = _qk_issue(q_smem, k_bufs, wait_k(k_bars, j, STAGES), s_zero, QK_CHUNKS)
+            s = qk_async(q_smem, 0, k_bufs, wait_k(k_bars, j, STAGES), s_zero, QK_CHUNKS)
             s = warpgroup_mma_wait(0, deps=(s, ))
             pv, alpha_o, m_i, l_i = _softmax_pv(s, j, v_bufs, v_bars, acc, m_i, l_i, c, offs_m, offs_n0,
                                                 seqlen_q, seqlen_k, MASK, CAUSAL, IS_FP8, V_KMAJOR, P_OFFSET,
                                                 RESCALE_SKIP)
             pv = warpgroup_mma_wait(0, deps=(pv, ))
             acc = _fold(acc, pv, alpha_o, IS_FP8)
-            _release(empty_bars, j % STAGES)
+            release_slot(empty_bars, j % STAGES)
     return acc, m_i, l_i
 
 

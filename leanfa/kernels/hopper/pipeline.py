@@ -1,4 +1,4 @@
-"""TMA + mbarrier ring for the K/V tiles.
+"""TMA + mbarrier ring for the K/V tiles, and the operands its consumers take from it.
 
 Key block ``j`` always lives in ring slot ``j % STAGES``; its ready barrier completes phase
 ``(j // STAGES) & 1``. K and V have separate barriers so QK^T can start while V is in flight.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma
 
 
 @gluon.jit
@@ -81,3 +81,38 @@ def v_tile(v_bufs, v_bars, block, STAGES: gl.constexpr, V_KMAJOR: gl.constexpr):
     if V_KMAJOR:
         v = v.permute((1, 0))
     return v
+
+
+@gluon.jit
+def qk_async(q_smem, Q_FIRST: gl.constexpr, k_bufs, slot, s_zero, QK_CHUNKS: gl.constexpr):
+    """Issue S = Q K^T (async wgmmas chained over the head-dim chunks; the caller waits): Q in
+    ``q_smem[Q_FIRST : Q_FIRST + QK_CHUNKS]``, K in ring slot ``slot``."""
+    s = warpgroup_mma(as_2d(q_smem.index(Q_FIRST)), as_2d(k_bufs.index(slot * QK_CHUNKS)).permute((1, 0)),
+                      s_zero, use_acc=False, is_async=True)
+    for c in gl.static_range(1, QK_CHUNKS):
+        s = warpgroup_mma(as_2d(q_smem.index(Q_FIRST + c)), as_2d(k_bufs.index(slot * QK_CHUNKS + c)).permute((1, 0)),
+                          s, is_async=True)
+    return s
+
+
+# ----------------------------------------------------------------------------- warp-specialized ring
+
+@gluon.jit
+def produce_kv(k_desc, v_desc, b, hkv, n_end, k_bufs, v_bufs, k_bars, v_bars, empty_bars, V_KMAJOR: gl.constexpr):
+    """The producer warp's loop: key blocks ``[0, n_end)`` into the ring. Block ``j >= STAGES``
+    reuses the slot of block ``j - STAGES``, so it waits for that block's release: phase
+    ``j // STAGES - 1`` of ``empty[j % STAGES]``."""
+    STAGES: gl.constexpr = v_bufs.shape[0]
+    QK_CHUNKS: gl.constexpr = k_bufs.shape[0] // STAGES
+    for j in range(n_end):
+        if j >= STAGES:
+            mbarrier.wait(empty_bars.index(j % STAGES), ((j // STAGES) - 1) & 1)
+        load_kv(k_desc, v_desc, b, hkv, j, k_bufs, v_bufs, k_bars, v_bars, STAGES, V_KMAJOR, QK_CHUNKS)
+
+
+@gluon.jit
+def release_slot(empty_bars, slot):
+    """A consumer partition is done with ``slot`` (its wgmmas reading it were waited for): a
+    barrier over the partition's warps, then one arrive on ``empty[slot]``."""
+    gl.thread_barrier()
+    mbarrier.arrive(empty_bars.index(slot), count=1)
