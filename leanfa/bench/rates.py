@@ -31,10 +31,12 @@ import sys
 import triton
 import triton.language as tl
 
-PACK = 8  # chains per thread (the mixed-exp2 PTX handles 8 elements per block)
+# chains per thread = elements per mixed-exp2 PTX block, and that block's operand constraints
+from ..kernels.hopper.exp2 import MIXED_EXP2_CONSTRAINTS as CONSTRAINTS
+from ..kernels.hopper.exp2 import MIXED_EXP2_PTX, PACK
+
 REPEAT = 4  # dependent instructions per chain per iteration
 THREADS = 1024
-CONSTRAINTS = ",".join(["=f"] * PACK + ["f"] * PACK)
 
 
 def _chain(op: str) -> str:
@@ -50,7 +52,6 @@ def _chain(op: str) -> str:
 def _mixed(poly: int) -> str:
     """``REPEAT`` chained mixed-exp2 blocks (each reads $8..$15 and writes $0..$7; the repeats
     read the outputs back)."""
-    from ..kernels.hopper.exp2 import MIXED_EXP2_PTX
     one = MIXED_EXP2_PTX[poly]
     again = one
     for i in range(PACK):  # operands are followed by "," or ";" in the PTX
@@ -66,11 +67,12 @@ MIXES = {
 
 
 @triton.jit
-def _rate_kernel(x_ptr, out_ptr, iters, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr, BLOCK: tl.constexpr):
+def _rate_kernel(x_ptr, out_ptr, iters, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr, PACK: tl.constexpr,
+                 BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + offs)
     for _ in tl.range(iters):
-        x = tl.inline_asm_elementwise(ASM, CONSTRAINTS, [x], dtype=tl.float32, is_pure=True, pack=8)
+        x = tl.inline_asm_elementwise(ASM, CONSTRAINTS, [x], dtype=tl.float32, is_pure=True, pack=PACK)
     tl.store(out_ptr + offs, x)
 
 
@@ -87,7 +89,8 @@ def measure(asm: str, *, iters: int = 2048, ctas_per_sm: int = 16, device_index:
     out = torch.empty_like(x)
 
     def call():
-        _rate_kernel[(grid,)](x, out, iters, ASM=asm, CONSTRAINTS=CONSTRAINTS, BLOCK=block, num_warps=THREADS // 32)
+        _rate_kernel[(grid,)](x, out, iters, ASM=asm, CONSTRAINTS=CONSTRAINTS, PACK=PACK, BLOCK=block,
+                              num_warps=THREADS // 32)
 
     sampler = NvmlSampler(device_index)
     t = time_calls([call], warmup_ms=200.0, rep_ms=400.0, min_reps=5, sampler=sampler)
