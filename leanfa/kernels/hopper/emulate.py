@@ -63,15 +63,18 @@ class _Buf:
     bar: object = None
     coords: tuple = ()
     desc_name: str = ""
-    readers: int = 0  # wgmmas issued and not yet waited
     read_done_epoch: int = -1
-    reads: int = 0
     free: bool = True  # warp-specialized mode: released through an mbarrier the producer observed
     # per reading partition: [reads, wgmmas in flight, epoch of its last completed read, released]
     read_parts: dict = field(default_factory=dict)
 
     def reader(self, part):
         return self.read_parts.setdefault(part, [0, 0, -1, False])
+
+    @property
+    def readers(self) -> int:
+        """wgmmas reading this buffer that were issued and not yet waited for (all partitions)."""
+        return sum(r[1] for r in self.read_parts.values())
 
 
 class _Part:
@@ -242,7 +245,6 @@ class SmemView:
         if b.state != "visible":
             M.err(f"{what} reads shared memory that is {b.state} (copy {b.desc_name}{b.coords}; "
                   "not landed, or landed but not observed through its mbarrier)")
-        b.reads += 1
         b.reader(M.part)[0] += 1
         return self._tensor()
 
@@ -420,7 +422,7 @@ class _TMA:
             M.err(f"TMA box {desc.block_shape} into a buffer of shape {result.shape}")
         if not bar.valid:
             M.err("TMA on an uninitialised mbarrier")
-        b.state, b.bar, b.coords, b.desc_name, b.reads = "pending", bar, coords, desc.name, 0
+        b.state, b.bar, b.coords, b.desc_name = "pending", bar, coords, desc.name
         b.free, b.read_parts = False, {}
         M.progress += 1
         bar.inflight.append((b, lambda: desc.box(coords), desc.block_type.nbytes, result.alloc, result.idx))
@@ -431,7 +433,6 @@ def _operand(x, what):
     if isinstance(x, SmemView):
         b = x.buf()
         t = x.read(what)
-        b.readers += 1
         b.reader(M.part)[1] += 1
         M.pending_reads.append(b)
         M.events.append(("read", b.desc_name, b.coords, M.part.name))
@@ -452,7 +453,6 @@ def _warpgroup_mma_wait(num_outstanding=0, deps=None):
     if int(num_outstanding) != 0:
         M.err("warpgroup_mma_wait with outstanding > 0 is not modelled")
     for b in M.pending_reads:
-        b.readers -= 1
         b.read_done_epoch = M.epoch
         rp = b.reader(M.part)
         rp[1] -= 1
