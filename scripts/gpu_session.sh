@@ -46,6 +46,10 @@ run_steps() {
                 --time v3,v3-pp,v3-pvmma,v3-poly1 ;;
       accuracy_pvmma) step accuracy_pvmma 150 40 env LEANFA_HOPPER_PV_IN_MMA=1 python3 -m leanfa.cli accuracy \
                 --out "$OUT/r/accuracy_pvmma" ;;  # the accuracy cost of FP8 PV in the wgmma accumulator
+      accuracy_long) for pv in 0 1; do  # the same question at S = 8K, where in-MMA accumulation runs longest
+                step accuracy_long_pvmma$pv 150 12 env LEANFA_HOPPER_PV_IN_MMA=$pv python3 -m leanfa.cli accuracy \
+                --seqlen 8192 --impl leanfa-hopper-fp8,cudnn-fp8 --profiles gaussian,llama3-8b,qwen2.5-7b,deepseek-v3-mla \
+                --no-plots --out "$OUT/r/accuracy_long_pvmma$pv"; done ;;
       hopper_v3_check) step hopper_v3_check 420 40 python3 scripts/hopper_v2_gpu.py --check v3 --check-timeout 300 \
                 --no-bench --sanitize ;;
       bench_v3) step bench_v3 200 12 env LEANFA_HOPPER_KERNEL=v3 python3 -m leanfa.cli bench --quick --no-progress \
