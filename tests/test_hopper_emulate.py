@@ -236,7 +236,9 @@ V2_SHAPES = [(1, 1, 1, 2, 2), (1, 129, 700, 2, 1), (1, 700, 300, 2, 2), (1, 1, 1
 
 
 @pytest.mark.parametrize("version,knob", [("v2", "LEANFA_HOPPER_PIPE"), ("v3", "LEANFA_HOPPER_PINGPONG"),
-                                          ("v3", "LEANFA_HOPPER_PV_IN_MMA")])
+                                          ("v3", "LEANFA_HOPPER_PV_IN_MMA"), ("v3", "LEANFA_HOPPER_OVERLAP"),
+                                          ("v3", "LEANFA_HOPPER_OVERLAP,LEANFA_HOPPER_PINGPONG"),
+                                          ("v3", "LEANFA_HOPPER_OVERLAP,LEANFA_HOPPER_PV_IN_MMA")])
 @pytest.mark.parametrize("order", ["consumer-first", "producer-first"])
 @pytest.mark.parametrize("flag", ["1", "0"])
 @pytest.mark.parametrize("fp8", [False, True])
@@ -244,9 +246,10 @@ V2_SHAPES = [(1, 1, 1, 2, 2), (1, 129, 700, 2, 1), (1, 700, 300, 2, 2), (1, 1, 1
 def test_warp_specialized_matches_v1(shape, fp8, flag, order, version, knob, monkeypatch):
     """v2 (producer warp + one consumer partition; ``flag``: QK^T of block j+1 issued before the
     softmax of block j) and v3 (producer warp + two consumer partitions; ``flag``: turn barriers,
-    or FP8 PV accumulated in the wgmma accumulator) give v1's numbers, whichever partition runs
-    first."""
-    monkeypatch.setenv(knob, flag)
+    FP8 PV accumulated in the wgmma accumulator, the softmax of block j+1 overlapped with PV_j, or
+    two of them) give v1's numbers, whichever partition runs first."""
+    for name in knob.split(","):
+        monkeypatch.setenv(name, flag)
     q, k, v = _inputs(*shape, 128, 128)
     kw = {}
     if fp8:
@@ -289,24 +292,31 @@ def test_v2_mutations_caught(fn, old, new):
 from leanfa.kernels.hopper import kernel_pingpong as KP  # noqa: E402
 
 
-@pytest.mark.parametrize("mod,fn,old,new,pingpong", [
+@pytest.mark.parametrize("mod,fn,old,new,knobs", [
     # a warpgroup releases a slot before all its warps are done with it
-    (P, "release_slot", "    gl.thread_barrier()\n", "", "0"),
+    (P, "release_slot", "    gl.thread_barrier()\n", "", ""),
     # one release per slot instead of one per consumer warpgroup: the slot is refilled while the
     # other warpgroup may still have to read it
     (KP, "attn_fwd_pingpong_kernel", "empty_bars = alloc_barriers(STAGES, 2)", "empty_bars = alloc_barriers(STAGES)",
-     "0"),
+     ""),
     # the producer refills without waiting for the releases
     (P, "produce_kv", "            mbarrier.wait(empty_bars.index(j % STAGES), ((j // STAGES) - 1) & 1)\n",
-     "            pass\n", "0"),
+     "            pass\n", ""),
     # turn barriers: warpgroup 1 waits for the wrong phase (it would issue before its turn / hang)
     (KP, "_wait_turn", "mbarrier.wait(turn_bars.index(1), batch & 1)",
-     "mbarrier.wait(turn_bars.index(1), (batch + 1) & 1)", "1"),
+     "mbarrier.wait(turn_bars.index(1), (batch + 1) & 1)", "LEANFA_HOPPER_PINGPONG"),
     # warpgroup 1 computes with warpgroup 0's query rows
-    (KP, "_issue_qk", "qk_async(q_smem, W * QK_CHUNKS,", "qk_async(q_smem, 0,", "0"),
+    (KP, "_issue_qk", "qk_async(q_smem, W * QK_CHUNKS,", "qk_async(q_smem, 0,", ""),
+    # OVERLAP: the end-of-block wait leaves PV_j in flight, so its slot is released (and refilled)
+    # while the wgmma may still read V_j
+    (KP, "_retire_pv", "pv, p_op = warpgroup_mma_wait(0, deps=(pv_acc, p_op))",
+     "pv, p_op = warpgroup_mma_wait(1, deps=(pv_acc, p_op))", "LEANFA_HOPPER_OVERLAP"),
+    # OVERLAP: P_j is not handed on, so every block's PV multiplies the first block's P
+    (KP, "_consumer", "            p_op = p_next\n", "", "LEANFA_HOPPER_OVERLAP"),
 ])
-def test_v3_mutations_caught(mod, fn, old, new, pingpong, monkeypatch):
-    monkeypatch.setenv("LEANFA_HOPPER_PINGPONG", pingpong)
+def test_v3_mutations_caught(mod, fn, old, new, knobs, monkeypatch):
+    for name in ("LEANFA_HOPPER_PINGPONG", "LEANFA_HOPPER_OVERLAP"):
+        monkeypatch.setenv(name, "1" if name in knobs.split(",") else "0")
     reset_shadows()
     try:
         _mutated(getattr(mod, fn), old, new)
@@ -321,7 +331,8 @@ def test_v3_mutations_caught(mod, fn, old, new, pingpong, monkeypatch):
 
 def test_hopper_knobs(monkeypatch):
     """v3 is the default Hopper kernel; a bad knob value is an error, never a silent fallback."""
-    for k in ("LEANFA_HOPPER_KERNEL", "LEANFA_HOPPER_POLY", "LEANFA_HOPPER_PINGPONG", "LEANFA_HOPPER_PV_IN_MMA"):
+    for k in ("LEANFA_HOPPER_KERNEL", "LEANFA_HOPPER_POLY", "LEANFA_HOPPER_PINGPONG", "LEANFA_HOPPER_PV_IN_MMA",
+              "LEANFA_HOPPER_OVERLAP"):
         monkeypatch.delenv(k, raising=False)
     assert L.kernel_version() == "v3"
     q, k, v = _inputs(1, 200, 200, 2, 1, 128, 128)

@@ -84,6 +84,7 @@ class _Part:
         self.name = name
         self.epoch = 0  # number of gl.thread_barrier() so far in this partition
         self.pending_reads = []  # bufs read by in-flight wgmmas
+        self.pending_groups = []  # the same bufs per wgmma call, oldest first (waits retire in order)
         self.done = False
 
 
@@ -441,7 +442,9 @@ def _operand(x, what):
 
 
 def _warpgroup_mma(a, b, acc, *, use_acc=True, precision=None, max_num_imprecise_acc=None, is_async=False):
+    first = len(M.pending_reads)
     r = torch.matmul(_operand(a, "wgmma A"), _operand(b, "wgmma B"))
+    M.part.pending_groups.append(M.pending_reads[first:])
     if use_acc:
         r = acc.float() + r
     if not is_async:
@@ -450,14 +453,18 @@ def _warpgroup_mma(a, b, acc, *, use_acc=True, precision=None, max_num_imprecise
 
 
 def _warpgroup_mma_wait(num_outstanding=0, deps=None):
-    if int(num_outstanding) != 0:
-        M.err("warpgroup_mma_wait with outstanding > 0 is not modelled")
-    for b in M.pending_reads:
-        b.read_done_epoch = M.epoch
-        rp = b.reader(M.part)
-        rp[1] -= 1
-        rp[2] = M.epoch
-    M.part.pending_reads = []
+    """Retire all but the newest ``num_outstanding`` wgmma groups (they complete in issue order)."""
+    n = int(num_outstanding)
+    groups = M.part.pending_groups
+    retire, keep = (groups[:-n], groups[-n:]) if n > 0 else (groups, [])
+    for group in retire:
+        for b in group:
+            b.read_done_epoch = M.epoch
+            rp = b.reader(M.part)
+            rp[1] -= 1
+            rp[2] = M.epoch
+    M.part.pending_groups = keep
+    M.part.pending_reads = [b for group in keep for b in group]
     return deps[0] if len(deps) == 1 else tuple(deps)
 
 

@@ -100,6 +100,56 @@ def _issue_qk(q_smem, k_bufs, k_bars, j, s_zero, W: gl.constexpr, QK_CHUNKS: gl.
 
 
 @gluon.jit
+def _softmax_block(s, j, c_q, k_scale_row, stride_ksblk, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full,
+                   p_dtype: gl.constexpr, p_layout: gl.constexpr, o_layout: gl.constexpr,
+                   CAUSAL: gl.constexpr, P_OFFSET: gl.constexpr, RESCALE_SKIP: gl.constexpr, POLY: gl.constexpr):
+    """Lean P of key block ``j`` (masked on the diagonal / tail blocks only): the PV operand P,
+    the new row max and sum, and the factor ``alpha`` (O's layout) that rescales O to the new max."""
+    BLOCK_N: gl.constexpr = s.shape[1]
+    c = c_q * gl.load(k_scale_row + ((j * BLOCK_N) // SCALE_BLOCK) * stride_ksblk)
+    if j >= n_full:
+        s = mask_scores(s, offs_m, j * BLOCK_N + offs_n0, seqlen_q, seqlen_k, CAUSAL)
+    p, m_i, l_i, alpha = online_softmax_step_lazy(s, c, m_i, l_i, P_OFFSET, RESCALE_SKIP, POLY)
+    alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    p_op = gl.convert_layout(p.to(p_dtype), p_layout)
+    return p_op, m_i, l_i, alpha_o
+
+
+@gluon.jit
+def _issue_pv(p_op, v, acc, alpha_o, TWO_LEVEL: gl.constexpr):
+    """Issue PV (async). Two-level (FP8): into a fresh fp32 tile that :func:`_fold` adds to O;
+    otherwise into O itself, rescaled first."""
+    if TWO_LEVEL:
+        pv_acc = warpgroup_mma(p_op, v, gl.zeros_like(acc), use_acc=False, is_async=True)
+    else:
+        pv_acc = warpgroup_mma(p_op, v, acc * alpha_o, is_async=True)
+    return pv_acc
+
+
+@gluon.jit
+def _retire_pv(pv_acc, p_op, IS_FP8: gl.constexpr):
+    """Wait for every wgmma of this warpgroup, PV last: its result. P (PV's register operand) must
+    stay untouched until then; the wait keeps a 16-bit P alive explicitly (Triton 3.6 cannot pass an
+    8-bit tensor through the wait: "Unexpected bitwidth in WGMMAWaitGroupOp"), an FP8 P relies on
+    ptxas, which keeps a wgmma's register operands until the ``wgmma.wait_group`` that retires it."""
+    if IS_FP8:
+        pv = warpgroup_mma_wait(0, deps=(pv_acc, ))
+    else:
+        pv, p_op = warpgroup_mma_wait(0, deps=(pv_acc, p_op))
+    return pv
+
+
+@gluon.jit
+def _fold(acc, alpha_o, pv, TWO_LEVEL: gl.constexpr):
+    """O after a retired PV: two-level adds the block by one FFMA per element (rescale included)."""
+    if TWO_LEVEL:
+        acc = gl.fma(acc, alpha_o, pv)
+    else:
+        acc = pv
+    return acc
+
+
+@gluon.jit
 def _consumer(q_smem, k_bufs, v_bufs, q_bars, k_bars, v_bars, empty_bars, turn_bars,
               out_ptr, stride_ob, stride_os, stride_oh, lse_ptr,
               q_scale_ptr, stride_qsb, stride_qsh, stride_qsblk,
@@ -110,7 +160,8 @@ def _consumer(q_smem, k_bufs, v_bufs, q_bars, k_bars, v_bars, empty_bars, turn_b
               pid_bh, b, h, hkv, m_start, n_full, n_end,
               HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
               RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, RESCALE_SKIP: gl.constexpr,
-              PINGPONG: gl.constexpr, POLY: gl.constexpr, TWO_LEVEL: gl.constexpr, W: gl.constexpr):
+              PINGPONG: gl.constexpr, POLY: gl.constexpr, TWO_LEVEL: gl.constexpr, OVERLAP: gl.constexpr,
+              W: gl.constexpr):
     """Warpgroup ``W``: rows ``[m_start + 64 W, + 64)`` against key blocks ``[0, n_end)``."""
     QK_CHUNKS: gl.constexpr = k_bufs.shape[0] // v_bufs.shape[0]
     STAGES: gl.constexpr = v_bufs.shape[0]
@@ -132,41 +183,66 @@ def _consumer(q_smem, k_bufs, v_bufs, q_bars, k_bars, v_bars, empty_bars, turn_b
     l_i = gl.zeros([WG_ROWS], gl.float32, gl.SliceLayout(1, s_layout))
 
     mbarrier.wait(q_bars.index(W), 0)
-    # batch 0: S_0
+    # batch 0: S_0 (and, when OVERLAP, its softmax)
     s = s_zero
+    p_op = gl.zeros([WG_ROWS, BLOCK_N], v_bufs.dtype, p_layout)
+    alpha_o = gl.convert_layout(gl.full([WG_ROWS], 1.0, gl.float32, gl.SliceLayout(1, s_layout)),
+                                gl.SliceLayout(1, o_layout))[:, None]
     if n_end > 0:
         _wait_turn(turn_bars, 0, W, PINGPONG)
         s_acc = _issue_qk(q_smem, k_bufs, k_bars, 0, s_zero, W, QK_CHUNKS)
         _pass_turn(turn_bars, W, PINGPONG)
         s = warpgroup_mma_wait(0, deps=(s_acc, ))
-    for j in range(n_end):
-        # softmax of block j (masked on the diagonal / tail blocks only)
-        c = c_q * gl.load(k_scale_row + ((j * BLOCK_N) // SCALE_BLOCK) * stride_ksblk)
-        if j >= n_full:
-            s = mask_scores(s, offs_m, j * BLOCK_N + offs_n0, seqlen_q, seqlen_k, CAUSAL)
-        p, m_i, l_i, alpha = online_softmax_step_lazy(s, c, m_i, l_i, P_OFFSET, RESCALE_SKIP, POLY)
-        alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        p_op = gl.convert_layout(p.to(v_bufs.dtype), p_layout)
-        v = v_tile(v_bufs, v_bars, j, STAGES, V_KMAJOR)
-        # batch j + 1: PV_j, then S_{j+1}
-        _wait_turn(turn_bars, j + 1, W, PINGPONG)
-        if TWO_LEVEL:
-            # two-level accumulation: this block's PV in a fresh fp32 tile, folded in by one FFMA
-            pv_acc = warpgroup_mma(p_op, v, gl.zeros_like(acc), use_acc=False, is_async=True)
-        else:
-            pv_acc = warpgroup_mma(p_op, v, acc * alpha_o, is_async=True)
-        if j + 1 < n_end:
-            s_acc = _issue_qk(q_smem, k_bufs, k_bars, j + 1, s_zero, W, QK_CHUNKS)
-            _pass_turn(turn_bars, W, PINGPONG)
-            pv, s = warpgroup_mma_wait(0, deps=(pv_acc, s_acc))
-        else:
-            _pass_turn(turn_bars, W, PINGPONG)
-            pv = warpgroup_mma_wait(0, deps=(pv_acc, ))
-        if TWO_LEVEL:
-            acc = gl.fma(acc, alpha_o, pv)
-        else:
-            acc = pv
-        release_slot(empty_bars, j % STAGES)  # one release per warpgroup (empty counts 2)
+        if OVERLAP:
+            p_op, m_i, l_i, alpha_o = _softmax_block(s, 0, c_q, k_scale_row, stride_ksblk, m_i, l_i, offs_m,
+                                                     offs_n0, seqlen_q, seqlen_k, n_full, v_bufs.dtype, p_layout,
+                                                     o_layout, CAUSAL, P_OFFSET, RESCALE_SKIP, POLY)
+    if OVERLAP:
+        # Batch j + 1 is [S_{j+1}, PV_j]: the softmax of block j + 1 runs while PV_j is on the tensor
+        # cores (wgmmas retire in issue order, so waiting for all but the newest group retires S_{j+1}).
+        # P_j and the in-flight PV tile stay live across that softmax: +16 (FP8) registers and, for
+        # two-level FP8, the PV tile's 64.
+        for j in range(n_end):
+            v = v_tile(v_bufs, v_bars, j, STAGES, V_KMAJOR)
+            _wait_turn(turn_bars, j + 1, W, PINGPONG)
+            if j + 1 < n_end:
+                s_acc = _issue_qk(q_smem, k_bufs, k_bars, j + 1, s_zero, W, QK_CHUNKS)
+                pv_acc = _issue_pv(p_op, v, acc, alpha_o, TWO_LEVEL)
+                _pass_turn(turn_bars, W, PINGPONG)
+                s = warpgroup_mma_wait(1, deps=(s_acc, ))
+                p_next, m_i, l_i, alpha_next = _softmax_block(s, j + 1, c_q, k_scale_row, stride_ksblk, m_i, l_i,
+                                                              offs_m, offs_n0, seqlen_q, seqlen_k, n_full,
+                                                              v_bufs.dtype, p_layout, o_layout,
+                                                              CAUSAL, P_OFFSET, RESCALE_SKIP, POLY)
+                pv = _retire_pv(pv_acc, p_op, IS_FP8)
+            else:
+                pv_acc = _issue_pv(p_op, v, acc, alpha_o, TWO_LEVEL)
+                _pass_turn(turn_bars, W, PINGPONG)
+                pv = _retire_pv(pv_acc, p_op, IS_FP8)
+                p_next = p_op
+                alpha_next = alpha_o
+            acc = _fold(acc, alpha_o, pv, TWO_LEVEL)
+            release_slot(empty_bars, j % STAGES)  # one release per warpgroup (empty counts 2)
+            p_op = p_next
+            alpha_o = alpha_next
+    else:
+        for j in range(n_end):
+            p_op, m_i, l_i, alpha_o = _softmax_block(s, j, c_q, k_scale_row, stride_ksblk, m_i, l_i, offs_m,
+                                                     offs_n0, seqlen_q, seqlen_k, n_full, v_bufs.dtype, p_layout,
+                                                     o_layout, CAUSAL, P_OFFSET, RESCALE_SKIP, POLY)
+            v = v_tile(v_bufs, v_bars, j, STAGES, V_KMAJOR)
+            # batch j + 1: PV_j, then S_{j+1}
+            _wait_turn(turn_bars, j + 1, W, PINGPONG)
+            pv_acc = _issue_pv(p_op, v, acc, alpha_o, TWO_LEVEL)
+            if j + 1 < n_end:
+                s_acc = _issue_qk(q_smem, k_bufs, k_bars, j + 1, s_zero, W, QK_CHUNKS)
+                _pass_turn(turn_bars, W, PINGPONG)
+                pv, s = warpgroup_mma_wait(0, deps=(pv_acc, s_acc))
+            else:
+                _pass_turn(turn_bars, W, PINGPONG)
+                pv = warpgroup_mma_wait(0, deps=(pv_acc, ))
+            acc = _fold(acc, alpha_o, pv, TWO_LEVEL)
+            release_slot(empty_bars, j % STAGES)  # one release per warpgroup (empty counts 2)
 
     # Epilogue: O = acc / l * v_scale; LSE.
     inv_l, lse = finish_rows(m_i, l_i, P_OFFSET)
@@ -198,7 +274,7 @@ def attn_fwd_pingpong_kernel(
     HEAD_DQK: gl.constexpr, HEAD_DV: gl.constexpr,
     CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
     RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, STAGES: gl.constexpr,
-    RESCALE_SKIP: gl.constexpr, PINGPONG: gl.constexpr, POLY: gl.constexpr, PV_IN_MMA: gl.constexpr,
+    RESCALE_SKIP: gl.constexpr, PINGPONG: gl.constexpr, POLY: gl.constexpr, PV_IN_MMA: gl.constexpr, OVERLAP: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
@@ -233,7 +309,7 @@ def attn_fwd_pingpong_kernel(
                        k_mean_ptr, stride_kmb, stride_kmh, stride_kmd,
                        seqlen_q, seqlen_k, qk_scale, sm_scale,
                        pid_bh, b, h, hkv, m_start, n_full, n_end,
-                       HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, 0)),
+                       HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, OVERLAP, 0)),
         (_consumer, (q_smem, k_bufs, v_bufs, q_bars, k_bars, v_bars, empty_bars, turn_bars,
                        out_ptr, stride_ob, stride_os, stride_oh, lse_ptr,
                        q_scale_ptr, stride_qsb, stride_qsh, stride_qsblk,
@@ -242,7 +318,7 @@ def attn_fwd_pingpong_kernel(
                        k_mean_ptr, stride_kmb, stride_kmh, stride_kmd,
                        seqlen_q, seqlen_k, qk_scale, sm_scale,
                        pid_bh, b, h, hkv, m_start, n_full, n_end,
-                       HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, 1)),
+                       HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, OVERLAP, 1)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bars, k_bars, v_bars, empty_bars,
                      b, h, hkv, m_start, n_end, V_KMAJOR)),
     ], [WG_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])

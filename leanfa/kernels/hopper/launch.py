@@ -117,7 +117,9 @@ def _flag(name: str, default: bool) -> bool:
 #: LEANFA_HOPPER_POLY (of every 8 FP8 exponentials, how many run as a polynomial on the FMA pipe;
 #: default 0: POLY=1 was within 2% either way, 2 and 4 were ~3% and ~10% slower, runs 9-10),
 #: LEANFA_HOPPER_PV_IN_MMA (FP8 PV accumulated in the wgmma accumulator, not in fp32 per block:
-#: an experiment, off; see kernel_pingpong), LEANFA_HOPPER_RESCALE_SKIP, LEANFA_HOPPER_PRODUCER_REGS.
+#: an experiment, off; see kernel_pingpong), LEANFA_HOPPER_OVERLAP (issue S_{j+1} before PV_j and
+#: run the softmax of block j+1 while PV_j is on the tensor cores; see kernel_pingpong),
+#: LEANFA_HOPPER_RESCALE_SKIP, LEANFA_HOPPER_PRODUCER_REGS.
 KERNELS = {"v1": attn_fwd_kernel, "v2": attn_fwd_ws_kernel, "v3": attn_fwd_pingpong_kernel}
 DEFAULT_VERSION = "v3"
 V3_CONSUMER_REGS = 240  # with a 24-register producer this is what the default partition gets too
@@ -193,6 +195,7 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
             raise ValueError(f"LEANFA_HOPPER_POLY must be 0..8 (of every 8 exponentials), got {poly}")
         constexprs.update(PINGPONG=_flag("LEANFA_HOPPER_PINGPONG", False), POLY=poly,
                           PV_IN_MMA=_flag("LEANFA_HOPPER_PV_IN_MMA", False),
+                          OVERLAP=_flag("LEANFA_HOPPER_OVERLAP", False),
                           CONSUMER_REGS=V3_CONSUMER_REGS, num_warps=NUM_WARPS // 2)
     grid = (B * Hq, num_m_tiles)
     return Plan(args, constexprs, grid, version)
