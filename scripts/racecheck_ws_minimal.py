@@ -6,9 +6,11 @@ Runs 10 and 11 (2026-11-29): racecheck flags ~23 hazards in both v2 (kernel_ws.p
 per-warp state table at the end of shared memory) and the default partition's writes of that
 table (before ``bar.sync 1``, and at exit) -- Triton's ``warp_specialize`` dispatch, not the
 kernels' Q/K/V buffers. This script launches a *minimal* Gluon kernel with the same structure
-and no shared memory of its own: a default partition and one 1-warp worker partition that only
+and no shared memory of its own: v3's partitions (a 4-warp default, a 4-warp worker with 240
+registers and a 1-warp worker with 24, so 8 worker warps and an 8-byte state table) that only
 write disjoint global memory. If racecheck reports the same hazards here, they come from
-Triton's dispatch code.
+Triton's dispatch code. (Run 13: the first version, one 1-warp worker and a 4-byte table, was
+racecheck-clean while v3 was not -- hence the v3 shape.)
 
     compute-sanitizer --tool racecheck --error-exitcode 3 python scripts/racecheck_ws_minimal.py
     python scripts/racecheck_ws_minimal.py --compile-only     # no GPU: compile for sm90 and exit
@@ -27,15 +29,22 @@ from triton.experimental.gluon import language as gl
 @gluon.jit
 def _default_part(out_ptr, BLOCK: gl.constexpr):
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    offs = gl.program_id(0) * 2 * BLOCK + gl.arange(0, BLOCK, layout)
+    offs = gl.program_id(0) * 3 * BLOCK + gl.arange(0, BLOCK, layout)
     gl.store(out_ptr + offs, offs.to(gl.float32))
 
 
 @gluon.jit
 def _worker_part(out_ptr, BLOCK: gl.constexpr):
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-    offs = gl.program_id(0) * 2 * BLOCK + BLOCK + gl.arange(0, BLOCK, layout)
+    offs = gl.program_id(0) * 3 * BLOCK + BLOCK + gl.arange(0, BLOCK, layout)
     gl.store(out_ptr + offs, -offs.to(gl.float32))
+
+
+@gluon.jit
+def _wide_worker_part(out_ptr, BLOCK: gl.constexpr):
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    offs = gl.program_id(0) * 3 * BLOCK + 2 * BLOCK + gl.arange(0, BLOCK, layout)
+    gl.store(out_ptr + offs, 0.5 * offs.to(gl.float32))
 
 
 @gluon.jit
@@ -43,7 +52,8 @@ def ws_minimal_kernel(out_ptr, BLOCK: gl.constexpr):
     gl.warp_specialize([
         (_default_part, (out_ptr, BLOCK)),
         (_worker_part, (out_ptr, BLOCK)),
-    ], [1], [24])
+        (_wide_worker_part, (out_ptr, BLOCK)),
+    ], [1, 4], [24, 240])
 
 
 def main() -> int:
@@ -56,11 +66,12 @@ def main() -> int:
         ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
         print("compiled for sm90:", ck.asm["ptx"].count("setmaxnreg"), "setmaxnreg")
         return 0
-    out = torch.full((grid * 2 * block,), float("nan"), device="cuda")
+    out = torch.full((grid * 3 * block,), float("nan"), device="cuda")
     ws_minimal_kernel[(grid,)](out, BLOCK=block, num_warps=4)
     torch.cuda.synchronize()
-    idx = torch.arange(grid * 2 * block, device="cuda", dtype=torch.float32)
-    want = torch.where((idx.long() // block) % 2 == 0, idx, -idx)
+    idx = torch.arange(grid * 3 * block, device="cuda", dtype=torch.float32)
+    part = (idx.long() // block) % 3
+    want = torch.where(part == 0, idx, torch.where(part == 1, -idx, 0.5 * idx))
     ok = torch.equal(out, want)
     print("minimal warp_specialize kernel:", "correct" if ok else "WRONG")
     return 0 if ok else 1
