@@ -48,6 +48,8 @@ run_steps() {
                 --check-timeout 200 --time v3,v3-ov,v3-ov-pp,v3-ov-pvmma,v3-ov-poly2 ;;  # softmax j+1 under PV_j
       hopper_ov_check) step hopper_ov_check 420 40 python3 scripts/hopper_v2_gpu.py --check v3-ov --check-timeout 300 \
                 --no-bench --sanitize ;;
+      profile_ov) step profile_ov 150 30 env LEANFA_HOPPER_OVERLAP=1 python3 -m leanfa.cli profile \
+                --out "$OUT/r/profile_ov" --impl leanfa-hopper-fp8-kernel,leanfa-hopper-bf16,cudnn-fp8 ;;
       accuracy_pvmma) step accuracy_pvmma 150 40 env LEANFA_HOPPER_PV_IN_MMA=1 python3 -m leanfa.cli accuracy \
                 --out "$OUT/r/accuracy_pvmma" ;;  # the accuracy cost of FP8 PV in the wgmma accumulator
       accuracy_long) for pv in 0 1; do  # the same question at S = 8K, where in-MMA accumulation runs longest
