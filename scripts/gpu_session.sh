@@ -44,12 +44,10 @@ run_steps() {
                 --check-timeout 200 --time v2,v3,v3-nopp,v3-poly1,v3-poly2,v3-poly4 ;;
       hopper_v3_time) step hopper_v3_time 300 50 python3 scripts/hopper_v2_gpu.py --check "" \
                 --time v3,v3-pp,v3-pvmma,v3-poly1 ;;
-      hopper_ov) step hopper_ov 560 60 python3 scripts/hopper_v2_gpu.py --check v3-ov:small,v3-ov-pvmma:small \
-                --check-timeout 200 --time v3,v3-ov,v3-ov-pp,v3-ov-pvmma,v3-ov-poly2 ;;  # softmax j+1 under PV_j
-      hopper_ov_check) step hopper_ov_check 420 40 python3 scripts/hopper_v2_gpu.py --check v3-ov --check-timeout 300 \
-                --no-bench --sanitize ;;
-      profile_ov) step profile_ov 150 30 env LEANFA_HOPPER_OVERLAP=1 python3 -m leanfa.cli profile \
-                --out "$OUT/r/profile_ov" --impl leanfa-hopper-fp8-kernel,leanfa-hopper-bf16,cudnn-fp8 ;;
+      varlen) step varlen 300 20 python3 -m pytest -q -p no:cacheprovider -rfEs tests/test_hopper.py \
+                tests/test_attention.py -k varlen
+                step bench_varlen 240 24 python3 -m leanfa.cli bench --no-progress --sweep varlen \
+                --impl 'leanfa-*,cudnn-*,sdpa-*' --name bench-varlen --out "$OUT/r/bench_varlen" ;;
       accuracy_pvmma) step accuracy_pvmma 150 40 env LEANFA_HOPPER_PV_IN_MMA=1 python3 -m leanfa.cli accuracy \
                 --out "$OUT/r/accuracy_pvmma" ;;  # the accuracy cost of FP8 PV in the wgmma accumulator
       accuracy_long) for pv in 0 1; do  # the same question at S = 8K, where in-MMA accumulation runs longest
@@ -67,7 +65,9 @@ run_steps() {
                 step v3_safety 330 20 python3 scripts/hopper_v2_gpu.py --check v3 --check-timeout 240 --no-bench \
                 --sanitize ;;
       racecheck_ws) step racecheck_ws 120 20 /usr/local/cuda/bin/compute-sanitizer --tool racecheck --error-exitcode 3 \
-                python3 scripts/racecheck_ws_minimal.py ;;  # is the warp-specialized kernels' racecheck report Triton's?
+                python3 scripts/racecheck_ws_minimal.py  # is the warp-specialized kernels' racecheck report Triton's?
+                step racecheck_ws_bar 120 20 /usr/local/cuda/bin/compute-sanitizer --tool racecheck --error-exitcode 3 \
+                python3 scripts/racecheck_ws_minimal.py --thread-barrier ;;
       fuzz_v3) step fuzz_v3 200 16 python3 scripts/gpu_fuzz_campaign.py --seconds 160 --seed 3 --workers "$WORKERS" ;;
       rates) step rates 120 20 python3 -m leanfa.bench.rates --json "$OUT/r/rates.json" ;;
       bench) step bench 200 12 python3 -m leanfa.cli bench --quick --no-progress --sweep standard --seqlens 4k,16k \

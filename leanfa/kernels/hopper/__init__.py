@@ -40,7 +40,7 @@ def supports(problem) -> tuple[bool, str]:
     if _versions.untested({"triton": triton.__version__}):
         tested = ", ".join(f"{v}.x" for v in _versions.TESTED["triton"])
         return False, f"the Hopper kernel is tested on triton {tested} only (found {triton.__version__})"
-    q, k, v = problem.q, problem.k, problem.v
+    q, k, v = (_launch.as_bshd(t) for t in (problem.q, problem.k, problem.v))
     if q.device.type != "cuda":
         return False, f"the Hopper kernel needs CUDA tensors (got {q.device})"
     if torch.version.hip is not None:
@@ -48,8 +48,8 @@ def supports(problem) -> tuple[bool, str]:
     cap = torch.cuda.get_device_capability(q.device)
     if cap != (9, 0):
         return False, f"the Hopper kernel needs an sm90 GPU (found sm{cap[0]}{cap[1]})"
-    if problem.varlen:
-        return False, "varlen is not implemented in the Hopper kernel yet"
+    if problem.varlen and _launch.kernel_version() != "v3":
+        return False, f"varlen needs the v3 Hopper kernel (LEANFA_HOPPER_KERNEL={_launch.kernel_version()})"
     dims = (problem.head_dim_qk, problem.head_dim_v)
     if dims not in HEAD_DIMS:
         return False, f"head dims {dims[0]}/{dims[1]} are not implemented in the Hopper kernel (128/128, 192/128)"
@@ -72,13 +72,21 @@ def supports(problem) -> tuple[bool, str]:
     return True, ""
 
 
+def varlen_args(problem) -> dict:
+    """``make_plan``'s varlen keywords for ``problem`` (none when dense)."""
+    if not problem.varlen:
+        return {}
+    return dict(cu_seqlens_q=problem.cu_seqlens_q, cu_seqlens_k=problem.cu_seqlens_k,
+                max_seqlen_q=problem.max_seqlen_q, max_seqlen_k=problem.max_seqlen_k)
+
+
 def run(problem):
     """Run a problem :func:`supports` accepted; return ``(out, lse or None)``."""
     q, k, v = problem.q, problem.k, problem.v
     out, lse = allocate_outputs(problem)
     plan = _launch.make_plan(q, k, v, out, lse, problem.q_scale, problem.k_scale, problem.v_scale,
                              problem.k_mean, causal=problem.causal, softmax_scale=problem.softmax_scale,
-                             return_lse=problem.return_lse)
+                             return_lse=problem.return_lse, **varlen_args(problem))
     with torch.cuda.device(q.device):
         _launch.launch(plan)
     return out, lse

@@ -749,13 +749,17 @@ def run_plan(plan, *, programs=None, ws_order="consumer-first") -> Report:
 
 
 def emulate(problem, *, programs=None, poison=True, version=None, ws_order="consumer-first"):
-    """Run a dense :class:`leanfa.api.Problem` through the emulated kernel on CPU: ``(out, lse, report)``."""
+    """Run a :class:`leanfa.api.Problem` (dense or varlen) through the emulated kernel on CPU:
+    ``(out, lse, report)``."""
     from . import launch as L
 
-    q = problem.q
-    B, Sq, Hq, _ = q.shape
-    out = torch.empty((B, Sq, Hq, problem.head_dim_v), dtype=problem.out_dtype)
-    lse = torch.empty((B, Hq, Sq), dtype=torch.float32) if problem.return_lse else None
+    q, p = problem.q, problem
+    if p.varlen:
+        out = torch.empty((q.shape[0], p.heads, p.head_dim_v), dtype=p.out_dtype)
+        lse = torch.empty((p.heads, q.shape[0]), dtype=torch.float32) if p.return_lse else None
+    else:
+        out = torch.empty((p.batch, p.max_seqlen_q, p.heads, p.head_dim_v), dtype=p.out_dtype)
+        lse = torch.empty((p.batch, p.heads, p.max_seqlen_q), dtype=torch.float32) if p.return_lse else None
     if poison:
         out.fill_(float("nan"))
         if lse is not None:
@@ -767,5 +771,8 @@ def emulate(problem, *, programs=None, poison=True, version=None, ws_order="cons
 
 def _make_plan_cpu(L, p, out, lse, version=None):
     """``launch.make_plan`` on CPU tensors (the TMA descriptor checks only look at pointers)."""
+    from . import varlen_args
+
     return L.make_plan(p.q, p.k, p.v, out, lse, p.q_scale, p.k_scale, p.v_scale, p.k_mean,
-                       causal=p.causal, softmax_scale=p.softmax_scale, return_lse=p.return_lse, version=version)
+                       causal=p.causal, softmax_scale=p.softmax_scale, return_lse=p.return_lse, version=version,
+                       **varlen_args(p))

@@ -47,7 +47,7 @@ from .epilogue import kmean_lse_term, store_output
 from .layouts import a_operand_layout, wgmma_layout
 from .masking import kv_block_range, mask_scores
 from .pipeline import alloc_barriers, invalidate_barriers, produce_kv, qk_async, release_slot, v_tile, wait_k
-from .schedule import program_tile
+from .schedule import program_tile, sequence_bounds
 from .softmax import finish_rows
 from .softmax_ws import online_softmax_step_lazy
 
@@ -60,16 +60,16 @@ WG_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M)
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bars, k_bars, v_bars, empty_bars,
-              b, h, hkv, m_start, n_end, V_KMAJOR: gl.constexpr):
+              tma_b, h, hkv, q_start, k_start, m_start, n_end, V_KMAJOR: gl.constexpr):
     QK_CHUNKS: gl.constexpr = k_bufs.shape[0] // v_bufs.shape[0]
     DCHUNK: gl.constexpr = q_desc.block_type.shape[3]
     for w in gl.static_range(2):  # Q half w -> q_smem[w * QK_CHUNKS + c], barrier q_bars[w]
         bar = q_bars.index(w)
         mbarrier.expect(bar, QK_CHUNKS * q_desc.block_type.nbytes)
         for c in gl.static_range(QK_CHUNKS):
-            tma.async_copy_global_to_shared(q_desc, [b, h, m_start + w * WG_ROWS, c * DCHUNK], bar,
+            tma.async_copy_global_to_shared(q_desc, [tma_b, h, q_start + m_start + w * WG_ROWS, c * DCHUNK], bar,
                                             q_smem.index(w * QK_CHUNKS + c))
-    produce_kv(k_desc, v_desc, b, hkv, n_end, k_bufs, v_bufs, k_bars, v_bars, empty_bars, V_KMAJOR)
+    produce_kv(k_desc, v_desc, tma_b, hkv, n_end, k_bufs, v_bufs, k_bars, v_bars, empty_bars, V_KMAJOR, k_start)
 
 
 # ----------------------------------------------------------------------------- consumer pieces
@@ -127,19 +127,6 @@ def _issue_pv(p_op, v, acc, alpha_o, TWO_LEVEL: gl.constexpr):
 
 
 @gluon.jit
-def _retire_pv(pv_acc, p_op, IS_FP8: gl.constexpr):
-    """Wait for every wgmma of this warpgroup, PV last: its result. P (PV's register operand) must
-    stay untouched until then; the wait keeps a 16-bit P alive explicitly (Triton 3.6 cannot pass an
-    8-bit tensor through the wait: "Unexpected bitwidth in WGMMAWaitGroupOp"), an FP8 P relies on
-    ptxas, which keeps a wgmma's register operands until the ``wgmma.wait_group`` that retires it."""
-    if IS_FP8:
-        pv = warpgroup_mma_wait(0, deps=(pv_acc, ))
-    else:
-        pv, p_op = warpgroup_mma_wait(0, deps=(pv_acc, p_op))
-    return pv
-
-
-@gluon.jit
 def _fold(acc, alpha_o, pv, TWO_LEVEL: gl.constexpr):
     """O after a retired PV: two-level adds the block by one FFMA per element (rescale included)."""
     if TWO_LEVEL:
@@ -151,18 +138,18 @@ def _fold(acc, alpha_o, pv, TWO_LEVEL: gl.constexpr):
 
 @gluon.jit
 def _consumer(q_smem, k_bufs, v_bufs, q_bars, k_bars, v_bars, empty_bars, turn_bars,
-              out_ptr, stride_ob, stride_os, stride_oh, lse_ptr,
+              out_ptr, stride_ob, stride_os, stride_oh, lse_ptr, stride_lb, stride_lh,
               q_scale_ptr, stride_qsb, stride_qsh, stride_qsblk,
               k_scale_ptr, stride_ksb, stride_ksh, stride_ksblk,
               v_scale_ptr, stride_vsb, stride_vsh, stride_vsd,
               k_mean_ptr, stride_kmb, stride_kmh, stride_kmd,
               seqlen_q, seqlen_k, qk_scale, sm_scale,
-              pid_bh, b, h, hkv, m_start, n_full, n_end,
+              b, h, hkv, q_start, m_start, n_full, n_end,
               HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
               RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, RESCALE_SKIP: gl.constexpr,
-              PINGPONG: gl.constexpr, POLY: gl.constexpr, TWO_LEVEL: gl.constexpr, OVERLAP: gl.constexpr,
-              W: gl.constexpr):
-    """Warpgroup ``W``: rows ``[m_start + 64 W, + 64)`` against key blocks ``[0, n_end)``."""
+              PINGPONG: gl.constexpr, POLY: gl.constexpr, TWO_LEVEL: gl.constexpr, W: gl.constexpr):
+    """Warpgroup ``W``: rows ``[m_start + 64 W, + 64)`` of sequence ``b`` against its key blocks
+    ``[0, n_end)``; output row ``r`` is token ``q_start + r`` of ``out`` (and of the LSE)."""
     QK_CHUNKS: gl.constexpr = k_bufs.shape[0] // v_bufs.shape[0]
     STAGES: gl.constexpr = v_bufs.shape[0]
     BLOCK_N: gl.constexpr = k_bufs.shape[3]
@@ -183,77 +170,43 @@ def _consumer(q_smem, k_bufs, v_bufs, q_bars, k_bars, v_bars, empty_bars, turn_b
     l_i = gl.zeros([WG_ROWS], gl.float32, gl.SliceLayout(1, s_layout))
 
     mbarrier.wait(q_bars.index(W), 0)
-    # batch 0: S_0 (and, when OVERLAP, its softmax)
+    # batch 0: S_0
     s = s_zero
-    p_op = gl.zeros([WG_ROWS, BLOCK_N], v_bufs.dtype, p_layout)
-    alpha_o = gl.convert_layout(gl.full([WG_ROWS], 1.0, gl.float32, gl.SliceLayout(1, s_layout)),
-                                gl.SliceLayout(1, o_layout))[:, None]
     if n_end > 0:
         _wait_turn(turn_bars, 0, W, PINGPONG)
         s_acc = _issue_qk(q_smem, k_bufs, k_bars, 0, s_zero, W, QK_CHUNKS)
         _pass_turn(turn_bars, W, PINGPONG)
         s = warpgroup_mma_wait(0, deps=(s_acc, ))
-        if OVERLAP:
-            p_op, m_i, l_i, alpha_o = _softmax_block(s, 0, c_q, k_scale_row, stride_ksblk, m_i, l_i, offs_m,
-                                                     offs_n0, seqlen_q, seqlen_k, n_full, v_bufs.dtype, p_layout,
-                                                     o_layout, CAUSAL, P_OFFSET, RESCALE_SKIP, POLY)
-    if OVERLAP:
-        # Batch j + 1 is [S_{j+1}, PV_j]: the softmax of block j + 1 runs while PV_j is on the tensor
-        # cores (wgmmas retire in issue order, so waiting for all but the newest group retires S_{j+1}).
-        # P_j and the in-flight PV tile stay live across that softmax: +16 (FP8) registers and, for
-        # two-level FP8, the PV tile's 64.
-        for j in range(n_end):
-            v = v_tile(v_bufs, v_bars, j, STAGES, V_KMAJOR)
-            _wait_turn(turn_bars, j + 1, W, PINGPONG)
-            if j + 1 < n_end:
-                s_acc = _issue_qk(q_smem, k_bufs, k_bars, j + 1, s_zero, W, QK_CHUNKS)
-                pv_acc = _issue_pv(p_op, v, acc, alpha_o, TWO_LEVEL)
-                _pass_turn(turn_bars, W, PINGPONG)
-                s = warpgroup_mma_wait(1, deps=(s_acc, ))
-                p_next, m_i, l_i, alpha_next = _softmax_block(s, j + 1, c_q, k_scale_row, stride_ksblk, m_i, l_i,
-                                                              offs_m, offs_n0, seqlen_q, seqlen_k, n_full,
-                                                              v_bufs.dtype, p_layout, o_layout,
-                                                              CAUSAL, P_OFFSET, RESCALE_SKIP, POLY)
-                pv = _retire_pv(pv_acc, p_op, IS_FP8)
-            else:
-                pv_acc = _issue_pv(p_op, v, acc, alpha_o, TWO_LEVEL)
-                _pass_turn(turn_bars, W, PINGPONG)
-                pv = _retire_pv(pv_acc, p_op, IS_FP8)
-                p_next = p_op
-                alpha_next = alpha_o
-            acc = _fold(acc, alpha_o, pv, TWO_LEVEL)
-            release_slot(empty_bars, j % STAGES)  # one release per warpgroup (empty counts 2)
-            p_op = p_next
-            alpha_o = alpha_next
-    else:
-        for j in range(n_end):
-            p_op, m_i, l_i, alpha_o = _softmax_block(s, j, c_q, k_scale_row, stride_ksblk, m_i, l_i, offs_m,
-                                                     offs_n0, seqlen_q, seqlen_k, n_full, v_bufs.dtype, p_layout,
-                                                     o_layout, CAUSAL, P_OFFSET, RESCALE_SKIP, POLY)
-            v = v_tile(v_bufs, v_bars, j, STAGES, V_KMAJOR)
-            # batch j + 1: PV_j, then S_{j+1}
-            _wait_turn(turn_bars, j + 1, W, PINGPONG)
-            pv_acc = _issue_pv(p_op, v, acc, alpha_o, TWO_LEVEL)
-            if j + 1 < n_end:
-                s_acc = _issue_qk(q_smem, k_bufs, k_bars, j + 1, s_zero, W, QK_CHUNKS)
-                _pass_turn(turn_bars, W, PINGPONG)
-                pv, s = warpgroup_mma_wait(0, deps=(pv_acc, s_acc))
-            else:
-                _pass_turn(turn_bars, W, PINGPONG)
-                pv = warpgroup_mma_wait(0, deps=(pv_acc, ))
-            acc = _fold(acc, alpha_o, pv, TWO_LEVEL)
-            release_slot(empty_bars, j % STAGES)  # one release per warpgroup (empty counts 2)
+    for j in range(n_end):
+        p_op, m_i, l_i, alpha_o = _softmax_block(s, j, c_q, k_scale_row, stride_ksblk, m_i, l_i, offs_m, offs_n0,
+                                                 seqlen_q, seqlen_k, n_full, v_bufs.dtype, p_layout, o_layout,
+                                                 CAUSAL, P_OFFSET, RESCALE_SKIP, POLY)
+        v = v_tile(v_bufs, v_bars, j, STAGES, V_KMAJOR)
+        # batch j + 1: PV_j, then S_{j+1}
+        _wait_turn(turn_bars, j + 1, W, PINGPONG)
+        pv_acc = _issue_pv(p_op, v, acc, alpha_o, TWO_LEVEL)
+        if j + 1 < n_end:
+            s_acc = _issue_qk(q_smem, k_bufs, k_bars, j + 1, s_zero, W, QK_CHUNKS)
+            _pass_turn(turn_bars, W, PINGPONG)
+            pv, s = warpgroup_mma_wait(0, deps=(pv_acc, s_acc))
+        else:
+            _pass_turn(turn_bars, W, PINGPONG)
+            pv = warpgroup_mma_wait(0, deps=(pv_acc, ))
+        acc = _fold(acc, alpha_o, pv, TWO_LEVEL)
+        release_slot(empty_bars, j % STAGES)  # one release per warpgroup (empty counts 2)
 
     # Epilogue: O = acc / l * v_scale; LSE.
     inv_l, lse = finish_rows(m_i, l_i, P_OFFSET)
-    store_output(acc, inv_l, row0, out_ptr, stride_ob, stride_os, stride_oh, b, h, hkv,
+    out_seq = out_ptr + q_start.to(gl.int64) * stride_os  # this sequence's first row (varlen)
+    store_output(acc, inv_l, row0, out_seq, stride_ob, stride_os, stride_oh, b, h, hkv,
                  v_scale_ptr, stride_vsb, stride_vsh, stride_vsd, seqlen_q)
     if RETURN_LSE:
         if HAS_KMEAN:
             corr = kmean_lse_term(q_smem, W * QK_CHUNKS, QK_CHUNKS, k_mean_ptr, stride_kmb, stride_kmh, stride_kmd,
                                   b, hkv, (c_q / qk_scale) * sm_scale, WG_WARPS)
             lse = lse + gl.convert_layout(corr, gl.SliceLayout(1, s_layout))
-        gl.store(lse_ptr + pid_bh.to(gl.int64) * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
+        lse_row = lse_ptr + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + q_start
+        gl.store(lse_row + offs_m, lse, mask=offs_m < seqlen_q)
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -271,10 +224,12 @@ def attn_fwd_pingpong_kernel(
     seqlen_q, seqlen_k, num_heads, group_size, num_m_tiles,
     qk_scale,  # softmax_scale * log2(e)
     sm_scale,  # softmax_scale (for the K-mean LSE correction)
+    cu_seqlens_q, cu_seqlens_k,  # varlen: (batch + 1) int32 token offsets (dense: unused)
+    stride_lb, stride_lh,  # LSE strides of batch and head (dense (B, H, Sq); varlen (H, total_q))
     HEAD_DQK: gl.constexpr, HEAD_DV: gl.constexpr,
     CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
-    RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, STAGES: gl.constexpr,
-    RESCALE_SKIP: gl.constexpr, PINGPONG: gl.constexpr, POLY: gl.constexpr, PV_IN_MMA: gl.constexpr, OVERLAP: gl.constexpr,
+    RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, VARLEN: gl.constexpr, STAGES: gl.constexpr,
+    RESCALE_SKIP: gl.constexpr, PINGPONG: gl.constexpr, POLY: gl.constexpr, PV_IN_MMA: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
@@ -285,7 +240,9 @@ def attn_fwd_pingpong_kernel(
     BLOCK_M: gl.constexpr = 2 * WG_ROWS
     TWO_LEVEL: gl.constexpr = IS_FP8 and not PV_IN_MMA
 
-    pid_bh, b, h, hkv, m_start = program_tile(num_heads, group_size, num_m_tiles, BLOCK_M)
+    _, b, h, hkv, m_start = program_tile(num_heads, group_size, num_m_tiles, BLOCK_M)
+    tma_b, q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(cu_seqlens_q, cu_seqlens_k, b, seqlen_q, seqlen_k,
+                                                                  VARLEN)
 
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2 * QK_CHUNKS] + q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES * QK_CHUNKS] + k_desc.block_type.shape, k_desc.layout)
@@ -302,25 +259,25 @@ def attn_fwd_pingpong_kernel(
     # constexprs into runtime values)
     gl.warp_specialize([
         (_consumer, (q_smem, k_bufs, v_bufs, q_bars, k_bars, v_bars, empty_bars, turn_bars,
-                       out_ptr, stride_ob, stride_os, stride_oh, lse_ptr,
+                       out_ptr, stride_ob, stride_os, stride_oh, lse_ptr, stride_lb, stride_lh,
                        q_scale_ptr, stride_qsb, stride_qsh, stride_qsblk,
                        k_scale_ptr, stride_ksb, stride_ksh, stride_ksblk,
                        v_scale_ptr, stride_vsb, stride_vsh, stride_vsd,
                        k_mean_ptr, stride_kmb, stride_kmh, stride_kmd,
                        seqlen_q, seqlen_k, qk_scale, sm_scale,
-                       pid_bh, b, h, hkv, m_start, n_full, n_end,
-                       HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, OVERLAP, 0)),
+                       b, h, hkv, q_start, m_start, n_full, n_end,
+                       HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, 0)),
         (_consumer, (q_smem, k_bufs, v_bufs, q_bars, k_bars, v_bars, empty_bars, turn_bars,
-                       out_ptr, stride_ob, stride_os, stride_oh, lse_ptr,
+                       out_ptr, stride_ob, stride_os, stride_oh, lse_ptr, stride_lb, stride_lh,
                        q_scale_ptr, stride_qsb, stride_qsh, stride_qsblk,
                        k_scale_ptr, stride_ksb, stride_ksh, stride_ksblk,
                        v_scale_ptr, stride_vsb, stride_vsh, stride_vsd,
                        k_mean_ptr, stride_kmb, stride_kmh, stride_kmd,
                        seqlen_q, seqlen_k, qk_scale, sm_scale,
-                       pid_bh, b, h, hkv, m_start, n_full, n_end,
-                       HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, OVERLAP, 1)),
+                       b, h, hkv, q_start, m_start, n_full, n_end,
+                       HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, 1)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bars, k_bars, v_bars, empty_bars,
-                     b, h, hkv, m_start, n_end, V_KMAJOR)),
+                     tma_b, h, hkv, q_start, k_start, m_start, n_end, V_KMAJOR)),
     ], [WG_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
     invalidate_barriers(q_bars, 2)

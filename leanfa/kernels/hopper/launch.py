@@ -117,9 +117,7 @@ def _flag(name: str, default: bool) -> bool:
 #: LEANFA_HOPPER_POLY (of every 8 FP8 exponentials, how many run as a polynomial on the FMA pipe;
 #: default 0: POLY=1 was within 2% either way, 2 and 4 were ~3% and ~10% slower, runs 9-10),
 #: LEANFA_HOPPER_PV_IN_MMA (FP8 PV accumulated in the wgmma accumulator, not in fp32 per block:
-#: an experiment, off; see kernel_pingpong), LEANFA_HOPPER_OVERLAP (issue S_{j+1} before PV_j and
-#: run the softmax of block j+1 while PV_j is on the tensor cores; see kernel_pingpong),
-#: LEANFA_HOPPER_RESCALE_SKIP, LEANFA_HOPPER_PRODUCER_REGS.
+#: an experiment, off; see kernel_pingpong), LEANFA_HOPPER_RESCALE_SKIP, LEANFA_HOPPER_PRODUCER_REGS.
 KERNELS = {"v1": attn_fwd_kernel, "v2": attn_fwd_ws_kernel, "v3": attn_fwd_pingpong_kernel}
 DEFAULT_VERSION = "v3"
 V3_CONSUMER_REGS = 240  # with a 24-register producer this is what the default partition gets too
@@ -139,18 +137,35 @@ class Plan:
 
 def _desc(t: torch.Tensor, shape, strides, block):
     layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[t.dtype])
+    # a size-1 dim's stride is never used, but TMA wants every stride 16-byte aligned: give it the
+    # tensor's span (a multiple of an aligned stride)
+    span = max(st * n for st, n in zip(strides, shape))
+    strides = [span if n == 1 else st for st, n in zip(strides[:-1], shape[:-1])] + [strides[-1]]
     return TensorDescriptor(t, shape, strides, block, layout)
 
 
+def as_bshd(t: torch.Tensor) -> torch.Tensor:
+    """A packed varlen ``(total, H, D)`` tensor as a batch of one ``(1, total, H, D)``; dense as is."""
+    return t.unsqueeze(0) if t.dim() == 3 else t
+
+
 def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: bool,
-              softmax_scale: float, return_lse: bool, version: str | None = None) -> Plan:
-    """Kernel arguments for dense (B, S, H, D) tensors; ``out`` is (B, Sq, Hq, Dv)."""
+              softmax_scale: float, return_lse: bool, version: str | None = None,
+              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None) -> Plan:
+    """Kernel arguments for dense (B, S, H, D) tensors (``out`` (B, Sq, Hq, Dv)), or packed varlen
+    (total, H, D) ones with ``cu_seqlens_*`` / ``max_seqlen_*`` (``out`` (total_q, Hq, Dv); v3 only)."""
+    version = version or kernel_version()
+    varlen = cu_seqlens_q is not None
+    if varlen and version != "v3":
+        raise ValueError(f"varlen inputs need the v3 Hopper kernel (LEANFA_HOPPER_KERNEL={version})")
+    q, k, v = as_bshd(q), as_bshd(k), as_bshd(v)
     B, Sq, Hq, Dqk = q.shape
     Sk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
+    if varlen:
+        B, Sq, Sk = cu_seqlens_q.shape[0] - 1, int(max_seqlen_q), int(max_seqlen_k)
     is_fp8 = q.dtype == torch.float8_e4m3fn
     kmajor = v_is_kmajor(v)
     dchunk = qk_chunk(Dqk)
-    version = version or kernel_version()
     q_rows = BLOCK_M // 2 if version == "v3" else BLOCK_M  # v3: one 64-row Q box per consumer warpgroup
     q_desc = _desc(q, *_bshd_as_bhsd(q), [1, 1, q_rows, dchunk])
     k_desc = _desc(k, *_bshd_as_bhsd(k), [1, 1, BLOCK_N, dchunk])
@@ -166,9 +181,13 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
             raise ValueError(f"{name} table has {t.shape[2]} blocks, expected 1 or {n}")
     has_kmean = k_mean is not None and return_lse
     km = k_mean if has_kmean else v_scale  # any float32 pointer; unused
+    if varlen:  # out (total_q, Hq, Dv): sequence b's rows start at token cu_seqlens_q[b]
+        out_strides = (0, out.stride(0), out.stride(1))
+    else:
+        out_strides = (out.stride(0), out.stride(1), out.stride(2))
     args = (
         q_desc, k_desc, v_desc,
-        out, out.stride(0), out.stride(1), out.stride(2),
+        out, *out_strides,
         lse if lse is not None else v_scale,
         q_scale, *broadcast_strides(q_scale),
         k_scale, *broadcast_strides(k_scale),
@@ -177,6 +196,12 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
         Sq, Sk, Hq, Hq // Hkv, num_m_tiles,
         float(softmax_scale * LOG2E), float(softmax_scale),
     )
+    if version == "v3":
+        if varlen:  # lse (Hq, total_q)
+            lse_strides = (0, lse.stride(0)) if lse is not None else (0, 0)
+            args += (cu_seqlens_q, cu_seqlens_k, *lse_strides)
+        else:  # lse (B, Hq, Sq); the cu_seqlens pointers are unused
+            args += (v_scale, v_scale, Hq * Sq, Sq)
     constexprs = dict(
         HEAD_DQK=Dqk, HEAD_DV=Dv, CAUSAL=bool(causal), IS_FP8=is_fp8, V_KMAJOR=kmajor,
         RETURN_LSE=bool(return_lse), HAS_KMEAN=has_kmean,
@@ -195,8 +220,7 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
             raise ValueError(f"LEANFA_HOPPER_POLY must be 0..8 (of every 8 exponentials), got {poly}")
         constexprs.update(PINGPONG=_flag("LEANFA_HOPPER_PINGPONG", False), POLY=poly,
                           PV_IN_MMA=_flag("LEANFA_HOPPER_PV_IN_MMA", False),
-                          OVERLAP=_flag("LEANFA_HOPPER_OVERLAP", False),
-                          CONSUMER_REGS=V3_CONSUMER_REGS, num_warps=NUM_WARPS // 2)
+                          CONSUMER_REGS=V3_CONSUMER_REGS, VARLEN=varlen, num_warps=NUM_WARPS // 2)
     grid = (B * Hq, num_m_tiles)
     return Plan(args, constexprs, grid, version)
 

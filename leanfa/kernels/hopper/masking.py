@@ -31,6 +31,7 @@ def kv_block_range(m_start, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: 
     else:
         n_end = n_blocks
         n_full = n_inbounds
+    n_end = gl.where(m_start < seqlen_q, n_end, 0)  # a tile past the sequence (varlen) visits nothing
     n_full = gl.minimum(n_full, n_end)
     return n_full, n_end
 

@@ -46,12 +46,13 @@ def load_q(q_desc, b, h, m_start, bar, q_smem, QK_CHUNKS: gl.constexpr):
 
 @gluon.jit
 def load_kv(k_desc, v_desc, b, hkv, block, k_bufs, v_bufs, k_bars, v_bars,
-            STAGES: gl.constexpr, V_KMAJOR: gl.constexpr, QK_CHUNKS: gl.constexpr):
-    """Issue the TMA loads of key block ``block`` into its ring slot (K: ``QK_CHUNKS`` boxes)."""
+            STAGES: gl.constexpr, V_KMAJOR: gl.constexpr, QK_CHUNKS: gl.constexpr, k_start=0):
+    """Issue the TMA loads of key block ``block`` into its ring slot (K: ``QK_CHUNKS`` boxes).
+    ``k_start``: the sequence's first token in the descriptor (varlen: its ``cu_seqlens_k`` entry)."""
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
     DCHUNK: gl.constexpr = k_desc.block_type.shape[3]
     slot = block % STAGES
-    n0 = block * BLOCK_N
+    n0 = k_start + block * BLOCK_N
     kb = k_bars.index(slot)
     mbarrier.expect(kb, QK_CHUNKS * k_desc.block_type.nbytes)
     for c in gl.static_range(QK_CHUNKS):
@@ -98,7 +99,8 @@ def qk_async(q_smem, Q_FIRST: gl.constexpr, k_bufs, slot, s_zero, QK_CHUNKS: gl.
 # ----------------------------------------------------------------------------- warp-specialized ring
 
 @gluon.jit
-def produce_kv(k_desc, v_desc, b, hkv, n_end, k_bufs, v_bufs, k_bars, v_bars, empty_bars, V_KMAJOR: gl.constexpr):
+def produce_kv(k_desc, v_desc, b, hkv, n_end, k_bufs, v_bufs, k_bars, v_bars, empty_bars, V_KMAJOR: gl.constexpr,
+               k_start=0):
     """The producer warp's loop: key blocks ``[0, n_end)`` into the ring. Block ``j >= STAGES``
     reuses the slot of block ``j - STAGES``, so it waits for that block's release: phase
     ``j // STAGES - 1`` of ``empty[j % STAGES]``."""
@@ -107,7 +109,7 @@ def produce_kv(k_desc, v_desc, b, hkv, n_end, k_bufs, v_bufs, k_bars, v_bars, em
     for j in range(n_end):
         if j >= STAGES:
             mbarrier.wait(empty_bars.index(j % STAGES), ((j // STAGES) - 1) & 1)
-        load_kv(k_desc, v_desc, b, hkv, j, k_bufs, v_bufs, k_bars, v_bars, STAGES, V_KMAJOR, QK_CHUNKS)
+        load_kv(k_desc, v_desc, b, hkv, j, k_bufs, v_bufs, k_bars, v_bars, STAGES, V_KMAJOR, QK_CHUNKS, k_start)
 
 
 @gluon.jit

@@ -5,6 +5,10 @@ attention, every head's last (heaviest: it sees the most keys) query tile is lau
 any first tile and the last wave is made of cheap tiles. GQA: query head ``h`` reads KV head
 ``h // group_size``. A persistent scheduler (one program per SM looping over tiles) would live
 here too.
+
+Varlen (packed ``(total, H, D)`` tensors): program ``b`` of axis 0 is sequence ``b``, whose tokens
+are ``[cu_seqlens[b], cu_seqlens[b + 1])``; the grid covers ``max_seqlen_q`` and the tiles past a
+shorter sequence visit no key blocks (:func:`.masking.kv_block_range`).
 """
 
 from __future__ import annotations
@@ -22,3 +26,21 @@ def program_tile(num_heads, group_size, num_m_tiles, BLOCK_M: gl.constexpr):
     h = pid_bh % num_heads
     hkv = h // group_size
     return pid_bh, b, h, hkv, pid_m * BLOCK_M
+
+
+@gluon.jit
+def sequence_bounds(cu_seqlens_q, cu_seqlens_k, b, seqlen_q, seqlen_k, VARLEN: gl.constexpr):
+    """``(tma_b, q_start, k_start, seqlen_q, seqlen_k)`` of sequence ``b``: the batch coordinate of
+    the TMA boxes, the first Q/K token in the descriptors, and this sequence's lengths. Dense: batch
+    ``b`` from token 0; varlen: batch 0 (the packed tensors) from the ``cu_seqlens`` entries."""
+    if VARLEN:
+        q_start = gl.load(cu_seqlens_q + b)
+        k_start = gl.load(cu_seqlens_k + b)
+        seqlen_q = gl.load(cu_seqlens_q + b + 1) - q_start
+        seqlen_k = gl.load(cu_seqlens_k + b + 1) - k_start
+        tma_b = 0
+    else:
+        q_start = b * 0  # a tensor, like the varlen offsets, so callers can widen it
+        k_start = b * 0
+        tma_b = b
+    return tma_b, q_start, k_start, seqlen_q, seqlen_k
