@@ -48,6 +48,14 @@ run_steps() {
                 tests/test_attention.py -k varlen
                 step bench_varlen 240 24 python3 -m leanfa.cli bench --no-progress --sweep varlen \
                 --impl 'leanfa-*,cudnn-*,sdpa-*' --name bench-varlen --out "$OUT/r/bench_varlen" ;;
+      persist) step persist 560 60 python3 scripts/hopper_v2_gpu.py --check v3-persist:small --check-timeout 200 \
+                --time v3,v3-persist,v3-pvmma,v3-persist-pvmma ;;  # one program per SM, heaviest tiles first
+      persist_check) step persist_check 420 40 python3 scripts/hopper_v2_gpu.py --check v3-persist \
+                --check-timeout 300 --no-bench --sanitize ;;
+      fp8_varlen_probe) step fp8_varlen_probe 200 10 python3 scripts/hopper_fp8_varlen_probe.py ;;
+      bench_persist) step bench_persist 200 12 env LEANFA_HOPPER_PERSISTENT=1 python3 -m leanfa.cli bench --quick \
+                --no-progress --sweep standard --seqlens 4k,16k --causal true \
+                --impl 'leanfa-hopper-*,cudnn-bf16,cudnn-fp8' --name bench-persist --out "$OUT/r/bench_persist" ;;
       accuracy_pvmma) step accuracy_pvmma 150 40 env LEANFA_HOPPER_PV_IN_MMA=1 python3 -m leanfa.cli accuracy \
                 --out "$OUT/r/accuracy_pvmma" ;;  # the accuracy cost of FP8 PV in the wgmma accumulator
       accuracy_long) for pv in 0 1; do  # the same question at S = 8K, where in-MMA accumulation runs longest

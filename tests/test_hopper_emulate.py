@@ -236,7 +236,7 @@ V2_SHAPES = [(1, 1, 1, 2, 2), (1, 129, 700, 2, 1), (1, 700, 300, 2, 2), (1, 1, 1
 
 
 @pytest.mark.parametrize("version,knob", [("v2", "LEANFA_HOPPER_PIPE"), ("v3", "LEANFA_HOPPER_PINGPONG"),
-                                          ("v3", "LEANFA_HOPPER_PV_IN_MMA")])
+                                          ("v3", "LEANFA_HOPPER_PV_IN_MMA"), ("v3", "LEANFA_HOPPER_PERSISTENT")])
 @pytest.mark.parametrize("order", ["consumer-first", "producer-first"])
 @pytest.mark.parametrize("flag", ["1", "0"])
 @pytest.mark.parametrize("fp8", [False, True])
@@ -244,8 +244,8 @@ V2_SHAPES = [(1, 1, 1, 2, 2), (1, 129, 700, 2, 1), (1, 700, 300, 2, 2), (1, 1, 1
 def test_warp_specialized_matches_v1(shape, fp8, flag, order, version, knob, monkeypatch):
     """v2 (producer warp + one consumer partition; ``flag``: QK^T of block j+1 issued before the
     softmax of block j) and v3 (producer warp + two consumer partitions; ``flag``: turn barriers,
-    or FP8 PV accumulated in the wgmma accumulator) give v1's numbers, whichever partition runs
-    first."""
+    FP8 PV accumulated in the wgmma accumulator, or persistent programs that run several tiles
+    each) give v1's numbers, whichever partition runs first."""
     for name in knob.split(","):
         monkeypatch.setenv(name, flag)
     q, k, v = _inputs(*shape, 128, 128)
@@ -264,9 +264,9 @@ def test_warp_specialized_matches_v1(shape, fp8, flag, order, version, knob, mon
 # the K/V ring protocol the warp-specialized kernels share (pipeline.py), mutated
 RING_MUTATIONS = [
     ("release_slot", "    gl.thread_barrier()\n", "    pass\n"),  # arrive before the partition's warps are done
-    ("produce_kv", "            mbarrier.wait(empty_bars.index(j % STAGES), ((j // STAGES) - 1) & 1)\n",
+    ("produce_kv", "            mbarrier.wait(empty_bars.index(g % STAGES), ((g // STAGES) - 1) & 1)\n",
      "            pass\n"),  # refill without waiting for the release
-    ("produce_kv", "((j // STAGES) - 1) & 1", "(j // STAGES) & 1"),  # wrong empty parity
+    ("produce_kv", "((g // STAGES) - 1) & 1", "(g // STAGES) & 1"),  # wrong empty parity
 ]
 
 
@@ -298,16 +298,23 @@ from leanfa.kernels.hopper import kernel_pingpong as KP  # noqa: E402
     (KP, "attn_fwd_pingpong_kernel", "empty_bars = alloc_barriers(STAGES, 2)", "empty_bars = alloc_barriers(STAGES)",
      ""),
     # the producer refills without waiting for the releases
-    (P, "produce_kv", "            mbarrier.wait(empty_bars.index(j % STAGES), ((j // STAGES) - 1) & 1)\n",
+    (P, "produce_kv", "            mbarrier.wait(empty_bars.index(g % STAGES), ((g // STAGES) - 1) & 1)\n",
      "            pass\n", ""),
     # turn barriers: warpgroup 1 waits for the wrong phase (it would issue before its turn / hang)
     (KP, "_wait_turn", "mbarrier.wait(turn_bars.index(1), batch & 1)",
      "mbarrier.wait(turn_bars.index(1), (batch + 1) & 1)", "LEANFA_HOPPER_PINGPONG"),
     # warpgroup 1 computes with warpgroup 0's query rows
     (KP, "_issue_qk", "qk_async(q_smem, W * QK_CHUNKS,", "qk_async(q_smem, 0,", ""),
+    # persistent: the next tile's Q is loaded without waiting for both warpgroups to release it
+    (KP, "_producer", "                mbarrier.wait(q_empty.index(0), (qi - 1) & 1)\n", "                pass\n",
+     "LEANFA_HOPPER_PERSISTENT"),
+    # persistent: a tile's key blocks are looked up from ring position 0, not where the producer put them
+    (KP, "_consumer_tile", "v = v_tile(v_bufs, v_bars, ring + j,", "v = v_tile(v_bufs, v_bars, j,",
+     "LEANFA_HOPPER_PERSISTENT"),
 ])
 def test_v3_mutations_caught(mod, fn, old, new, knobs, monkeypatch):
-    monkeypatch.setenv("LEANFA_HOPPER_PINGPONG", "1" if "LEANFA_HOPPER_PINGPONG" in knobs else "0")
+    for name in ("LEANFA_HOPPER_PINGPONG", "LEANFA_HOPPER_PERSISTENT"):
+        monkeypatch.setenv(name, "1" if name in knobs else "0")
     reset_shadows()
     try:
         _mutated(getattr(mod, fn), old, new)
@@ -329,11 +336,13 @@ VARLEN_LENS = [  # (q lengths, k lengths): empty and length-1 sequences, Sq < Sk
 @pytest.mark.parametrize("lens", VARLEN_LENS)
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_v3_varlen(lens, causal, fp8):
-    """v3 on packed varlen inputs (GQA 2:1): every sequence against the float64 reference, every
-    output row and LSE entry written (poisoned with NaN first)."""
+@pytest.mark.parametrize("persistent", ["0", "1"])
+def test_v3_varlen(lens, causal, fp8, persistent, monkeypatch):
+    """v3 on packed varlen inputs (GQA 2:1), one tile per program or persistent: every sequence
+    against the float64 reference, every output row and LSE entry written (poisoned first)."""
     from leanfa.api import _build_problem
 
+    monkeypatch.setenv("LEANFA_HOPPER_PERSISTENT", persistent)
     lq, lk = lens
     g = torch.Generator().manual_seed(len(lq))
     cu_q = torch.tensor([0] + lq).cumsum(0).to(torch.int32)
@@ -382,7 +391,8 @@ def test_varlen_needs_v3(monkeypatch):
 
 def test_hopper_knobs(monkeypatch):
     """v3 is the default Hopper kernel; a bad knob value is an error, never a silent fallback."""
-    for k in ("LEANFA_HOPPER_KERNEL", "LEANFA_HOPPER_POLY", "LEANFA_HOPPER_PINGPONG", "LEANFA_HOPPER_PV_IN_MMA"):
+    for k in ("LEANFA_HOPPER_KERNEL", "LEANFA_HOPPER_POLY", "LEANFA_HOPPER_PINGPONG", "LEANFA_HOPPER_PV_IN_MMA",
+              "LEANFA_HOPPER_PERSISTENT"):
         monkeypatch.delenv(k, raising=False)
     assert L.kernel_version() == "v3"
     q, k, v = _inputs(1, 200, 200, 2, 1, 128, 128)
@@ -392,6 +402,15 @@ def test_hopper_knobs(monkeypatch):
     assert plan.version == "v3"
     assert plan.constexprs["PINGPONG"] is False and plan.constexprs["POLY"] == 0
     assert plan.constexprs["PV_IN_MMA"] is False and plan.constexprs["num_warps"] == 4
+    assert plan.constexprs["PERSISTENT"] is False and len(plan.grid) == 2
+    monkeypatch.setenv("LEANFA_HOPPER_PERSISTENT", "1")
+    plan = emulate_mod._make_plan_cpu(L, p, torch.empty(1, 200, 2, 128, dtype=torch.bfloat16), None)
+    assert plan.constexprs["PERSISTENT"] is True and plan.grid == (3, )  # min(tiles = 4, "SMs" = 3)
+    monkeypatch.setenv("LEANFA_HOPPER_PINGPONG", "1")
+    with pytest.raises(ValueError, match="PERSISTENT"):
+        emulate_mod._make_plan_cpu(L, p, torch.empty(1, 200, 2, 128, dtype=torch.bfloat16), None)
+    monkeypatch.delenv("LEANFA_HOPPER_PINGPONG")
+    monkeypatch.delenv("LEANFA_HOPPER_PERSISTENT")
     monkeypatch.setenv("LEANFA_HOPPER_KERNEL", "v9")
     with pytest.raises(ValueError, match="LEANFA_HOPPER_KERNEL"):
         L.kernel_version()

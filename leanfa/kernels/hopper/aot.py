@@ -36,6 +36,7 @@ class Variant:
     out_dtype: torch.dtype = torch.bfloat16
     version: str = "v1"  # "v1" | "v2" (kernel_ws)
     env: tuple = ()  # ((name, value), ...) set while planning (v2 knobs, LEANFA_HOPPER_STAGES)
+    varlen: bool = False  # packed (total, H, D) inputs with cu_seqlens (v3)
 
     @property
     def name(self) -> str:
@@ -43,7 +44,7 @@ class Variant:
         tag = "" if self.version == "v1" else f"{self.version}" + "".join(f"[{k.replace('LEANFA_HOPPER_', '').lower()}={x}]" for k, x in self.env) + ":"
         return (f"{tag}{self.dtype}-d{self.dqk}/{self.dv}-{'causal' if self.causal else 'full'}"
                 f"{'-lse' if self.return_lse else ''}{'-kmean' if self.k_mean else ''}"
-                f"{'-vT' if vk else ''}")
+                f"{'-vT' if vk else ''}{'-varlen' if self.varlen else ''}")
 
 
 def _fake_problem(v: Variant):
@@ -63,11 +64,19 @@ def _fake_problem(v: Variant):
     ks = ones.expand(B, H, 2)
     vs = ones.expand(B, H, v.dv)
     km = torch.zeros(B, H, v.dqk, dtype=torch.float32) if v.k_mean else None
+    varlen = {}
+    if v.varlen:  # the same tokens as two packed sequences
+        q, k, v_, out = (t[0] for t in (q, k, v_, out))
+        lse = lse[0]
+        cu = torch.tensor([0, 100, S], dtype=torch.int32)
+        varlen = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=156, max_seqlen_k=156)
+        qs, ks, vs = ones.expand(2, H, 2), ones.expand(2, H, 2), ones.expand(2, H, v.dv)
+        km = torch.zeros(2, H, v.dqk, dtype=torch.float32) if v.k_mean else None
     old = {k: os.environ.get(k) for k, _ in v.env}
     os.environ.update({k: str(x) for k, x in v.env})
     try:
         return L.make_plan(q, k, v_, out, lse if v.return_lse else None, qs, ks, vs, km, causal=v.causal,
-                           softmax_scale=v.dqk ** -0.5, return_lse=v.return_lse, version=v.version)
+                           softmax_scale=v.dqk ** -0.5, return_lse=v.return_lse, version=v.version, **varlen)
     finally:
         for k_, x in old.items():
             if x is None:

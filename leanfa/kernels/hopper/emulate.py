@@ -591,6 +591,15 @@ def _program_id(axis):
     return torch.tensor(M.pid[int(axis)], dtype=torch.int32)
 
 
+def _runtime_range(*bounds):
+    for i in range(*[int(x) for x in bounds]):
+        yield torch.tensor(i, dtype=torch.int32)
+
+
+def _num_programs(axis):
+    return torch.tensor(M.grid[int(axis)], dtype=torch.int32)
+
+
 def _none(*a, **k):
     return None
 
@@ -605,6 +614,7 @@ gl_fake = types.SimpleNamespace(
     float32=torch.float32, float16=torch.float16, bfloat16=torch.bfloat16, int32=torch.int32,
     int64=torch.int64, float8e4nv=torch.float8_e4m3fn,
     program_id=_program_id,
+    num_programs=_num_programs,
     allocate_shared_memory=_allocate_shared_memory,
     arange=lambda start, end, layout=None: torch.arange(int(start), int(end), dtype=torch.int32),
     SliceLayout=_none, BlockedLayout=_none, NVMMADistributedLayout=_none, DotOperandLayout=_none,
@@ -669,6 +679,7 @@ def shadow(jit_fn, source=None):
         a.annotation = None
     tree = ast.fix_missing_locations(_Strip().visit(tree))
     g = dict(fn.__globals__)
+    g["range"] = _runtime_range  # a jit loop over range() has a runtime (tensor) induction variable
     for name, val in list(g.items()):
         if name in _FAKES:
             g[name] = _FAKES[name]
@@ -728,6 +739,7 @@ def run_plan(plan, *, programs=None, ws_order="consumer-first") -> Report:
         M.valid_cache = cache
         M.ws_order = ws_order
         M.pid = (pid[0], pid[1], 0)
+        M.grid = grid
         kern(*args, **kw)
         for a in M.allocs:
             for b in a.bufs:

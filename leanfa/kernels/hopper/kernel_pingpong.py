@@ -47,7 +47,7 @@ from .epilogue import kmean_lse_term, store_output
 from .layouts import a_operand_layout, wgmma_layout
 from .masking import kv_block_range, mask_scores
 from .pipeline import alloc_barriers, invalidate_barriers, produce_kv, qk_async, release_slot, v_tile, wait_k
-from .schedule import program_tile, sequence_bounds
+from .schedule import program_tiles, sequence_bounds, tile_coords
 from .softmax import finish_rows
 from .softmax_ws import online_softmax_step_lazy
 
@@ -56,20 +56,50 @@ WG_WARPS = gl.constexpr(4)  # warps per consumer warpgroup
 WG_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M)
 
 
+# ----------------------------------------------------------------------------- tiles
+
+@gluon.jit
+def _tile(t, num_bh, num_heads, group_size, num_m_tiles, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k,
+          BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr):
+    """Everything about tile ``t`` both partitions need: ``(b, h, hkv, m_start, tma_b, q_start,
+    k_start, seqlen_q, seqlen_k, n_full, n_end)``."""
+    b, h, hkv, m_start = tile_coords(t, num_bh, num_heads, group_size, num_m_tiles, 2 * WG_ROWS)
+    tma_b, q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(cu_seqlens_q, cu_seqlens_k, b, seqlen_q, seqlen_k,
+                                                                  VARLEN)
+    n_full, n_end = kv_block_range(m_start, seqlen_q, seqlen_k, 2 * WG_ROWS, BLOCK_N, CAUSAL)
+    return b, h, hkv, m_start, tma_b, q_start, k_start, seqlen_q, seqlen_k, n_full, n_end
+
+
 # ----------------------------------------------------------------------------- producer
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bars, k_bars, v_bars, empty_bars,
-              tma_b, h, hkv, q_start, k_start, m_start, n_end, V_KMAJOR: gl.constexpr):
+def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars,
+              seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, num_bh, num_heads, group_size, num_m_tiles,
+              first_tile, tile_step, num_tiles,
+              CAUSAL: gl.constexpr, V_KMAJOR: gl.constexpr, VARLEN: gl.constexpr):
+    """Per tile: both 64-row Q halves (after the consumers released the previous tile's), then the
+    tile's key blocks through the ring; ``ring`` counts key blocks over all of this program's tiles."""
     QK_CHUNKS: gl.constexpr = k_bufs.shape[0] // v_bufs.shape[0]
     DCHUNK: gl.constexpr = q_desc.block_type.shape[3]
-    for w in gl.static_range(2):  # Q half w -> q_smem[w * QK_CHUNKS + c], barrier q_bars[w]
-        bar = q_bars.index(w)
-        mbarrier.expect(bar, QK_CHUNKS * q_desc.block_type.nbytes)
-        for c in gl.static_range(QK_CHUNKS):
-            tma.async_copy_global_to_shared(q_desc, [tma_b, h, q_start + m_start + w * WG_ROWS, c * DCHUNK], bar,
-                                            q_smem.index(w * QK_CHUNKS + c))
-    produce_kv(k_desc, v_desc, tma_b, hkv, n_end, k_bufs, v_bufs, k_bars, v_bars, empty_bars, V_KMAJOR, k_start)
+    ring = 0
+    qi = 0  # Q tiles loaded so far (tiles with no key block to visit load none)
+    for t in range(first_tile, num_tiles, tile_step):
+        b, h, hkv, m_start, tma_b, q_start, k_start, sq, sk, n_full, n_end = _tile(
+            t, num_bh, num_heads, group_size, num_m_tiles, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k,
+            k_desc.block_type.shape[2], CAUSAL, VARLEN)
+        if n_end > 0:
+            if qi > 0:
+                mbarrier.wait(q_empty.index(0), (qi - 1) & 1)
+            for w in gl.static_range(2):  # Q half w -> q_smem[w * QK_CHUNKS + c], barrier q_bars[w]
+                bar = q_bars.index(w)
+                mbarrier.expect(bar, QK_CHUNKS * q_desc.block_type.nbytes)
+                for c in gl.static_range(QK_CHUNKS):
+                    tma.async_copy_global_to_shared(q_desc, [tma_b, h, q_start + m_start + w * WG_ROWS, c * DCHUNK],
+                                                    bar, q_smem.index(w * QK_CHUNKS + c))
+            qi += 1
+        produce_kv(k_desc, v_desc, tma_b, hkv, n_end, k_bufs, v_bufs, k_bars, v_bars, empty_bars, V_KMAJOR, k_start,
+                   ring)
+        ring += n_end
 
 
 # ----------------------------------------------------------------------------- consumer pieces
@@ -137,19 +167,20 @@ def _fold(acc, alpha_o, pv, TWO_LEVEL: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(q_smem, k_bufs, v_bufs, q_bars, k_bars, v_bars, empty_bars, turn_bars,
-              out_ptr, stride_ob, stride_os, stride_oh, lse_ptr, stride_lb, stride_lh,
-              q_scale_ptr, stride_qsb, stride_qsh, stride_qsblk,
-              k_scale_ptr, stride_ksb, stride_ksh, stride_ksblk,
-              v_scale_ptr, stride_vsb, stride_vsh, stride_vsd,
-              k_mean_ptr, stride_kmb, stride_kmh, stride_kmd,
-              seqlen_q, seqlen_k, qk_scale, sm_scale,
-              b, h, hkv, q_start, m_start, n_full, n_end,
-              HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
-              RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, RESCALE_SKIP: gl.constexpr,
-              PINGPONG: gl.constexpr, POLY: gl.constexpr, TWO_LEVEL: gl.constexpr, W: gl.constexpr):
-    """Warpgroup ``W``: rows ``[m_start + 64 W, + 64)`` of sequence ``b`` against its key blocks
-    ``[0, n_end)``; output row ``r`` is token ``q_start + r`` of ``out`` (and of the LSE)."""
+def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars,
+                   out_ptr, stride_ob, stride_os, stride_oh, lse_ptr, stride_lb, stride_lh,
+                   q_scale_ptr, stride_qsb, stride_qsh, stride_qsblk,
+                   k_scale_ptr, stride_ksb, stride_ksh, stride_ksblk,
+                   v_scale_ptr, stride_vsb, stride_vsh, stride_vsd,
+                   k_mean_ptr, stride_kmb, stride_kmh, stride_kmd,
+                   seqlen_q, seqlen_k, qk_scale, sm_scale,
+                   b, h, hkv, q_start, m_start, n_full, n_end, ring, batch,
+                   HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
+                   RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, RESCALE_SKIP: gl.constexpr,
+                   PINGPONG: gl.constexpr, POLY: gl.constexpr, TWO_LEVEL: gl.constexpr, W: gl.constexpr):
+    """Warpgroup ``W`` on one tile: rows ``[m_start + 64 W, + 64)`` of sequence ``b`` against its key
+    blocks ``[0, n_end)``, which sit at ring positions ``ring + j``; its wgmma batches are numbered
+    from ``batch``. Output row ``r`` is token ``q_start + r`` of ``out`` (and of the LSE)."""
     QK_CHUNKS: gl.constexpr = k_bufs.shape[0] // v_bufs.shape[0]
     STAGES: gl.constexpr = v_bufs.shape[0]
     BLOCK_N: gl.constexpr = k_bufs.shape[3]
@@ -169,31 +200,30 @@ def _consumer(q_smem, k_bufs, v_bufs, q_bars, k_bars, v_bars, empty_bars, turn_b
     m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([WG_ROWS], gl.float32, gl.SliceLayout(1, s_layout))
 
-    mbarrier.wait(q_bars.index(W), 0)
     # batch 0: S_0
     s = s_zero
     if n_end > 0:
-        _wait_turn(turn_bars, 0, W, PINGPONG)
-        s_acc = _issue_qk(q_smem, k_bufs, k_bars, 0, s_zero, W, QK_CHUNKS)
+        _wait_turn(turn_bars, batch, W, PINGPONG)
+        s_acc = _issue_qk(q_smem, k_bufs, k_bars, ring, s_zero, W, QK_CHUNKS)
         _pass_turn(turn_bars, W, PINGPONG)
         s = warpgroup_mma_wait(0, deps=(s_acc, ))
     for j in range(n_end):
         p_op, m_i, l_i, alpha_o = _softmax_block(s, j, c_q, k_scale_row, stride_ksblk, m_i, l_i, offs_m, offs_n0,
                                                  seqlen_q, seqlen_k, n_full, v_bufs.dtype, p_layout, o_layout,
                                                  CAUSAL, P_OFFSET, RESCALE_SKIP, POLY)
-        v = v_tile(v_bufs, v_bars, j, STAGES, V_KMAJOR)
+        v = v_tile(v_bufs, v_bars, ring + j, STAGES, V_KMAJOR)
         # batch j + 1: PV_j, then S_{j+1}
-        _wait_turn(turn_bars, j + 1, W, PINGPONG)
+        _wait_turn(turn_bars, batch + j + 1, W, PINGPONG)
         pv_acc = _issue_pv(p_op, v, acc, alpha_o, TWO_LEVEL)
         if j + 1 < n_end:
-            s_acc = _issue_qk(q_smem, k_bufs, k_bars, j + 1, s_zero, W, QK_CHUNKS)
+            s_acc = _issue_qk(q_smem, k_bufs, k_bars, ring + j + 1, s_zero, W, QK_CHUNKS)
             _pass_turn(turn_bars, W, PINGPONG)
             pv, s = warpgroup_mma_wait(0, deps=(pv_acc, s_acc))
         else:
             _pass_turn(turn_bars, W, PINGPONG)
             pv = warpgroup_mma_wait(0, deps=(pv_acc, ))
         acc = _fold(acc, alpha_o, pv, TWO_LEVEL)
-        release_slot(empty_bars, j % STAGES)  # one release per warpgroup (empty counts 2)
+        release_slot(empty_bars, (ring + j) % STAGES)  # one release per warpgroup (empty counts 2)
 
     # Epilogue: O = acc / l * v_scale; LSE.
     inv_l, lse = finish_rows(m_i, l_i, P_OFFSET)
@@ -202,17 +232,60 @@ def _consumer(q_smem, k_bufs, v_bufs, q_bars, k_bars, v_bars, empty_bars, turn_b
                  v_scale_ptr, stride_vsb, stride_vsh, stride_vsd, seqlen_q)
     if RETURN_LSE:
         if HAS_KMEAN:
-            corr = kmean_lse_term(q_smem, W * QK_CHUNKS, QK_CHUNKS, k_mean_ptr, stride_kmb, stride_kmh, stride_kmd,
-                                  b, hkv, (c_q / qk_scale) * sm_scale, WG_WARPS)
-            lse = lse + gl.convert_layout(corr, gl.SliceLayout(1, s_layout))
+            if n_end > 0:  # (with no key block no Q was loaded, and every LSE is -inf anyway)
+                corr = kmean_lse_term(q_smem, W * QK_CHUNKS, QK_CHUNKS, k_mean_ptr, stride_kmb, stride_kmh,
+                                      stride_kmd, b, hkv, (c_q / qk_scale) * sm_scale, WG_WARPS)
+                lse = lse + gl.convert_layout(corr, gl.SliceLayout(1, s_layout))
         lse_row = lse_ptr + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + q_start
         gl.store(lse_row + offs_m, lse, mask=offs_m < seqlen_q)
+
+
+@gluon.jit
+def _consumer(q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars,
+              out_ptr, stride_ob, stride_os, stride_oh, lse_ptr, stride_lb, stride_lh,
+              q_scale_ptr, stride_qsb, stride_qsh, stride_qsblk,
+              k_scale_ptr, stride_ksb, stride_ksh, stride_ksblk,
+              v_scale_ptr, stride_vsb, stride_vsh, stride_vsd,
+              k_mean_ptr, stride_kmb, stride_kmh, stride_kmd,
+              seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k,
+              num_bh, num_heads, group_size, num_m_tiles, first_tile, tile_step, num_tiles,
+              HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
+              RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, RESCALE_SKIP: gl.constexpr,
+              PINGPONG: gl.constexpr, POLY: gl.constexpr, TWO_LEVEL: gl.constexpr, VARLEN: gl.constexpr,
+              W: gl.constexpr):
+    """Warpgroup ``W`` over this program's tiles; after each it hands its Q half back (``q_empty``
+    counts both warpgroups), so the producer can load the next tile's. Tiles with no key block to
+    visit (causal rows before the first key, varlen tiles past a sequence) load no Q."""
+    ring = 0  # key blocks of the earlier tiles: the ring position of this tile's block 0
+    batch = 0  # wgmma batches of the earlier tiles (turn-barrier phases)
+    qi = 0  # Q tiles loaded so far (a tile with no key block to visit gets none, writes zeros)
+    for t in range(first_tile, num_tiles, tile_step):
+        b, h, hkv, m_start, tma_b, q_start, k_start, sq, sk, n_full, n_end = _tile(
+            t, num_bh, num_heads, group_size, num_m_tiles, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k,
+            k_bufs.shape[3], CAUSAL, VARLEN)
+        if n_end > 0:
+            mbarrier.wait(q_bars.index(W), qi & 1)
+        _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars,
+                       out_ptr, stride_ob, stride_os, stride_oh, lse_ptr, stride_lb, stride_lh,
+                       q_scale_ptr, stride_qsb, stride_qsh, stride_qsblk,
+                       k_scale_ptr, stride_ksb, stride_ksh, stride_ksblk,
+                       v_scale_ptr, stride_vsb, stride_vsh, stride_vsd,
+                       k_mean_ptr, stride_kmb, stride_kmh, stride_kmd,
+                       sq, sk, qk_scale, sm_scale,
+                       b, h, hkv, q_start, m_start, n_full, n_end, ring, batch,
+                       HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY,
+                       TWO_LEVEL, W)
+        if n_end > 0:
+            release_slot(q_empty, 0)  # this warpgroup's QK wgmmas and K-mean term are done with its Q half
+            qi += 1
+        ring += n_end
+        batch += gl.minimum(n_end, 1) + n_end
 
 
 # ----------------------------------------------------------------------------- kernel
 
 # head counts vary per call: not specialized (sequence lengths stay specialized, see v2)
-@gluon.jit(do_not_specialize=["num_heads", "group_size", "num_m_tiles"])
+@gluon.jit(do_not_specialize=["num_heads", "group_size", "num_m_tiles", "num_bh"])
 def attn_fwd_pingpong_kernel(
     q_desc, k_desc, v_desc,
     out_ptr, stride_ob, stride_os, stride_oh,
@@ -224,63 +297,65 @@ def attn_fwd_pingpong_kernel(
     seqlen_q, seqlen_k, num_heads, group_size, num_m_tiles,
     qk_scale,  # softmax_scale * log2(e)
     sm_scale,  # softmax_scale (for the K-mean LSE correction)
+    num_bh,  # batch * query heads: tile t is query tile (num_m_tiles - 1 - t // num_bh) of (b, h) = t % num_bh
     cu_seqlens_q, cu_seqlens_k,  # varlen: (batch + 1) int32 token offsets (dense: unused)
     stride_lb, stride_lh,  # LSE strides of batch and head (dense (B, H, Sq); varlen (H, total_q))
     HEAD_DQK: gl.constexpr, HEAD_DV: gl.constexpr,
     CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
     RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, VARLEN: gl.constexpr, STAGES: gl.constexpr,
     RESCALE_SKIP: gl.constexpr, PINGPONG: gl.constexpr, POLY: gl.constexpr, PV_IN_MMA: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    PERSISTENT: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     gl.static_assert(num_warps == WG_WARPS, "v3 launches with num_warps=4 (the first consumer warpgroup)")
     gl.static_assert(q_desc.block_type.shape[2] == WG_ROWS, "v3 loads Q in 64-row boxes")
     DCHUNK: gl.constexpr = q_desc.block_type.shape[3]
     QK_CHUNKS: gl.constexpr = HEAD_DQK // DCHUNK
-    BLOCK_M: gl.constexpr = 2 * WG_ROWS
     TWO_LEVEL: gl.constexpr = IS_FP8 and not PV_IN_MMA
 
-    _, b, h, hkv, m_start = program_tile(num_heads, group_size, num_m_tiles, BLOCK_M)
-    tma_b, q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(cu_seqlens_q, cu_seqlens_k, b, seqlen_q, seqlen_k,
-                                                                  VARLEN)
+    first_tile, tile_step, num_tiles = program_tiles(num_bh, num_m_tiles, PERSISTENT)
 
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2 * QK_CHUNKS] + q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES * QK_CHUNKS] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     q_bars = alloc_barriers(2)
+    q_empty = alloc_barriers(1, 2)  # both consumer warpgroups are done with the tile's Q
     k_bars = alloc_barriers(STAGES)
     v_bars = alloc_barriers(STAGES)
     empty_bars = alloc_barriers(STAGES, 2)  # one release per consumer warpgroup
     turn_bars = alloc_barriers(2)
 
-    n_full, n_end = kv_block_range(m_start, seqlen_q, seqlen_k, BLOCK_M, k_desc.block_type.shape[2], CAUSAL)
 
     # the two consumers differ only in their last argument (a tuple concatenation would turn the
     # constexprs into runtime values)
     gl.warp_specialize([
-        (_consumer, (q_smem, k_bufs, v_bufs, q_bars, k_bars, v_bars, empty_bars, turn_bars,
+        (_consumer, (q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars,
                        out_ptr, stride_ob, stride_os, stride_oh, lse_ptr, stride_lb, stride_lh,
                        q_scale_ptr, stride_qsb, stride_qsh, stride_qsblk,
                        k_scale_ptr, stride_ksb, stride_ksh, stride_ksblk,
                        v_scale_ptr, stride_vsb, stride_vsh, stride_vsd,
                        k_mean_ptr, stride_kmb, stride_kmh, stride_kmd,
-                       seqlen_q, seqlen_k, qk_scale, sm_scale,
-                       b, h, hkv, q_start, m_start, n_full, n_end,
-                       HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, 0)),
-        (_consumer, (q_smem, k_bufs, v_bufs, q_bars, k_bars, v_bars, empty_bars, turn_bars,
+                       seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k,
+                       num_bh, num_heads, group_size, num_m_tiles, first_tile, tile_step, num_tiles,
+                       HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL,
+                       VARLEN, 0)),
+        (_consumer, (q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars,
                        out_ptr, stride_ob, stride_os, stride_oh, lse_ptr, stride_lb, stride_lh,
                        q_scale_ptr, stride_qsb, stride_qsh, stride_qsblk,
                        k_scale_ptr, stride_ksb, stride_ksh, stride_ksblk,
                        v_scale_ptr, stride_vsb, stride_vsh, stride_vsd,
                        k_mean_ptr, stride_kmb, stride_kmh, stride_kmd,
-                       seqlen_q, seqlen_k, qk_scale, sm_scale,
-                       b, h, hkv, q_start, m_start, n_full, n_end,
-                       HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, 1)),
-        (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bars, k_bars, v_bars, empty_bars,
-                     tma_b, h, hkv, q_start, k_start, m_start, n_end, V_KMAJOR)),
+                       seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k,
+                       num_bh, num_heads, group_size, num_m_tiles, first_tile, tile_step, num_tiles,
+                       HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL,
+                       VARLEN, 1)),
+        (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars,
+                     seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, num_bh, num_heads, group_size, num_m_tiles,
+                     first_tile, tile_step, num_tiles, CAUSAL, V_KMAJOR, VARLEN)),
     ], [WG_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
     invalidate_barriers(q_bars, 2)
+    invalidate_barriers(q_empty, 1)
     invalidate_barriers(k_bars, STAGES)
     invalidate_barriers(v_bars, STAGES)
     invalidate_barriers(empty_bars, STAGES)

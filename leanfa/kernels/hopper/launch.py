@@ -117,7 +117,9 @@ def _flag(name: str, default: bool) -> bool:
 #: LEANFA_HOPPER_POLY (of every 8 FP8 exponentials, how many run as a polynomial on the FMA pipe;
 #: default 0: POLY=1 was within 2% either way, 2 and 4 were ~3% and ~10% slower, runs 9-10),
 #: LEANFA_HOPPER_PV_IN_MMA (FP8 PV accumulated in the wgmma accumulator, not in fp32 per block:
-#: an experiment, off; see kernel_pingpong), LEANFA_HOPPER_RESCALE_SKIP, LEANFA_HOPPER_PRODUCER_REGS.
+#: an experiment, off; see kernel_pingpong), LEANFA_HOPPER_PERSISTENT (one program per SM looping over
+#: the tiles heaviest first, see schedule.py; off until measured), LEANFA_HOPPER_RESCALE_SKIP,
+#: LEANFA_HOPPER_PRODUCER_REGS.
 KERNELS = {"v1": attn_fwd_kernel, "v2": attn_fwd_ws_kernel, "v3": attn_fwd_pingpong_kernel}
 DEFAULT_VERSION = "v3"
 V3_CONSUMER_REGS = 240  # with a 24-register producer this is what the default partition gets too
@@ -197,6 +199,7 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
         float(softmax_scale * LOG2E), float(softmax_scale),
     )
     if version == "v3":
+        args += (B * Hq, )
         if varlen:  # lse (Hq, total_q)
             lse_strides = (0, lse.stride(0)) if lse is not None else (0, 0)
             args += (cu_seqlens_q, cu_seqlens_k, *lse_strides)
@@ -221,8 +224,24 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
         constexprs.update(PINGPONG=_flag("LEANFA_HOPPER_PINGPONG", False), POLY=poly,
                           PV_IN_MMA=_flag("LEANFA_HOPPER_PV_IN_MMA", False),
                           CONSUMER_REGS=V3_CONSUMER_REGS, VARLEN=varlen, num_warps=NUM_WARPS // 2)
-    grid = (B * Hq, num_m_tiles)
+    persistent = version == "v3" and _flag("LEANFA_HOPPER_PERSISTENT", False)
+    if version == "v3":
+        if persistent and constexprs["PINGPONG"]:
+            raise ValueError("LEANFA_HOPPER_PERSISTENT and LEANFA_HOPPER_PINGPONG cannot be combined yet")
+        constexprs.update(PERSISTENT=persistent)
+    if persistent:  # one program per SM (one CTA fits an SM: > 114 KB of shared memory)
+        grid = (min(B * Hq * num_m_tiles, _num_sms(q.device)), )
+    else:
+        grid = (B * Hq, num_m_tiles)
     return Plan(args, constexprs, grid, version)
+
+
+def _num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device``; on the CPU (the emulator) 3, so that its programs
+    each run several tiles."""
+    if device.type != "cuda":
+        return 3
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def triton_cdiv(a: int, b: int) -> int:

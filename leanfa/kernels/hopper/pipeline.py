@@ -46,12 +46,17 @@ def load_q(q_desc, b, h, m_start, bar, q_smem, QK_CHUNKS: gl.constexpr):
 
 @gluon.jit
 def load_kv(k_desc, v_desc, b, hkv, block, k_bufs, v_bufs, k_bars, v_bars,
-            STAGES: gl.constexpr, V_KMAJOR: gl.constexpr, QK_CHUNKS: gl.constexpr, k_start=0):
+            STAGES: gl.constexpr, V_KMAJOR: gl.constexpr, QK_CHUNKS: gl.constexpr, k_start=0, ring_index=None):
     """Issue the TMA loads of key block ``block`` into its ring slot (K: ``QK_CHUNKS`` boxes).
-    ``k_start``: the sequence's first token in the descriptor (varlen: its ``cu_seqlens_k`` entry)."""
+    ``k_start``: the sequence's first token in the descriptor (varlen: its ``cu_seqlens_k`` entry);
+    ``ring_index``: the block's position in the ring when it differs from ``block`` (a persistent
+    program's ring runs on across its tiles)."""
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
     DCHUNK: gl.constexpr = k_desc.block_type.shape[3]
-    slot = block % STAGES
+    if ring_index is None:
+        slot = block % STAGES
+    else:
+        slot = ring_index % STAGES
     n0 = k_start + block * BLOCK_N
     kb = k_bars.index(slot)
     mbarrier.expect(kb, QK_CHUNKS * k_desc.block_type.nbytes)
@@ -100,16 +105,17 @@ def qk_async(q_smem, Q_FIRST: gl.constexpr, k_bufs, slot, s_zero, QK_CHUNKS: gl.
 
 @gluon.jit
 def produce_kv(k_desc, v_desc, b, hkv, n_end, k_bufs, v_bufs, k_bars, v_bars, empty_bars, V_KMAJOR: gl.constexpr,
-               k_start=0):
-    """The producer warp's loop: key blocks ``[0, n_end)`` into the ring. Block ``j >= STAGES``
-    reuses the slot of block ``j - STAGES``, so it waits for that block's release: phase
-    ``j // STAGES - 1`` of ``empty[j % STAGES]``."""
+               k_start=0, ring_base=0):
+    """The producer warp's loop: key blocks ``[0, n_end)`` into the ring, block ``j`` at ring
+    position ``g = ring_base + j``. Position ``g >= STAGES`` reuses the slot of ``g - STAGES``, so
+    it waits for that one's release: phase ``g // STAGES - 1`` of ``empty[g % STAGES]``."""
     STAGES: gl.constexpr = v_bufs.shape[0]
     QK_CHUNKS: gl.constexpr = k_bufs.shape[0] // STAGES
     for j in range(n_end):
-        if j >= STAGES:
-            mbarrier.wait(empty_bars.index(j % STAGES), ((j // STAGES) - 1) & 1)
-        load_kv(k_desc, v_desc, b, hkv, j, k_bufs, v_bufs, k_bars, v_bars, STAGES, V_KMAJOR, QK_CHUNKS, k_start)
+        g = ring_base + j
+        if g >= STAGES:
+            mbarrier.wait(empty_bars.index(g % STAGES), ((g // STAGES) - 1) & 1)
+        load_kv(k_desc, v_desc, b, hkv, j, k_bufs, v_bufs, k_bars, v_bars, STAGES, V_KMAJOR, QK_CHUNKS, k_start, g)
 
 
 @gluon.jit

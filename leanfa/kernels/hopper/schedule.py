@@ -3,8 +3,12 @@
 The grid is ``(batch * heads, query tiles)``. Axis 1 runs backwards so that, for causal
 attention, every head's last (heaviest: it sees the most keys) query tile is launched before
 any first tile and the last wave is made of cheap tiles. GQA: query head ``h`` reads KV head
-``h // group_size``. A persistent scheduler (one program per SM looping over tiles) would live
-here too.
+``h // group_size``.
+
+v3 numbers the tiles in that launch order, heaviest first (:func:`tile_coords`), and a program
+computes tiles ``first, first + step, ...`` (:func:`program_tiles`): one tile per program on the
+2-D grid, or -- ``PERSISTENT`` -- a 1-D grid of one program per SM that strides through all of
+them, so each SM takes the next-heaviest tile left and pays the pipeline fill once.
 
 Varlen (packed ``(total, H, D)`` tensors): program ``b`` of axis 0 is sequence ``b``, whose tokens
 are ``[cu_seqlens[b], cu_seqlens[b + 1])``; the grid covers ``max_seqlen_q`` and the tiles past a
@@ -26,6 +30,30 @@ def program_tile(num_heads, group_size, num_m_tiles, BLOCK_M: gl.constexpr):
     h = pid_bh % num_heads
     hkv = h // group_size
     return pid_bh, b, h, hkv, pid_m * BLOCK_M
+
+
+@gluon.jit
+def tile_coords(t, num_bh, num_heads, group_size, num_m_tiles, BLOCK_M: gl.constexpr):
+    """``(b, h, hkv, m_start)`` of tile ``t``: query tile ``num_m_tiles - 1 - t // num_bh`` of
+    ``(b, h)`` number ``t % num_bh`` (so tiles ``[0, num_bh)`` are every head's last, heaviest, one)."""
+    pid_bh = t % num_bh
+    pid_m = num_m_tiles - 1 - t // num_bh
+    b = pid_bh // num_heads
+    h = pid_bh % num_heads
+    return b, h, h // group_size, pid_m * BLOCK_M
+
+
+@gluon.jit
+def program_tiles(num_bh, num_m_tiles, PERSISTENT: gl.constexpr):
+    """``(first, step, num_tiles)``: this program computes tiles ``first, first + step, ... < num_tiles``."""
+    num_tiles = num_bh * num_m_tiles
+    if PERSISTENT:
+        first = gl.program_id(0)
+        step = gl.num_programs(0)
+    else:  # grid (num_bh, num_m_tiles): the launch order is the tile order
+        first = gl.program_id(1) * num_bh + gl.program_id(0)
+        step = num_tiles
+    return first, step, num_tiles
 
 
 @gluon.jit
