@@ -3,7 +3,8 @@
 
 Draws from the same case space as tests/test_fuzz.py (its ``random_case``/``build_case``/
 ``compare``, driven by ``random.Random`` instead of hypothesis) with GPU-sized limits, runs every
-case on backend="portable" and, where ``hopper.supports()`` accepts it, backend="hopper", and
+case on backend="portable" and, where ``hopper.supports()`` accepts it (dense, and BF16/FP16
+varlen), backend="hopper", and
 compares each against ``attention_ref`` in float64 on the GPU. Outputs are poisoned with NaN
 (LEANFA_POISON_OUTPUTS=1) so unwritten elements fail.
 
@@ -57,7 +58,7 @@ def case_params(seed: int) -> dict:
 
 
 def hopper_ok(case) -> bool:
-    if case.varlen or case.params["mode"] == "fp8sink":  # sink keys run in the portable kernel
+    if case.params["mode"] == "fp8sink":  # sink keys run in the portable kernel
         return False
     from leanfa.api import _build_problem, _unpack_quantized
     from leanfa.kernels import dispatch
@@ -66,8 +67,10 @@ def hopper_ok(case) -> bool:
     q, k, v, qd, kd, vd, km = _unpack_quantized(case.args[0], case.args[1], case.args[2], kw.pop("q_descale", None),
                                                 kw.pop("k_descale", None), kw.pop("v_descale", None),
                                                 kw.pop("k_mean", None))
-    prob = _build_problem(q, k, v, varlen=False, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-                          max_seqlen_k=None, q_descale=qd, k_descale=kd, v_descale=vd, k_mean=km, **kw)
+    names = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+    cu = dict(zip(names, case.args[3:7])) if case.varlen else dict.fromkeys(names)  # varlen: positional
+    prob = _build_problem(q, k, v, varlen=case.varlen, **cu, q_descale=qd, k_descale=kd, v_descale=vd, k_mean=km,
+                          **kw)
     return dispatch.hopper_applies(prob)[0]
 
 
