@@ -49,7 +49,7 @@ run_steps() {
                 step bench_varlen 240 24 python3 -m leanfa.cli bench --no-progress --sweep varlen \
                 --impl 'leanfa-*,cudnn-*,sdpa-*' --name bench-varlen --out "$OUT/r/bench_varlen" ;;
       persist) step persist 560 60 python3 scripts/hopper_v2_gpu.py --check v3-persist:small --check-timeout 200 \
-                --time v3,v3-persist,v3-pvmma,v3-persist-pvmma ;;  # one program per SM, heaviest tiles first
+                --time v3,v3-persist ;;  # one program per SM, heaviest tiles first
       persist_check) step persist_check 420 40 python3 scripts/hopper_v2_gpu.py --check v3-persist \
                 --check-timeout 300 --no-bench --sanitize ;;
       fp8_varlen_probe) step fp8_varlen_probe 200 10 python3 scripts/hopper_fp8_varlen_probe.py ;;

@@ -47,7 +47,7 @@ from .epilogue import kmean_lse_term, store_output
 from .layouts import a_operand_layout, wgmma_layout
 from .masking import kv_block_range, mask_scores
 from .pipeline import alloc_barriers, invalidate_barriers, produce_kv, qk_async, release_slot, v_tile, wait_k
-from .schedule import program_tiles, sequence_bounds, tile_coords
+from .schedule import program_tiles, round_tile, sequence_bounds, tile_coords
 from .softmax import finish_rows
 from .softmax_ws import online_softmax_step_lazy
 
@@ -59,13 +59,17 @@ WG_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M)
 # ----------------------------------------------------------------------------- tiles
 
 @gluon.jit
-def _tile(t, num_bh, num_heads, group_size, num_m_tiles, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k,
+def _tile(t, num_bh, num_heads, group_size, num_m_tiles, num_tiles, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k,
           BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr):
     """Everything about tile ``t`` both partitions need: ``(b, h, hkv, m_start, tma_b, q_start,
-    k_start, seqlen_q, seqlen_k, n_full, n_end)``."""
-    b, h, hkv, m_start = tile_coords(t, num_bh, num_heads, group_size, num_m_tiles, 2 * WG_ROWS)
+    k_start, seqlen_q, seqlen_k, n_full, n_end)``. A ``t`` past the last tile (a persistent
+    program's last round may have none) reads as the last tile with no rows and no key blocks."""
+    valid = t < num_tiles
+    b, h, hkv, m_start = tile_coords(gl.minimum(t, num_tiles - 1), num_bh, num_heads, group_size, num_m_tiles,
+                                     2 * WG_ROWS)
     tma_b, q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(cu_seqlens_q, cu_seqlens_k, b, seqlen_q, seqlen_k,
                                                                   VARLEN)
+    seqlen_q = gl.where(valid, seqlen_q, 0)
     n_full, n_end = kv_block_range(m_start, seqlen_q, seqlen_k, 2 * WG_ROWS, BLOCK_N, CAUSAL)
     return b, h, hkv, m_start, tma_b, q_start, k_start, seqlen_q, seqlen_k, n_full, n_end
 
@@ -83,10 +87,11 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bars, q_empty, k
     DCHUNK: gl.constexpr = q_desc.block_type.shape[3]
     ring = 0
     qi = 0  # Q tiles loaded so far (tiles with no key block to visit load none)
-    for t in range(first_tile, num_tiles, tile_step):
+    for r in range(0, (num_tiles + tile_step - 1) // tile_step):
+        t = round_tile(r, first_tile, tile_step)
         b, h, hkv, m_start, tma_b, q_start, k_start, sq, sk, n_full, n_end = _tile(
-            t, num_bh, num_heads, group_size, num_m_tiles, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k,
-            k_desc.block_type.shape[2], CAUSAL, VARLEN)
+            t, num_bh, num_heads, group_size, num_m_tiles, num_tiles, seqlen_q, seqlen_k, cu_seqlens_q,
+            cu_seqlens_k, k_desc.block_type.shape[2], CAUSAL, VARLEN)
         if n_end > 0:
             if qi > 0:
                 mbarrier.wait(q_empty.index(0), (qi - 1) & 1)
@@ -248,7 +253,7 @@ def _consumer_step(t, ring, batch, qi, q_smem, k_bufs, v_bufs, q_bars, q_empty, 
                    v_scale_ptr, stride_vsb, stride_vsh, stride_vsd,
                    k_mean_ptr, stride_kmb, stride_kmh, stride_kmd,
                    seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k,
-                   num_bh, num_heads, group_size, num_m_tiles,
+                   num_bh, num_heads, group_size, num_m_tiles, num_tiles,
                    HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
                    RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, RESCALE_SKIP: gl.constexpr,
                    PINGPONG: gl.constexpr, POLY: gl.constexpr, TWO_LEVEL: gl.constexpr, VARLEN: gl.constexpr,
@@ -256,7 +261,7 @@ def _consumer_step(t, ring, batch, qi, q_smem, k_bufs, v_bufs, q_bars, q_empty, 
     """Tile ``t``; ``ring``, ``batch``, ``qi``: key blocks, wgmma batches and Q tiles of the
     program's earlier tiles (ring position, turn-barrier phase, ``q_bars`` phase). Returns them updated."""
     b, h, hkv, m_start, tma_b, q_start, k_start, sq, sk, n_full, n_end = _tile(
-        t, num_bh, num_heads, group_size, num_m_tiles, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k,
+        t, num_bh, num_heads, group_size, num_m_tiles, num_tiles, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k,
         k_bufs.shape[3], CAUSAL, VARLEN)
     if n_end > 0:
         mbarrier.wait(q_bars.index(W), qi & 1)
@@ -298,14 +303,14 @@ def _consumer(q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bar
         ring = 0
         batch = 0
         qi = 0
-        for t in range(first_tile, num_tiles, tile_step):
+        for r in range(0, (num_tiles + tile_step - 1) // tile_step):
             ring, batch, qi = _consumer_step(
-                t, ring, batch, qi, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars,
+                round_tile(r, first_tile, tile_step), ring, batch, qi, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars,
                 out_ptr, stride_ob, stride_os, stride_oh, lse_ptr, stride_lb, stride_lh,
                 q_scale_ptr, stride_qsb, stride_qsh, stride_qsblk, k_scale_ptr, stride_ksb, stride_ksh, stride_ksblk,
                 v_scale_ptr, stride_vsb, stride_vsh, stride_vsd, k_mean_ptr, stride_kmb, stride_kmh, stride_kmd,
                 seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k,
-                num_bh, num_heads, group_size, num_m_tiles,
+                num_bh, num_heads, group_size, num_m_tiles, num_tiles,
                 HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL,
                 VARLEN, W)
     else:
@@ -315,7 +320,7 @@ def _consumer(q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bar
             q_scale_ptr, stride_qsb, stride_qsh, stride_qsblk, k_scale_ptr, stride_ksb, stride_ksh, stride_ksblk,
             v_scale_ptr, stride_vsb, stride_vsh, stride_vsd, k_mean_ptr, stride_kmb, stride_kmh, stride_kmd,
             seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k,
-            num_bh, num_heads, group_size, num_m_tiles,
+            num_bh, num_heads, group_size, num_m_tiles, num_tiles,
             HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL,
             VARLEN, W)
 

@@ -5,10 +5,10 @@ attention, every head's last (heaviest: it sees the most keys) query tile is lau
 any first tile and the last wave is made of cheap tiles. GQA: query head ``h`` reads KV head
 ``h // group_size``.
 
-v3 numbers the tiles in that launch order, heaviest first (:func:`tile_coords`), and a program
-computes tiles ``first, first + step, ...`` (:func:`program_tiles`): one tile per program on the
-2-D grid, or -- ``PERSISTENT`` -- a 1-D grid of one program per SM that strides through all of
-them, so each SM takes the next-heaviest tile left and pays the pipeline fill once.
+v3 numbers the tiles in that launch order, heaviest first (:func:`tile_coords`): one tile per
+program on the 2-D grid, or -- ``PERSISTENT`` -- a 1-D grid of one program per SM that walks the
+tiles in rounds of one per program, alternating direction (:func:`round_tile`), and pays the
+pipeline fill once.
 
 Varlen (packed ``(total, H, D)`` tensors): program ``b`` of axis 0 is sequence ``b``, whose tokens
 are ``[cu_seqlens[b], cu_seqlens[b + 1])``; the grid covers ``max_seqlen_q`` and the tiles past a
@@ -44,8 +44,18 @@ def tile_coords(t, num_bh, num_heads, group_size, num_m_tiles, BLOCK_M: gl.const
 
 
 @gluon.jit
+def round_tile(r, first, step):
+    """The tile of round ``r`` of a persistent program: rounds alternate direction (boustrophedon),
+    so the program that took one of a round's heaviest tiles takes one of the next round's lightest.
+    (Run 16: with plain striding ``first + r * step`` program 0 got ~12% more keys than program 131
+    at 16K causal, and the persistent kernel was 2-4% slower than one tile per program.)"""
+    return r * step + gl.where(r % 2 == 0, first, step - 1 - first)
+
+
+@gluon.jit
 def program_tiles(num_bh, num_m_tiles, PERSISTENT: gl.constexpr):
-    """``(first, step, num_tiles)``: this program computes tiles ``first, first + step, ... < num_tiles``."""
+    """``(first, step, num_tiles)``: this program computes tiles ``first, first + step, ... < num_tiles``
+    (persistent: :func:`round_tile` of rounds ``0, 1, ...``)."""
     num_tiles = num_bh * num_m_tiles
     if PERSISTENT:
         first = gl.program_id(0)
