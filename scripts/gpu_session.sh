@@ -87,6 +87,8 @@ run_steps() {
       bench_host) step bench_host 300 14 python3 -m leanfa.cli bench --quick --no-progress --sweep standard \
                 --seqlens 512,4k,16k --causal true --impl 'leanfa-*,cudnn-bf16,cudnn-fp8,cudnn-fp8-e2e' \
                 --name bench-host --out "$OUT/r/bench_host" ;;
+      fuzz_replay) step fuzz_replay 120 12 python3 scripts/gpu_fuzz_campaign.py \
+                --replay 1890464196 900346328 1265751251 ;;  # run 17's failures (empty varlen batches on Hopper)
       fuzz) step fuzz 190 14 python3 scripts/gpu_fuzz_campaign.py --seconds 150 --seed 1 --workers "$WORKERS" ;;
       sanitize) step sanitize 110 12 python3 scripts/sanitize.py --tools memcheck racecheck synccheck --timeout 30 ;;
       sweep) step sweep 560 20 python3 -m leanfa.cli bench --no-progress --sweep standard --out "$OUT/r/sweep" ;;

@@ -185,6 +185,31 @@ def test_varlen_matches_reference(lens, dims, causal, fp8, monkeypatch):
 
 @gpu
 @needs_sm90
+@pytest.mark.parametrize("lens_q,lens_k", [([0, 0], [0, 0]), ([0], [5]), ([3, 0], [0, 0])])
+def test_varlen_empty_batch_falls_back(lens_q, lens_k):
+    """GPU fuzz, run 17: an all-empty packed batch reached the Hopper kernel and failed building a
+    TMA descriptor with a zero dim. Now supports() declines it and the portable kernel answers:
+    0 output, LSE -inf."""
+    from leanfa.api import _build_problem
+    from leanfa.kernels import hopper
+
+    cu_q = torch.tensor([0] + lens_q, device="cuda").cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0] + lens_k, device="cuda").cumsum(0).to(torch.int32)
+    q = torch.randn(sum(lens_q), 4, 128, device="cuda").to(torch.bfloat16)
+    k = torch.randn(sum(lens_k), 1, 128, device="cuda").to(torch.bfloat16)
+    cu = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k))
+    if sum(lens_q) == 0 or sum(lens_k) == 0:
+        problem = _build_problem(q, k, k, varlen=True, **cu, softmax_scale=None, causal=True, return_lse=True,
+                                 out_dtype=None, q_descale=None, k_descale=None, v_descale=None, k_mean=None)
+        ok, why = hopper.supports(problem)
+        assert not ok and "empty" in why
+    out, lse = leanfa.flash_attn_varlen_func(q, k, k, **cu, causal=True, return_lse=True)
+    assert out.shape == (sum(lens_q), 4, 128) and lse.shape == (4, sum(lens_q))
+    assert (out == 0).all() and torch.isinf(lse).all()
+
+
+@gpu
+@needs_sm90
 def test_strided_inputs_and_transposed_bf16_v():
     B, S, H, D = 2, 300, 4, 128
     qkv = torch.randn(B, S, 3, H, D, device="cuda").to(torch.bfloat16)

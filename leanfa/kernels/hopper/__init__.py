@@ -34,10 +34,10 @@ from . import launch as _launch
 VALIDATED = True
 #: H200 run 15: FP8 varlen died with "illegal instruction" (every case; BF16 varlen passed 8/8).
 #: FP8 V is stored transposed, tokens innermost, so a box of sequence b starts at token
-#: cu_seqlens_k[b] + 128 j -- not 16-byte aligned in general, which TMA does not accept (the
-#: suspected cause; scripts/hopper_fp8_varlen_probe.py checks it). Until the quantizer aligns each
-#: sequence's V start, FP8 varlen runs on the portable kernel. LEANFA_HOPPER_FP8_VARLEN=1 forces it
-#: (for that probe only).
+#: cu_seqlens_k[b] + 128 j -- not 16-byte aligned in general, which TMA does not accept (run 16,
+#: scripts/hopper_fp8_varlen_probe.py: lengths that are multiples of 16 pass, others crash). Until
+#: the quantizer aligns each sequence's V start, FP8 varlen runs on the portable kernel.
+#: LEANFA_HOPPER_FP8_VARLEN=1 forces it (for that probe only).
 FP8_VARLEN = os.environ.get("LEANFA_HOPPER_FP8_VARLEN", "0") == "1"
 HEAD_DIMS = ((128, 128), (192, 128))
 IN_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
@@ -59,6 +59,8 @@ def supports(problem) -> tuple[bool, str]:
         return False, f"the Hopper kernel needs an sm90 GPU (found sm{cap[0]}{cap[1]})"
     if problem.varlen and _launch.kernel_version() != "v3":
         return False, f"varlen needs the v3 Hopper kernel (LEANFA_HOPPER_KERNEL={_launch.kernel_version()})"
+    if q.numel() == 0 or k.numel() == 0:  # a TMA descriptor cannot have a zero-sized dim
+        return False, "empty inputs (no query or no key token; GPU fuzz, run 17): nothing for TMA to load"
     if problem.varlen and problem.is_fp8 and not FP8_VARLEN:
         return False, ("FP8 varlen is not run by the Hopper kernel: its transposed V puts the tokens innermost, "
                        "and a sequence starting at an arbitrary token is not a valid TMA box start")

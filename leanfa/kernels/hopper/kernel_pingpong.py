@@ -49,7 +49,7 @@ from .masking import kv_block_range, mask_scores
 from .pipeline import alloc_barriers, invalidate_barriers, produce_kv, qk_async, release_slot, v_tile, wait_k
 from .schedule import program_tiles, round_tile, sequence_bounds, tile_coords
 from .softmax import finish_rows
-from .softmax_ws import online_softmax_step_lazy
+from .softmax_ws import fold_pv, online_softmax_step_lazy
 
 SCALE_BLOCK = gl.constexpr(128)  # tokens per Q/K scale block (leanfa.scales.SCALE_BLOCK)
 WG_WARPS = gl.constexpr(4)  # warps per consumer warpgroup
@@ -152,23 +152,13 @@ def _softmax_block(s, j, c_q, k_scale_row, stride_ksblk, m_i, l_i, offs_m, offs_
 
 @gluon.jit
 def _issue_pv(p_op, v, acc, alpha_o, TWO_LEVEL: gl.constexpr):
-    """Issue PV (async). Two-level (FP8): into a fresh fp32 tile that :func:`_fold` adds to O;
+    """Issue PV (async). Two-level (FP8): into a fresh fp32 tile that :func:`.softmax_ws.fold_pv` adds to O;
     otherwise into O itself, rescaled first."""
     if TWO_LEVEL:
         pv_acc = warpgroup_mma(p_op, v, gl.zeros_like(acc), use_acc=False, is_async=True)
     else:
         pv_acc = warpgroup_mma(p_op, v, acc * alpha_o, is_async=True)
     return pv_acc
-
-
-@gluon.jit
-def _fold(acc, alpha_o, pv, TWO_LEVEL: gl.constexpr):
-    """O after a retired PV: two-level adds the block by one FFMA per element (rescale included)."""
-    if TWO_LEVEL:
-        acc = gl.fma(acc, alpha_o, pv)
-    else:
-        acc = pv
-    return acc
 
 
 @gluon.jit
@@ -227,7 +217,7 @@ def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars
         else:
             _pass_turn(turn_bars, W, PINGPONG)
             pv = warpgroup_mma_wait(0, deps=(pv_acc, ))
-        acc = _fold(acc, alpha_o, pv, TWO_LEVEL)
+        acc = fold_pv(acc, alpha_o, pv, TWO_LEVEL)
         release_slot(empty_bars, (ring + j) % STAGES)  # one release per warpgroup (empty counts 2)
 
     # Epilogue: O = acc / l * v_scale; LSE.

@@ -46,7 +46,7 @@ from .pipeline import (
 )
 from .schedule import program_tile
 from .softmax import finish_rows
-from .softmax_ws import online_softmax_step_lazy
+from .softmax_ws import fold_pv, online_softmax_step_lazy
 
 SCALE_BLOCK = gl.constexpr(128)  # tokens per Q/K scale block (leanfa.scales.SCALE_BLOCK)
 
@@ -67,7 +67,7 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_bars, v_b
 def _softmax_pv(s, j, v_bufs, v_bars, acc, m_i, l_i, c, offs_m, offs_n0, seqlen_q, seqlen_k,
                 MASK: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
                 P_OFFSET: gl.constexpr, RESCALE_SKIP: gl.constexpr):
-    """Mask, Lean P, and *issue* PV of block ``j`` (async; the caller waits and calls :func:`_fold`)."""
+    """Mask, Lean P, and *issue* PV of block ``j`` (async; the caller waits and calls :func:`.softmax_ws.fold_pv`)."""
     BLOCK_N: gl.constexpr = s.shape[1]
     STAGES: gl.constexpr = v_bufs.shape[0]
     BITS: gl.constexpr = 8 if IS_FP8 else 16
@@ -85,15 +85,6 @@ def _softmax_pv(s, j, v_bufs, v_bars, acc, m_i, l_i, c, offs_m, offs_n0, seqlen_
     else:
         pv = warpgroup_mma(p_op, v, acc * alpha_o, is_async=True)
     return pv, alpha_o, m_i, l_i
-
-
-@gluon.jit
-def _fold(acc, pv, alpha_o, IS_FP8: gl.constexpr):
-    if IS_FP8:
-        acc = gl.fma(acc, alpha_o, pv)
-    else:
-        acc = pv
-    return acc
 
 
 @gluon.jit
@@ -128,7 +119,7 @@ def _attend_blocks(lo, hi, q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars,
                                                 seqlen_q, seqlen_k, MASK, CAUSAL, IS_FP8, V_KMAJOR, P_OFFSET,
                                                 RESCALE_SKIP)
             pv, s_next = warpgroup_mma_wait(0, deps=(pv, s_acc))
-            acc = _fold(acc, pv, alpha_o, IS_FP8)
+            acc = fold_pv(acc, alpha_o, pv, IS_FP8)
             release_slot(empty_bars, j % STAGES)
         if lo < hi:
             j = hi - 1
@@ -137,7 +128,7 @@ def _attend_blocks(lo, hi, q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars,
                                                 seqlen_q, seqlen_k, MASK, CAUSAL, IS_FP8, V_KMAJOR, P_OFFSET,
                                                 RESCALE_SKIP)
             pv = warpgroup_mma_wait(0, deps=(pv, ))
-            acc = _fold(acc, pv, alpha_o, IS_FP8)
+            acc = fold_pv(acc, alpha_o, pv, IS_FP8)
             release_slot(empty_bars, j % STAGES)
     else:
         for j in range(lo, hi):
@@ -148,7 +139,7 @@ def _attend_blocks(lo, hi, q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars,
                                                 seqlen_q, seqlen_k, MASK, CAUSAL, IS_FP8, V_KMAJOR, P_OFFSET,
                                                 RESCALE_SKIP)
             pv = warpgroup_mma_wait(0, deps=(pv, ))
-            acc = _fold(acc, pv, alpha_o, IS_FP8)
+            acc = fold_pv(acc, alpha_o, pv, IS_FP8)
             release_slot(empty_bars, j % STAGES)
     return acc, m_i, l_i
 

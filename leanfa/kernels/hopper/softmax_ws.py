@@ -41,3 +41,15 @@ def online_softmax_step_lazy(s, c, m_i, l_i, P_OFFSET: gl.constexpr, RESCALE_SKI
     p = exp2_mixed(gl.fma(s, c, neg_m[:, None]), POLY)
     l_new = l_i * alpha + gl.sum(p, axis=1)
     return p, m_new, l_new, alpha
+
+
+@gluon.jit
+def fold_pv(acc, alpha_o, pv, TWO_LEVEL: gl.constexpr):
+    """O after a retired PV wgmma. Two-level (FP8): the block's PV was accumulated in a fresh fp32
+    tile, added here by one FFMA per element that also rescales O; otherwise the wgmma accumulated
+    into O itself (fed ``acc * alpha``) and ``pv`` is the new O."""
+    if TWO_LEVEL:
+        acc = gl.fma(acc, alpha_o, pv)
+    else:
+        acc = pv
+    return acc
