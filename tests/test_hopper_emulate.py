@@ -331,11 +331,14 @@ VARLEN_LENS = [  # (q lengths, k lengths): empty and length-1 sequences, Sq < Sk
     ([0, 1, 130, 300, 77], [5, 1, 300, 130, 77]),  # tiles straddling the next sequence's tokens
     ([257], [129]),
 ]
+# FP8 V is stored transposed (tokens innermost): a sequence's boxes start at cu_seqlens_k[b] + 128 j,
+# which TMA accepts only on 16-byte boundaries, so FP8 varlen runs here with key lengths that keep
+# every sequence start aligned (the unaligned case is test_v3_fp8_varlen_unaligned_is_flagged)
+VARLEN_LENS_FP8 = [([0, 1, 130, 300, 77], [16, 48, 304, 128, 77]), ([257], [129])]
 
 
-@pytest.mark.parametrize("lens", VARLEN_LENS)
+@pytest.mark.parametrize("lens,fp8", [(x, False) for x in VARLEN_LENS] + [(x, True) for x in VARLEN_LENS_FP8])
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("persistent", ["0", "1"])
 def test_v3_varlen(lens, causal, fp8, persistent, monkeypatch):
     """v3 on packed varlen inputs (GQA 2:1), one tile per program or persistent: every sequence
@@ -374,6 +377,21 @@ def test_v3_varlen(lens, causal, fp8, persistent, monkeypatch):
     fin = torch.isfinite(ref_lse)
     assert torch.equal(torch.isinf(lse), ~fin), "LSE -inf pattern"
     assert float((lse.double() - ref_lse)[fin].abs().max()) < 2e-2
+
+
+def test_v3_fp8_varlen_unaligned_is_flagged():
+    """What crashed the H200 in run 15: FP8 varlen with a sequence starting at an unaligned token.
+    The emulator refuses the TMA box (and hopper.supports sends FP8 varlen to the portable kernel)."""
+    from leanfa.api import _build_problem
+
+    cu = torch.tensor([0, 5, 300], dtype=torch.int32)
+    q, k, v = (torch.randn(300, 2, 128).to(torch.bfloat16) for _ in range(3))
+    kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=295, max_seqlen_k=295)
+    qq = leanfa.quantize_fp8(q, k[:, :1], v[:, :1], **kw)
+    p = _build_problem(qq.q, qq.k, qq.v, varlen=True, **kw, softmax_scale=None, causal=True, return_lse=False,
+                       out_dtype=None, **qq.descales())
+    with pytest.raises(EmulationError, match="16 bytes"):
+        emulate(p, version="v3")
 
 
 def test_varlen_needs_v3(monkeypatch):

@@ -421,6 +421,11 @@ class _TMA:
                   "(the other warpgroup may still be reading it)")
         if list(result.shape) != desc.block_shape:
             M.err(f"TMA box {desc.block_shape} into a buffer of shape {result.shape}")
+        if (coords[-1] * desc.dtype.itemsize) % 16:
+            # H200 run 16 (scripts/hopper_fp8_varlen_probe.py): a box whose start along the innermost,
+            # contiguous dimension is not 16-byte aligned kills the kernel ("illegal instruction")
+            M.err(f"TMA {desc.name}{coords}: the box starts {coords[-1]} elements into the contiguous dimension, "
+                  f"not a multiple of 16 bytes")
         if not bar.valid:
             M.err("TMA on an uninitialised mbarrier")
         b.state, b.bar, b.coords, b.desc_name = "pending", bar, coords, desc.name
