@@ -2,11 +2,14 @@
 consumer warpgroups, each in its own partition (``LEANFA_HOPPER_KERNEL=v3``).
 
 Same tiles, masks and Lean-P math as :mod:`.kernel` (v1) and :mod:`.kernel_ws` (v2). The CTA
-tile is 128 query rows; the partitions are:
+tile is 128 query rows of one head of one sequence (dense, or packed varlen through
+``cu_seqlens``); a program computes one tile, or -- ``PERSISTENT``, off: measured 0-4% slower at
+16K, runs 16-17 -- one per round of a tile walk (:mod:`.schedule`). The partitions are:
 
-* **producer** (1 warp, 24 registers): both 64-row halves of Q (one barrier each), then every
-  key block the tile visits through the ``STAGES``-deep K/V ring; slot ``s`` is refilled with
-  block ``j >= STAGES`` after ``empty[s]`` saw both consumers release block ``j - STAGES``.
+* **producer** (1 warp, 24 registers): per tile, both 64-row halves of Q (one barrier each; the
+  next tile's only after ``q_empty`` saw both consumers finish), then every key block the tile
+  visits through the ``STAGES``-deep K/V ring; ring position ``g`` (counted over the program's
+  tiles) is refilled after ``empty[g % STAGES]`` saw both consumers release ``g - STAGES``.
 * **two consumers** (4 warps each, 240 registers): warpgroup ``w`` owns query rows
   ``[64 w, 64 w + 64)`` and runs the whole key loop on its own -- nothing couples the two but
   the K/V ring (and the optional *turn* barriers below). In v2 the two warpgroups shared one
@@ -29,7 +32,7 @@ never deadlocks.
 in by one FFMA), so no block's products sit in the FP8 wgmma accumulator for long.
 ``PV_IN_MMA`` (experiment, off): FP8 PV accumulates in the wgmma accumulator across all blocks,
 like BF16 (``acc * alpha`` fed back in) -- 64 registers fewer per thread (the room a wider S
-tile needs), at an accuracy cost to be measured (the FP8 MMA keeps ~13 bits when it adds).
+tile needs); run 13: the FP8 error is unchanged to 3 digits up to S = 8K, speed +0-3.5%.
 """
 
 from __future__ import annotations
