@@ -41,7 +41,6 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
@@ -49,7 +48,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from .epilogue import kmean_lse_term, store_output
 from .layouts import a_operand_layout, wgmma_layout
 from .masking import kv_block_range, mask_scores
-from .pipeline import alloc_barriers, invalidate_barriers, produce_kv, qk_async, release_slot, v_tile, wait_k
+from .pipeline import (alloc_barriers, invalidate_barriers, load_q, produce_kv, qk_async, release_slot, v_tile,
+                       wait_k)
 from .schedule import program_tiles, round_tile, sequence_bounds, tile_coords
 from .softmax import finish_rows
 from .softmax_ws import fold_pv, online_softmax_step_lazy
@@ -87,7 +87,6 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bars, q_empty, k
     """Per tile: both 64-row Q halves (after the consumers released the previous tile's), then the
     tile's key blocks through the ring; ``ring`` counts key blocks over all of this program's tiles."""
     QK_CHUNKS: gl.constexpr = k_bufs.shape[0] // v_bufs.shape[0]
-    DCHUNK: gl.constexpr = q_desc.block_type.shape[3]
     ring = 0
     qi = 0  # Q tiles loaded so far (tiles with no key block to visit load none)
     for r in range(0, (num_tiles + tile_step - 1) // tile_step):
@@ -99,11 +98,8 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bars, q_empty, k
             if qi > 0:
                 mbarrier.wait(q_empty.index(0), (qi - 1) & 1)
             for w in gl.static_range(2):  # Q half w -> q_smem[w * QK_CHUNKS + c], barrier q_bars[w]
-                bar = q_bars.index(w)
-                mbarrier.expect(bar, QK_CHUNKS * q_desc.block_type.nbytes)
-                for c in gl.static_range(QK_CHUNKS):
-                    tma.async_copy_global_to_shared(q_desc, [tma_b, h, q_start + m_start + w * WG_ROWS, c * DCHUNK],
-                                                    bar, q_smem.index(w * QK_CHUNKS + c))
+                load_q(q_desc, tma_b, h, q_start + m_start + w * WG_ROWS, q_bars.index(w), q_smem, QK_CHUNKS,
+                       w * QK_CHUNKS)
             qi += 1
         produce_kv(k_desc, v_desc, tma_b, hkv, n_end, k_bufs, v_bufs, k_bars, v_bars, empty_bars, V_KMAJOR, k_start,
                    ring)

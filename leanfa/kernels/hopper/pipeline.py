@@ -36,12 +36,13 @@ def as_2d(buf):
 
 
 @gluon.jit
-def load_q(q_desc, b, h, m_start, bar, q_smem, QK_CHUNKS: gl.constexpr):
-    """Q tile as ``QK_CHUNKS`` boxes along the head dim (TMA boxes are powers of two: 192 = 3 x 64)."""
+def load_q(q_desc, b, h, m_start, bar, q_smem, QK_CHUNKS: gl.constexpr, FIRST: gl.constexpr = 0):
+    """Q tile as ``QK_CHUNKS`` boxes along the head dim (TMA boxes are powers of two: 192 = 3 x 64),
+    into ``q_smem[FIRST : FIRST + QK_CHUNKS]``."""
     DCHUNK: gl.constexpr = q_desc.block_type.shape[3]
     mbarrier.expect(bar, QK_CHUNKS * q_desc.block_type.nbytes)
     for c in gl.static_range(QK_CHUNKS):
-        tma.async_copy_global_to_shared(q_desc, [b, h, m_start, c * DCHUNK], bar, q_smem.index(c))
+        tma.async_copy_global_to_shared(q_desc, [b, h, m_start, c * DCHUNK], bar, q_smem.index(FIRST + c))
 
 
 @gluon.jit
