@@ -217,18 +217,18 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
         )
     if version == "v2":
         constexprs.update(PIPE=_flag("LEANFA_HOPPER_PIPE", True))
+    persistent = False
     if version == "v3":
         poly = int(os.environ.get("LEANFA_HOPPER_POLY", "0") or 0) if is_fp8 else 0
         if not 0 <= poly <= 8:
             raise ValueError(f"LEANFA_HOPPER_POLY must be 0..8 (of every 8 exponentials), got {poly}")
-        constexprs.update(PINGPONG=_flag("LEANFA_HOPPER_PINGPONG", False), POLY=poly,
-                          PV_IN_MMA=_flag("LEANFA_HOPPER_PV_IN_MMA", False),
-                          CONSUMER_REGS=V3_CONSUMER_REGS, VARLEN=varlen, num_warps=NUM_WARPS // 2)
-    persistent = version == "v3" and _flag("LEANFA_HOPPER_PERSISTENT", False)
-    if version == "v3":
-        if persistent and constexprs["PINGPONG"]:
+        pingpong = _flag("LEANFA_HOPPER_PINGPONG", False)
+        persistent = _flag("LEANFA_HOPPER_PERSISTENT", False)
+        if persistent and pingpong:
             raise ValueError("LEANFA_HOPPER_PERSISTENT and LEANFA_HOPPER_PINGPONG cannot be combined yet")
-        constexprs.update(PERSISTENT=persistent)
+        constexprs.update(PINGPONG=pingpong, POLY=poly, PV_IN_MMA=_flag("LEANFA_HOPPER_PV_IN_MMA", False),
+                          PERSISTENT=persistent, CONSUMER_REGS=V3_CONSUMER_REGS, VARLEN=varlen,
+                          num_warps=NUM_WARPS // 2)
     if persistent:  # one program per SM (one CTA fits an SM: > 114 KB of shared memory)
         grid = (min(B * Hq * num_m_tiles, _num_sms(q.device)), )
     else:
