@@ -83,8 +83,7 @@ class _Part:
     def __init__(self, name="cta"):
         self.name = name
         self.epoch = 0  # number of gl.thread_barrier() so far in this partition
-        self.pending_reads = []  # bufs read by in-flight wgmmas
-        self.pending_groups = []  # the same bufs per wgmma call, oldest first (waits retire in order)
+        self.pending_groups = []  # per wgmma call in flight, oldest first: the bufs it reads
         self.done = False
 
 
@@ -102,10 +101,6 @@ class _Machine:
     @property
     def epoch(self):
         return self.part.epoch
-
-    @property
-    def pending_reads(self):
-        return self.part.pending_reads
 
     def err(self, msg):
         raise EmulationError(f"program {self.pid[:2]} [{self.part.name}]: {msg}")
@@ -435,21 +430,22 @@ class _TMA:
         M.events.append(("load", desc.name, coords))
 
 
-def _operand(x, what):
+def _operand(x, what, group):
+    """``x`` as a tensor; a shared-memory operand is recorded in the wgmma's ``group``."""
     if isinstance(x, SmemView):
         b = x.buf()
         t = x.read(what)
         b.reader(M.part)[1] += 1
-        M.pending_reads.append(b)
+        group.append(b)
         M.events.append(("read", b.desc_name, b.coords, M.part.name))
         return t.float()
     return x.float()
 
 
 def _warpgroup_mma(a, b, acc, *, use_acc=True, precision=None, max_num_imprecise_acc=None, is_async=False):
-    first = len(M.pending_reads)
-    r = torch.matmul(_operand(a, "wgmma A"), _operand(b, "wgmma B"))
-    M.part.pending_groups.append(M.pending_reads[first:])
+    group = []
+    r = torch.matmul(_operand(a, "wgmma A", group), _operand(b, "wgmma B", group))
+    M.part.pending_groups.append(group)
     if use_acc:
         r = acc.float() + r
     if not is_async:
@@ -469,7 +465,6 @@ def _warpgroup_mma_wait(num_outstanding=0, deps=None):
             rp[1] -= 1
             rp[2] = M.epoch
     M.part.pending_groups = keep
-    M.part.pending_reads = [b for group in keep for b in group]
     return deps[0] if len(deps) == 1 else tuple(deps)
 
 
@@ -557,7 +552,7 @@ def _warp_specialize(functions_and_args, worker_num_warps, worker_num_regs):
         try:
             ws._await_turn(parts[i])
             results[i] = fn(*args)
-            if parts[i].pending_reads:
+            if parts[i].pending_groups:
                 M.err("partition exits with wgmmas not waited for")
         except _Abort:
             return
