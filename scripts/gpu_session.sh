@@ -67,6 +67,7 @@ run_steps() {
       bench_v3) step bench_v3 200 12 env LEANFA_HOPPER_KERNEL=v3 python3 -m leanfa.cli bench --quick --no-progress \
                 --sweep standard --seqlens 4k,16k --causal true --impl 'leanfa-hopper-*,cudnn-bf16,cudnn-fp8' \
                 --name bench-v3 --out "$OUT/r/bench_v3" ;;
+      stalls) step stalls 240 120 python3 scripts/ncu_stalls.py --out "$OUT/r/stalls" ;;  # which SASS waits, on what
       profile_v3) step profile_v3 150 30 env LEANFA_HOPPER_KERNEL=v3 python3 -m leanfa.cli profile \
                 --out "$OUT/r/profile_v3" --impl leanfa-hopper-fp8-kernel,leanfa-hopper-bf16,cudnn-fp8 ;;
       v3_safety) step v2_sanitize 200 20 python3 scripts/hopper_v2_gpu.py --check v2:small --no-bench --sanitize

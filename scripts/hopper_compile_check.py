@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Compile every Hopper kernel variant for sm90 on a machine without a GPU (AOT), and print
-registers / spills / shared memory per variant; fail if a variant does not compile, spills,
-exceeds shared memory, or has no ``wgmma.mma_async`` in its PTX.
+registers / spills / shared memory per variant; fail if a variant does not compile, spills
+(beyond :func:`spill_budget`), exceeds shared memory, or has no ``wgmma.mma_async`` in its PTX.
 
     python scripts/hopper_compile_check.py            # all variants
     python scripts/hopper_compile_check.py -k bf16    # names containing "bf16"
@@ -44,7 +44,23 @@ def variants():
                        env=(("LEANFA_HOPPER_PIPE", 1), ("LEANFA_HOPPER_STAGES", 3))))
     out.append(Variant("fp8", 128, 128, True, version="v2",
                        env=(("LEANFA_HOPPER_PIPE", 1), ("LEANFA_HOPPER_RESCALE_SKIP", 1))))
+    # v3 (the default): two consumer partitions; also varlen and the measured options
+    for v in v1:
+        out.append(Variant(v.dtype, v.dqk, v.dv, v.causal, v.return_lse, v.k_mean, v.v_kmajor, v.out_dtype,
+                           version="v3"))
+    for dtype, dqk in (("fp8", 128), ("bf16", 128), ("bf16", 192)):
+        out.append(Variant(dtype, dqk, 128, True, version="v3", varlen=dtype == "bf16"))
+    for knob in ("PV_IN_MMA", "PINGPONG", "PERSISTENT"):
+        out.append(Variant("fp8", 128, 128, True, version="v3", env=((f"LEANFA_HOPPER_{knob}", 1),)))
     return out
+
+
+def spill_budget(v: Variant) -> int:
+    """Bytes of spills accepted: v3's consumers (240 registers) may spill a few outside the key loop
+    (tests/test_hopper.py allows 64); the persistent option's 340 B are known (docs/perf-notes.md)."""
+    if v.version != "v3":
+        return 0
+    return 400 if dict(v.env).get("LEANFA_HOPPER_PERSISTENT") else 64
 
 
 def main():
@@ -66,7 +82,7 @@ def main():
             traceback.print_exc(limit=1)
             continue
         problems = []
-        if r.spill_stores or r.spill_loads:
+        if max(r.spill_stores, r.spill_loads) > spill_budget(v):
             problems.append("SPILLS")
         if r.shared > SMEM_LIMIT:
             problems.append("SMEM>227K")

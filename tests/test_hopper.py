@@ -197,7 +197,8 @@ def test_varlen_empty_batch_falls_back(lens_q, lens_k):
     cu_k = torch.tensor([0] + lens_k, device="cuda").cumsum(0).to(torch.int32)
     q = torch.randn(sum(lens_q), 4, 128, device="cuda").to(torch.bfloat16)
     k = torch.randn(sum(lens_k), 1, 128, device="cuda").to(torch.bfloat16)
-    cu = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k))
+    # max_seqlen must be positive (api: flash-attn's contract), also for an all-empty batch
+    cu = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(1, *lens_q), max_seqlen_k=max(1, *lens_k))
     if sum(lens_q) == 0 or sum(lens_k) == 0:
         problem = _build_problem(q, k, k, varlen=True, **cu, softmax_scale=None, causal=True, return_lse=True,
                                  out_dtype=None, q_descale=None, k_descale=None, v_descale=None, k_mean=None)

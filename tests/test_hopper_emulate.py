@@ -126,6 +126,36 @@ def test_fp8_emulated_matches_reference(shape, dims, causal, version):
     _check(_problem(qq.q, qq.k, qq.v, causal, **kw), 4e-2, version=version, **kw)
 
 
+def _fp8_block_scaled_error(version):
+    """FP8 with keys whose magnitude changes 32x between 128-token blocks (so each block's K scale
+    matters): relative L2 error of the emulated kernel against the float64 reference."""
+    q, k, v = _inputs(1, 300, 700, 2, 1, 128, 128, seed=3)
+    gain = torch.tensor([1.0, 8.0, 0.25, 4.0, 0.5, 2.0])[torch.arange(700) // 128]
+    k = (k.float() * gain[None, :, None, None]).to(torch.bfloat16)
+    qq = leanfa.quantize_fp8(q, k, v)
+    kw = dict(q_descale=qq.q_descale, k_descale=qq.k_descale, v_descale=qq.v_descale, k_mean=qq.k_mean)
+    p = _problem(qq.q, qq.k, qq.v, True, **kw)
+    out, _, _ = emulate(p, version=version)
+    ref = attention_ref(p.q, p.k, p.v, causal=True, **kw)
+    return float((out.double() - ref).norm() / ref.norm())
+
+
+@pytest.mark.parametrize("version", ["v1", "v3"])
+def test_fp8_per_block_k_scales(version):
+    reset_shadows()
+    assert _fp8_block_scaled_error(version) < 4e-2
+
+
+def test_mutation_k_scale_of_wrong_block():
+    """v3 loads the K scale a block ahead; using the current block's index there is caught."""
+    reset_shadows()
+    try:
+        _mutated(KP._consumer_tile, "_k_scale(k_scale_row, stride_ksblk, j + 1,", "_k_scale(k_scale_row, stride_ksblk, j,")
+        assert _fp8_block_scaled_error("v3") > 1e-1
+    finally:
+        reset_shadows()
+
+
 @pytest.mark.parametrize("form", ["scalar", "per_head"])
 def test_fp8_broadcast_descales(form):
     """Per-tensor and per-(batch, kv head) descales become broadcast tables (a size-1 block dim)."""
@@ -309,7 +339,7 @@ from leanfa.kernels.hopper import kernel_pingpong as KP  # noqa: E402
     (KP, "_producer", "                mbarrier.wait(q_empty.index(0), (qi - 1) & 1)\n", "                pass\n",
      "LEANFA_HOPPER_PERSISTENT"),
     # persistent: a tile's key blocks are looked up from ring position 0, not where the producer put them
-    (KP, "_consumer_tile", "v = v_tile(v_bufs, v_bars, ring + j,", "v = v_tile(v_bufs, v_bars, j,",
+    (KP, "_consumer_block", "v = v_tile(v_bufs, v_bars, ring + j,", "v = v_tile(v_bufs, v_bars, j,",
      "LEANFA_HOPPER_PERSISTENT"),
 ])
 def test_v3_mutations_caught(mod, fn, old, new, knobs, monkeypatch):

@@ -134,19 +134,26 @@ def _issue_qk(q_smem, k_bufs, k_bars, j, s_zero, W: gl.constexpr, QK_CHUNKS: gl.
 
 
 @gluon.jit
-def _softmax_block(s, j, c_q, k_scale_row, stride_ksblk, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full,
+def _softmax_block(s, j, c, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full,
                    p_dtype: gl.constexpr, p_layout: gl.constexpr, o_layout: gl.constexpr,
                    CAUSAL: gl.constexpr, P_OFFSET: gl.constexpr, RESCALE_SKIP: gl.constexpr, POLY: gl.constexpr):
-    """Lean P of key block ``j`` (masked on the diagonal / tail blocks only): the PV operand P,
-    the new row max and sum, and the factor ``alpha`` (O's layout) that rescales O to the new max."""
+    """Lean P of key block ``j`` (masked on the diagonal / tail blocks only; ``c``: the block's
+    score scale): the PV operand P, the new row max and sum, and the factor ``alpha`` (O's layout)
+    that rescales O to the new max."""
     BLOCK_N: gl.constexpr = s.shape[1]
-    c = c_q * gl.load(k_scale_row + ((j * BLOCK_N) // SCALE_BLOCK) * stride_ksblk)
     if j >= n_full:
         s = mask_scores(s, offs_m, j * BLOCK_N + offs_n0, seqlen_q, seqlen_k, CAUSAL)
     p, m_i, l_i, alpha = online_softmax_step_lazy(s, c, m_i, l_i, P_OFFSET, RESCALE_SKIP, POLY)
     alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     p_op = gl.convert_layout(p.to(p_dtype), p_layout)
     return p_op, m_i, l_i, alpha_o
+
+
+@gluon.jit
+def _k_scale(k_scale_row, stride_ksblk, j, n_end, BLOCK_N: gl.constexpr):
+    """The K dequantization scale of key block ``j < n_end`` (one per ``SCALE_BLOCK`` keys); 1 when
+    the tile has no key block (nothing is read)."""
+    return gl.load(k_scale_row + ((j * BLOCK_N) // SCALE_BLOCK) * stride_ksblk, mask=j < n_end, other=1.0)
 
 
 @gluon.jit
@@ -158,6 +165,34 @@ def _issue_pv(p_op, v, acc, alpha_o, TWO_LEVEL: gl.constexpr):
     else:
         pv_acc = warpgroup_mma(p_op, v, acc * alpha_o, is_async=True)
     return pv_acc
+
+
+@gluon.jit
+def _consumer_block(s, j, c, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, q_smem, k_bufs, v_bufs,
+                    k_bars, v_bars, empty_bars, turn_bars, ring, batch, s_zero,
+                    p_layout: gl.constexpr, o_layout: gl.constexpr, CAUSAL: gl.constexpr, V_KMAJOR: gl.constexpr,
+                    P_OFFSET: gl.constexpr, RESCALE_SKIP: gl.constexpr, PINGPONG: gl.constexpr, POLY: gl.constexpr,
+                    TWO_LEVEL: gl.constexpr, NEXT: gl.constexpr, W: gl.constexpr):
+    """Key block ``j`` (ring position ``ring + j``, wgmma batch ``batch + j + 1``): softmax of its
+    scores ``s``, then ``[PV_j, QK_{j+1}]`` (``NEXT``; else PV_j alone) issued together, waited for,
+    PV folded into O and the K/V slot released. Returns ``(acc, m_i, l_i, S_{j+1})``."""
+    QK_CHUNKS: gl.constexpr = k_bufs.shape[0] // v_bufs.shape[0]
+    STAGES: gl.constexpr = v_bufs.shape[0]
+    p_op, m_i, l_i, alpha_o = _softmax_block(s, j, c, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full,
+                                             v_bufs.dtype, p_layout, o_layout, CAUSAL, P_OFFSET, RESCALE_SKIP, POLY)
+    v = v_tile(v_bufs, v_bars, ring + j, STAGES, V_KMAJOR)
+    _wait_turn(turn_bars, batch + j + 1, W, PINGPONG)
+    pv_acc = _issue_pv(p_op, v, acc, alpha_o, TWO_LEVEL)
+    if NEXT:
+        s_acc = _issue_qk(q_smem, k_bufs, k_bars, ring + j + 1, s_zero, W, QK_CHUNKS)
+        _pass_turn(turn_bars, W, PINGPONG)
+        pv, s = warpgroup_mma_wait(0, deps=(pv_acc, s_acc))
+    else:
+        _pass_turn(turn_bars, W, PINGPONG)
+        pv = warpgroup_mma_wait(0, deps=(pv_acc, ))
+    acc = fold_pv(acc, alpha_o, pv, TWO_LEVEL)
+    release_slot(empty_bars, (ring + j) % STAGES)  # one release per warpgroup (empty counts 2)
+    return acc, m_i, l_i, s
 
 
 @gluon.jit
@@ -176,7 +211,6 @@ def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars
     blocks ``[0, n_end)``, which sit at ring positions ``ring + j``; its wgmma batches are numbered
     from ``batch``. Output row ``r`` is token ``q_start + r`` of ``out`` (and of the LSE)."""
     QK_CHUNKS: gl.constexpr = k_bufs.shape[0] // v_bufs.shape[0]
-    STAGES: gl.constexpr = v_bufs.shape[0]
     BLOCK_N: gl.constexpr = k_bufs.shape[3]
     BITS: gl.constexpr = 8 if IS_FP8 else 16
     P_OFFSET: gl.constexpr = 8.0 if IS_FP8 else 0.0
@@ -201,23 +235,22 @@ def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars
         s_acc = _issue_qk(q_smem, k_bufs, k_bars, ring, s_zero, W, QK_CHUNKS)
         _pass_turn(turn_bars, W, PINGPONG)
         s = warpgroup_mma_wait(0, deps=(s_acc, ))
-    for j in range(n_end):
-        p_op, m_i, l_i, alpha_o = _softmax_block(s, j, c_q, k_scale_row, stride_ksblk, m_i, l_i, offs_m, offs_n0,
-                                                 seqlen_q, seqlen_k, n_full, v_bufs.dtype, p_layout, o_layout,
-                                                 CAUSAL, P_OFFSET, RESCALE_SKIP, POLY)
-        v = v_tile(v_bufs, v_bars, ring + j, STAGES, V_KMAJOR)
-        # batch j + 1: PV_j, then S_{j+1}
-        _wait_turn(turn_bars, batch + j + 1, W, PINGPONG)
-        pv_acc = _issue_pv(p_op, v, acc, alpha_o, TWO_LEVEL)
-        if j + 1 < n_end:
-            s_acc = _issue_qk(q_smem, k_bufs, k_bars, ring + j + 1, s_zero, W, QK_CHUNKS)
-            _pass_turn(turn_bars, W, PINGPONG)
-            pv, s = warpgroup_mma_wait(0, deps=(pv_acc, s_acc))
-        else:
-            _pass_turn(turn_bars, W, PINGPONG)
-            pv = warpgroup_mma_wait(0, deps=(pv_acc, ))
-        acc = fold_pv(acc, alpha_o, pv, TWO_LEVEL)
-        release_slot(empty_bars, (ring + j) % STAGES)  # one release per warpgroup (empty counts 2)
+    # Blocks [0, n_end - 1) issue the next block's S with their PV; the last one is peeled off, so
+    # S has one definition per iteration (with a conditional second QK, ptxas copied all 64 S
+    # registers at every block). The K scale is loaded a block ahead, off the softmax's path.
+    k_sc = _k_scale(k_scale_row, stride_ksblk, 0, n_end, BLOCK_N)
+    for j in range(n_end - 1):
+        k_sc_next = _k_scale(k_scale_row, stride_ksblk, j + 1, n_end, BLOCK_N)
+        acc, m_i, l_i, s = _consumer_block(
+            s, j, c_q * k_sc, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, q_smem, k_bufs, v_bufs,
+            k_bars, v_bars, empty_bars, turn_bars, ring, batch, s_zero, p_layout, o_layout, CAUSAL, V_KMAJOR,
+            P_OFFSET, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, True, W)
+        k_sc = k_sc_next
+    if n_end > 0:
+        acc, m_i, l_i, s = _consumer_block(
+            s, n_end - 1, c_q * k_sc, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, q_smem, k_bufs,
+            v_bufs, k_bars, v_bars, empty_bars, turn_bars, ring, batch, s_zero, p_layout, o_layout, CAUSAL,
+            V_KMAJOR, P_OFFSET, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, False, W)
 
     # Epilogue: O = acc / l * v_scale; LSE.
     inv_l, lse = finish_rows(m_i, l_i, P_OFFSET)

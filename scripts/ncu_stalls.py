@@ -1,0 +1,120 @@
+#!/usr/bin/env python
+"""Where do a kernel's warps wait? One ncu run per implementation with warp-state sampling, then
+the stall reasons (details page) and the per-SASS-instruction samples (source page) as CSV.
+
+    python scripts/ncu_stalls.py --out DIR [--impl leanfa-hopper-fp8-kernel,cudnn-fp8] [--seqlen 8192]
+
+Writes ``DIR/<impl>.details.csv``, ``DIR/<impl>.source.csv`` and prints, per implementation, the
+stall reasons and the 40 instructions with the most samples. Aggregate pipe percentages live in
+``leanfa profile``; this script answers the next question: which instruction waits, and on what.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import os
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from leanfa.bench.profile import find_ncu  # noqa: E402
+
+SECTIONS = ("SpeedOfLight", "WarpStateStats", "SchedulerStats", "SourceCounters", "MemoryWorkloadAnalysis",
+            "ComputeWorkloadAnalysis")
+
+
+def run(cmd, timeout=600):
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    return res.returncode, res.stdout, res.stderr
+
+
+def profile(ncu, impl, args, out):
+    rep = os.path.join(out, impl)
+    child = [sys.executable, "-m", "leanfa.bench.profile_child", "--impl", impl, "--preset", "gaussian",
+             "--batch", str(args.batch), "--seqlen", str(args.seqlen), "--heads", "16", "--kv-heads", "16",
+             "--head-dim", str(args.head_dim), "--head-dim-v", "128", "--warmup", "3", "--seed", "0"]
+    cmd = [ncu, "--clock-control", "none", "--target-processes", "all", "--profile-from-start", "off",
+           "--launch-count", "1", "--import-source", "no", "-f", "-o", rep]
+    for s in SECTIONS:
+        cmd += ["--section", s]
+    rc, so, se = run(cmd + child)
+    if rc != 0 or not os.path.exists(rep + ".ncu-rep"):
+        print(f"[{impl}] ncu failed rc={rc}: {(so + se)[-1500:]}")
+        return
+    rc, details, se = run([ncu, "--import", rep + ".ncu-rep", "--page", "details", "--csv"])
+    open(rep + ".details.csv", "w").write(details if rc == 0 else se)
+    rc, source, se = run([ncu, "--import", rep + ".ncu-rep", "--page", "source", "--csv", "--print-source", "sass"])
+    open(rep + ".source.csv", "w").write(source if rc == 0 else se)
+    print(f"=== {impl} (B={args.batch} S={args.seqlen} d={args.head_dim}, causal)")
+    summarize_details(details)
+    if rc == 0:
+        summarize_source(source)
+    else:
+        print(f"source page failed: {se[-600:]}")
+
+
+def summarize_details(text):
+    rows = list(csv.reader(io.StringIO(text)))
+    if not rows:
+        return
+    head = rows[0]
+    try:
+        isec, iname, iunit, ival = (head.index(c) for c in ("Section Name", "Metric Name", "Metric Unit",
+                                                            "Metric Value"))
+    except ValueError:
+        print("details: unexpected header", head[:12])
+        return
+    for r in rows[1:]:
+        if len(r) > ival and r[isec] in ("GPU Speed Of Light Throughput", "Warp State Statistics",
+                                         "Scheduler Statistics", "Memory Workload Analysis",
+                                         "Compute Workload Analysis"):
+            print(f"  {r[isec][:24]:24s} {r[iname][:48]:48s} {r[ival]:>14s} {r[iunit]}")
+
+
+def summarize_source(text, top=40):
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith('"#') or line.startswith('"Address')
+                  or line.startswith("#,") or line.startswith("Address")), 0)
+    rows = list(csv.reader(io.StringIO("\n".join(lines[start:]))))
+    if not rows:
+        return
+    head = rows[0]
+    print("  source columns:", "; ".join(head))
+    col = next((i for i, h in enumerate(head) if h.startswith("Warp Stall Sampling (All")), None)
+    if col is None:
+        return
+
+    def num(x):
+        try:
+            return float(x.replace(",", ""))
+        except ValueError:
+            return 0.0
+
+    body = [r for r in rows[1:] if len(r) > col]
+    total = sum(num(r[col]) for r in body) or 1.0
+    print(f"  total samples {total:.0f}; top {top} instructions:")
+    for r in sorted(body, key=lambda r: -num(r[col]))[:top]:
+        print(f"  {100 * num(r[col]) / total:5.1f}%  " + " | ".join(x for x in r if x)[:200])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--impl", default="leanfa-hopper-fp8-kernel,cudnn-fp8")
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seqlen", type=int, default=8192)
+    ap.add_argument("--head-dim", type=int, default=128)
+    args = ap.parse_args()
+    ncu = find_ncu()
+    if ncu is None:
+        sys.exit("ncu not found")
+    os.makedirs(args.out, exist_ok=True)
+    for impl in args.impl.split(","):
+        profile(ncu, impl, args, args.out)
+
+
+if __name__ == "__main__":
+    main()
