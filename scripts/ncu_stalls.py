@@ -75,17 +75,18 @@ def summarize_details(text):
 
 
 def summarize_source(text, top=40):
-    lines = text.splitlines()
-    start = next((i for i, line in enumerate(lines) if line.startswith('"#') or line.startswith('"Address')
-                  or line.startswith("#,") or line.startswith("Address")), 0)
-    rows = list(csv.reader(io.StringIO("\n".join(lines[start:]))))
-    if not rows:
+    """Stall reasons summed over all instructions, then the ``top`` instructions by samples (offset
+    from the kernel's first instruction, SASS, share, their three main reasons)."""
+    rows = list(csv.reader(io.StringIO(text)))
+    head_i = next((i for i, r in enumerate(rows) if r and r[0] == "Address"), None)
+    if head_i is None:
+        print("  source page: no 'Address' header")
         return
-    head = rows[0]
-    print("  source columns:", "; ".join(head))
-    col = next((i for i, h in enumerate(head) if h.startswith("Warp Stall Sampling (All")), None)
-    if col is None:
-        return
+    head = rows[head_i]
+    body = [r for r in rows[head_i + 1:] if len(r) == len(head)]
+    col = head.index("Warp Stall Sampling (All Samples)")
+    reasons = [c for c in head if c.startswith("stall_") and "Not Issued" not in c]
+    idx = {c: head.index(c) for c in reasons}
 
     def num(x):
         try:
@@ -93,11 +94,15 @@ def summarize_source(text, top=40):
         except ValueError:
             return 0.0
 
-    body = [r for r in rows[1:] if len(r) > col]
     total = sum(num(r[col]) for r in body) or 1.0
-    print(f"  total samples {total:.0f}; top {top} instructions:")
+    by_reason = {c: sum(num(r[idx[c]]) for r in body) for c in reasons}
+    print(f"  total samples {total:.0f}; by reason: " + ", ".join(
+        f"{c[6:]} {100 * v / total:.1f}%" for c, v in sorted(by_reason.items(), key=lambda kv: -kv[1])[:10]))
+    base = int(body[0][0], 16)
     for r in sorted(body, key=lambda r: -num(r[col]))[:top]:
-        print(f"  {100 * num(r[col]) / total:5.1f}%  " + " | ".join(x for x in r if x)[:200])
+        main = sorted(((num(r[idx[c]]), c) for c in reasons), reverse=True)[:3]
+        print(f"  {int(r[0], 16) - base:#8x} {r[1].strip()[:64]:64s} {100 * num(r[col]) / total:5.1f}%  "
+              + ", ".join(f"{c[6:]} {100 * v / total:.1f}" for v, c in main if v))
 
 
 def main():

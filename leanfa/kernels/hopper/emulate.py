@@ -442,19 +442,44 @@ def _operand(x, what, group):
     return x.float()
 
 
+class InFlight:
+    """The accumulator of an async wgmma: usable only as the accumulator of the next wgmma of its
+    chain, or through the ``warpgroup_mma_wait`` that retires its group. Any other use -- reading a
+    result the tensor cores may still be writing -- is an error."""
+
+    def __init__(self, value, group):
+        self.value, self.group = value, group
+
+    def _bad(self, *_a, **_k):
+        M.err("a wgmma result is read before the warpgroup_mma_wait that retires it")
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __getitem__ = _bad
+    __lt__ = __le__ = __gt__ = __ge__ = __neg__ = __float__ = _bad
+
+    def __getattr__(self, name):
+        self._bad()
+
+
 def _warpgroup_mma(a, b, acc, *, use_acc=True, precision=None, max_num_imprecise_acc=None, is_async=False):
     group = []
     r = torch.matmul(_operand(a, "wgmma A", group), _operand(b, "wgmma B", group))
-    M.part.pending_groups.append(group)
+    if isinstance(acc, InFlight):  # chained onto an in-flight wgmma: one group (they retire together)
+        if not M.part.pending_groups or M.part.pending_groups[-1] is not acc.group:
+            M.err("a wgmma chains onto an accumulator that is not the newest in-flight group")
+        acc.group.extend(group)
+        group, acc = acc.group, acc.value
+    else:
+        M.part.pending_groups.append(group)
     if use_acc:
         r = acc.float() + r
     if not is_async:
-        _warpgroup_mma_wait(0, deps=(r, ))
-    return r
+        return _warpgroup_mma_wait(0, deps=(InFlight(r, group), ))
+    return InFlight(r, group)
 
 
 def _warpgroup_mma_wait(num_outstanding=0, deps=None):
-    """Retire all but the newest ``num_outstanding`` wgmma groups (they complete in issue order)."""
+    """Retire all but the newest ``num_outstanding`` wgmma groups (they complete in issue order);
+    ``deps`` that are results of retired groups come back as tensors."""
     n = int(num_outstanding)
     groups = M.part.pending_groups
     retire, keep = (groups[:-n], groups[-n:]) if n > 0 else (groups, [])
@@ -465,7 +490,14 @@ def _warpgroup_mma_wait(num_outstanding=0, deps=None):
             rp[1] -= 1
             rp[2] = M.epoch
     M.part.pending_groups = keep
-    return deps[0] if len(deps) == 1 else tuple(deps)
+    out = []
+    for d in deps:
+        if isinstance(d, InFlight):
+            if any(d.group is g for g in keep):
+                M.err("warpgroup_mma_wait returns a wgmma result whose group is still in flight")
+            d = d.value
+        out.append(d)
+    return out[0] if len(out) == 1 else tuple(out)
 
 
 # ----------------------------------------------------------------------------- fake gl
@@ -630,6 +662,7 @@ gl_fake = types.SimpleNamespace(
     min=lambda x, axis=None, **k: torch.amin(x, dim=axis),
     sum=lambda x, axis=None, **k: torch.sum(x, dim=axis),
     convert_layout=lambda x, layout=None, **k: x,
+    split=lambda x: (x[..., 0], x[..., 1]),
     load=_load, store=_store,
     thread_barrier=_thread_barrier,
     warp_specialize=_warp_specialize,
