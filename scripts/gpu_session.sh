@@ -66,12 +66,18 @@ run_steps() {
                 step accuracy_long_pvmma$pv 150 12 env LEANFA_HOPPER_PV_IN_MMA=$pv python3 -m leanfa.cli accuracy \
                 --seqlen 8192 --impl leanfa-hopper-fp8,cudnn-fp8 --profiles gaussian,llama3-8b,qwen2.5-7b,deepseek-v3-mla \
                 --no-plots --out "$OUT/r/accuracy_long_pvmma$pv"; done ;;
+      accuracy_32k) for ov in 0 1; do  # FP8 PV in the wgmma accumulator (+ OVERLAP) at S = 32K: 256 blocks in it
+                step accuracy_32k_ov$ov 200 12 env LEANFA_HOPPER_PV_IN_MMA=$ov LEANFA_HOPPER_OVERLAP=$ov \
+                python3 -m leanfa.cli accuracy --seqlen 32768 --impl leanfa-hopper-fp8,cudnn-fp8 \
+                --profiles gaussian,llama3-8b,deepseek-v3-mla --no-plots --out "$OUT/r/accuracy_32k_ov$ov"; done ;;
       hopper_v3_check) step hopper_v3_check 420 40 python3 scripts/hopper_v2_gpu.py --check v3 --check-timeout 300 \
                 --no-bench --sanitize ;;
       bench_v3) step bench_v3 200 12 env LEANFA_HOPPER_KERNEL=v3 python3 -m leanfa.cli bench --quick --no-progress \
                 --sweep standard --seqlens 4k,16k --causal true --impl 'leanfa-hopper-*,cudnn-bf16,cudnn-fp8' \
                 --name bench-v3 --out "$OUT/r/bench_v3" ;;
       stalls) step stalls 240 120 python3 scripts/ncu_stalls.py --out "$OUT/r/stalls" ;;  # which SASS waits, on what
+      stalls_ov) step stalls_ov 120 60 env LEANFA_HOPPER_PV_IN_MMA=1 LEANFA_HOPPER_OVERLAP=1 python3 scripts/ncu_stalls.py \
+                --impl leanfa-hopper-fp8-kernel --out "$OUT/r/stalls_ov" ;;
       profile_v3) step profile_v3 150 30 env LEANFA_HOPPER_KERNEL=v3 python3 -m leanfa.cli profile \
                 --out "$OUT/r/profile_v3" --impl leanfa-hopper-fp8-kernel,leanfa-hopper-bf16,cudnn-fp8 ;;
       v3_safety) step v2_sanitize 200 20 python3 scripts/hopper_v2_gpu.py --check v2:small --no-bench --sanitize

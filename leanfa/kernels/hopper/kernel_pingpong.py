@@ -33,6 +33,13 @@ in by one FFMA), so no block's products sit in the FP8 wgmma accumulator for lon
 ``PV_IN_MMA`` (experiment, off): FP8 PV accumulates in the wgmma accumulator across all blocks,
 like BF16 (``acc * alpha`` fed back in) -- 64 registers fewer per thread (the room a wider S
 tile needs); run 13: the FP8 error is unchanged to 3 digits up to S = 8K, speed +0-3.5%.
+``OVERLAP`` (experiment, off; FP8 needs ``PV_IN_MMA``): batch ``j + 1`` is ``[QK_{j+1}, PV_j]`` and
+the softmax of block ``j + 1`` runs while PV_j is on the tensor cores
+(:func:`_consumer_blocks_overlapped`).
+
+The key loop (:func:`_consumer_blocks`) runs blocks ``[0, n_end - 1)`` with the next block's S
+issued alongside their PV and the last block peeled off, so that every loop value has one
+definition per iteration (a conditional QK made ptxas copy S's 64 registers at every block).
 """
 
 from __future__ import annotations

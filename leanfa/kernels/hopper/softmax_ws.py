@@ -25,52 +25,12 @@ from .exp2 import exp2_mixed
 
 
 @gluon.jit
-def _pairwise_max(x):
-    a, b = gl.split(x)
-    return gl.maximum(a, b)
-
-
-@gluon.jit
-def _pairwise_sum(x):
-    a, b = gl.split(x)
-    return a + b
-
-
-@gluon.jit
-def row_reduce_tree(s, IS_MAX: gl.constexpr):
-    """Row max (``IS_MAX``) or sum of a wgmma accumulator tile ``[M, N]``, as a tree.
-
-    A thread holds columns ``8 i + 2 t + e`` (``t``: lane % 4, ``i < N / 8``, ``e < 2``) of its rows;
-    ``gl.max``/``gl.sum`` fold a thread's ``N / 4`` values in one dependent chain (ptxas keeps the
-    order: ~32 FMNMX x ~4 cycles per row and block in v3's softmax). Here the in-thread values are
-    regrouped as a last axis and halved ``log2(N / 4)`` times (independent pairs), then the 4
-    threads of a row combine as before."""
-    M: gl.constexpr = s.shape[0]
-    N: gl.constexpr = s.shape[1]
-    out_layout: gl.constexpr = gl.SliceLayout(1, s.type.layout)
-    x = s.reshape([M, N // 8, 4, 2]).permute(0, 2, 1, 3).reshape([M, 4, N // 4])
-    for _ in gl.static_range(0, 8):  # log2(N / 4) <= 8 halvings
-        if x.shape[2] > 1:
-            x = x.reshape([M, 4, x.shape[2] // 2, 2])
-            if IS_MAX:
-                x = _pairwise_max(x)
-            else:
-                x = _pairwise_sum(x)
-    x = x.reshape([M, 4])
-    if IS_MAX:
-        r = gl.max(x, axis=1)
-    else:
-        r = gl.sum(x, axis=1)
-    return gl.convert_layout(r, out_layout)
-
-
-@gluon.jit
 def online_softmax_step_lazy(s, c, m_i, l_i, P_OFFSET: gl.constexpr, RESCALE_SKIP: gl.constexpr,
                              POLY: gl.constexpr = 0):
     """One key block: ``(p, m_new, l_new, alpha)``; the caller rescales the accumulator by alpha.
     ``POLY`` of every 8 exponentials run on the FMA pipe (:func:`.exp2.exp2_mixed`)."""
     TAU: gl.constexpr = 0.8 if P_OFFSET > 0.0 else 8.0
-    m_blk = row_reduce_tree(s, True) * c
+    m_blk = gl.max(s, axis=1) * c
     if RESCALE_SKIP:
         m_new = gl.where(m_blk > m_i + TAU, m_blk, m_i)
     else:
@@ -79,7 +39,7 @@ def online_softmax_step_lazy(s, c, m_i, l_i, P_OFFSET: gl.constexpr, RESCALE_SKI
     alpha = gl.exp2(m_i - m_sub)
     neg_m = P_OFFSET - m_sub
     p = exp2_mixed(gl.fma(s, c, neg_m[:, None]), POLY)
-    l_new = l_i * alpha + row_reduce_tree(p, False)
+    l_new = l_i * alpha + gl.sum(p, axis=1)
     return p, m_new, l_new, alpha
 
 
