@@ -52,10 +52,6 @@ run_steps() {
                 --time v3,v3-persist ;;  # one program per SM, heaviest tiles first
       persist_check) step persist_check 420 40 python3 scripts/hopper_v2_gpu.py --check v3-persist \
                 --check-timeout 300 --no-bench --sanitize ;;
-      overlap) step overlap 560 60 python3 scripts/hopper_v2_gpu.py --check v3-ov:small --check-timeout 200 \
-                --time v3,v3-ov,v3-ov-pp,v3-pvmma ;;  # softmax of block j+1 under PV_j
-      overlap_check) step overlap_check 420 40 python3 scripts/hopper_v2_gpu.py --check v3-ov \
-                --check-timeout 300 --no-bench --sanitize ;;
       fp8_varlen_probe) step fp8_varlen_probe 200 10 python3 scripts/hopper_fp8_varlen_probe.py ;;
       bench_persist) step bench_persist 200 12 env LEANFA_HOPPER_PERSISTENT=1 python3 -m leanfa.cli bench --quick \
                 --no-progress --sweep standard --seqlens 4k,16k --causal true \
@@ -66,18 +62,16 @@ run_steps() {
                 step accuracy_long_pvmma$pv 150 12 env LEANFA_HOPPER_PV_IN_MMA=$pv python3 -m leanfa.cli accuracy \
                 --seqlen 8192 --impl leanfa-hopper-fp8,cudnn-fp8 --profiles gaussian,llama3-8b,qwen2.5-7b,deepseek-v3-mla \
                 --no-plots --out "$OUT/r/accuracy_long_pvmma$pv"; done ;;
-      accuracy_32k) for ov in 0 1; do  # FP8 PV in the wgmma accumulator (+ OVERLAP) at S = 32K: 256 blocks in it
-                step accuracy_32k_ov$ov 200 12 env LEANFA_HOPPER_PV_IN_MMA=$ov LEANFA_HOPPER_OVERLAP=$ov \
+      accuracy_32k) for pv in 0 1; do  # FP8 PV in the wgmma accumulator at S = 32K: 256 blocks in it
+                step accuracy_32k_pvmma$pv 200 12 env LEANFA_HOPPER_PV_IN_MMA=$pv \
                 python3 -m leanfa.cli accuracy --seqlen 32768 --impl leanfa-hopper-fp8,cudnn-fp8 \
-                --profiles gaussian,llama3-8b,deepseek-v3-mla --no-plots --out "$OUT/r/accuracy_32k_ov$ov"; done ;;
+                --profiles gaussian,llama3-8b,deepseek-v3-mla --no-plots --out "$OUT/r/accuracy_32k_pvmma$pv"; done ;;
       hopper_v3_check) step hopper_v3_check 420 40 python3 scripts/hopper_v2_gpu.py --check v3 --check-timeout 300 \
                 --no-bench --sanitize ;;
       bench_v3) step bench_v3 200 12 env LEANFA_HOPPER_KERNEL=v3 python3 -m leanfa.cli bench --quick --no-progress \
                 --sweep standard --seqlens 4k,16k --causal true --impl 'leanfa-hopper-*,cudnn-bf16,cudnn-fp8' \
                 --name bench-v3 --out "$OUT/r/bench_v3" ;;
       stalls) step stalls 240 120 python3 scripts/ncu_stalls.py --out "$OUT/r/stalls" ;;  # which SASS waits, on what
-      stalls_ov) step stalls_ov 120 60 env LEANFA_HOPPER_PV_IN_MMA=1 LEANFA_HOPPER_OVERLAP=1 python3 scripts/ncu_stalls.py \
-                --impl leanfa-hopper-fp8-kernel --out "$OUT/r/stalls_ov" ;;
       profile_v3) step profile_v3 150 30 env LEANFA_HOPPER_KERNEL=v3 python3 -m leanfa.cli profile \
                 --out "$OUT/r/profile_v3" --impl leanfa-hopper-fp8-kernel,leanfa-hopper-bf16,cudnn-fp8 ;;
       v3_safety) step v2_sanitize 200 20 python3 scripts/hopper_v2_gpu.py --check v2:small --no-bench --sanitize

@@ -52,9 +52,6 @@ def variants():
         out.append(Variant(dtype, dqk, 128, True, version="v3", varlen=dtype == "bf16"))
     for knob in ("PV_IN_MMA", "PINGPONG", "PERSISTENT"):
         out.append(Variant("fp8", 128, 128, True, version="v3", env=((f"LEANFA_HOPPER_{knob}", 1),)))
-    for dtype, dqk in (("fp8", 128), ("fp8", 192), ("bf16", 128), ("bf16", 192)):  # softmax under PV
-        out.append(Variant(dtype, dqk, 128, True, version="v3",
-                           env=(("LEANFA_HOPPER_PV_IN_MMA", 1), ("LEANFA_HOPPER_OVERLAP", 1))))
     return out
 
 

@@ -43,13 +43,9 @@ CONFIGS = {  # name -> env
     **{f"v3-poly{n}": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_POLY": str(n)} for n in (1, 2, 3, 4, 8)},
     "v3-persist": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_PERSISTENT": "1"},
     "v3-persist-pvmma": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_PERSISTENT": "1", "LEANFA_HOPPER_PV_IN_MMA": "1"},
-    # softmax of block j+1 under PV_j (FP8 needs PV in the wgmma accumulator; BF16 always has it)
-    "v3-ov": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_PV_IN_MMA": "1", "LEANFA_HOPPER_OVERLAP": "1"},
-    "v3-ov-pp": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_PV_IN_MMA": "1", "LEANFA_HOPPER_OVERLAP": "1",
-                 "LEANFA_HOPPER_PINGPONG": "1"},
 }
 KNOBS = ("LEANFA_HOPPER_KERNEL", "LEANFA_HOPPER_PIPE", "LEANFA_HOPPER_RESCALE_SKIP", "LEANFA_HOPPER_PINGPONG",
-         "LEANFA_HOPPER_POLY", "LEANFA_HOPPER_PV_IN_MMA", "LEANFA_HOPPER_PERSISTENT", "LEANFA_HOPPER_OVERLAP")
+         "LEANFA_HOPPER_POLY", "LEANFA_HOPPER_PV_IN_MMA", "LEANFA_HOPPER_PERSISTENT")
 
 
 def _set_env(cfg):

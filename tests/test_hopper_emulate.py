@@ -150,7 +150,7 @@ def test_mutation_k_scale_of_wrong_block():
     """v3 loads the K scale a block ahead; using the current block's index there is caught."""
     reset_shadows()
     try:
-        _mutated(KP._consumer_blocks, "_k_scale(k_scale_row, stride_ksblk, j + 1,", "_k_scale(k_scale_row, stride_ksblk, j,")
+        _mutated(KP._consumer_tile, "_k_scale(k_scale_row, stride_ksblk, j + 1,", "_k_scale(k_scale_row, stride_ksblk, j,")
         assert _fp8_block_scaled_error("v3") > 1e-1
     finally:
         reset_shadows()
@@ -266,8 +266,7 @@ V2_SHAPES = [(1, 1, 1, 2, 2), (1, 129, 700, 2, 1), (1, 700, 300, 2, 2), (1, 1, 1
 
 
 @pytest.mark.parametrize("version,knob", [("v2", "LEANFA_HOPPER_PIPE"), ("v3", "LEANFA_HOPPER_PINGPONG"),
-                                          ("v3", "LEANFA_HOPPER_PV_IN_MMA"), ("v3", "LEANFA_HOPPER_PERSISTENT"),
-                                          ("v3", "LEANFA_HOPPER_PV_IN_MMA,LEANFA_HOPPER_OVERLAP")])
+                                          ("v3", "LEANFA_HOPPER_PV_IN_MMA"), ("v3", "LEANFA_HOPPER_PERSISTENT")])
 @pytest.mark.parametrize("order", ["consumer-first", "producer-first"])
 @pytest.mark.parametrize("flag", ["1", "0"])
 @pytest.mark.parametrize("fp8", [False, True])
@@ -275,8 +274,8 @@ V2_SHAPES = [(1, 1, 1, 2, 2), (1, 129, 700, 2, 1), (1, 700, 300, 2, 2), (1, 1, 1
 def test_warp_specialized_matches_v1(shape, fp8, flag, order, version, knob, monkeypatch):
     """v2 (producer warp + one consumer partition; ``flag``: QK^T of block j+1 issued before the
     softmax of block j) and v3 (producer warp + two consumer partitions; ``flag``: turn barriers,
-    FP8 PV accumulated in the wgmma accumulator, persistent programs that run several tiles
-    each, or the softmax of block j+1 under PV_j) give v1's numbers, whichever partition runs first."""
+    FP8 PV accumulated in the wgmma accumulator, or persistent programs that run several tiles
+    each) give v1's numbers, whichever partition runs first."""
     for name in knob.split(","):
         monkeypatch.setenv(name, flag)
     q, k, v = _inputs(*shape, 128, 128)
@@ -342,18 +341,11 @@ from leanfa.kernels.hopper import kernel_pingpong as KP  # noqa: E402
     # persistent: a tile's key blocks are looked up from ring position 0, not where the producer put them
     (KP, "_consumer_block", "v = v_tile(v_bufs, v_bars, ring + j,", "v = v_tile(v_bufs, v_bars, j,",
      "LEANFA_HOPPER_PERSISTENT"),
-    # OVERLAP: the K/V slot of block j released before PV_j retired (the producer may overwrite V_j)
-    (KP, "_consumer_blocks_overlapped", "        acc = warpgroup_mma_wait(0, deps=(pv_acc, ))\n        release_slot(",
-     "        release_slot(empty_bars, (ring + j) % STAGES)\n        acc = warpgroup_mma_wait(0, deps=(pv_acc, ))\n"
-     "        release_slot(", "LEANFA_HOPPER_OVERLAP,LEANFA_HOPPER_PV_IN_MMA"),
-    # OVERLAP: waiting for every group after issuing [QK_{j+1}, PV_j] would be correct; waiting for
-    # none (S_{j+1} read while in flight) is not
-    (KP, "_consumer_blocks_overlapped", "s = warpgroup_mma_wait(1, deps=(s_acc, ))", "s = s_acc",
-     "LEANFA_HOPPER_OVERLAP,LEANFA_HOPPER_PV_IN_MMA"),
+    # S_0 read by the softmax while its wgmma may still be writing it (no wait)
+    (KP, "_consumer_tile", "s = warpgroup_mma_wait(0, deps=(s_acc, ))", "s = s_acc", ""),
 ])
 def test_v3_mutations_caught(mod, fn, old, new, knobs, monkeypatch):
-    for name in ("LEANFA_HOPPER_PINGPONG", "LEANFA_HOPPER_PERSISTENT", "LEANFA_HOPPER_OVERLAP",
-                 "LEANFA_HOPPER_PV_IN_MMA"):
+    for name in ("LEANFA_HOPPER_PINGPONG", "LEANFA_HOPPER_PERSISTENT"):
         monkeypatch.setenv(name, "1" if name in knobs else "0")
     reset_shadows()
     try:
@@ -450,7 +442,7 @@ def test_varlen_needs_v3(monkeypatch):
 def test_hopper_knobs(monkeypatch):
     """v3 is the default Hopper kernel; a bad knob value is an error, never a silent fallback."""
     for k in ("LEANFA_HOPPER_KERNEL", "LEANFA_HOPPER_POLY", "LEANFA_HOPPER_PINGPONG", "LEANFA_HOPPER_PV_IN_MMA",
-              "LEANFA_HOPPER_PERSISTENT", "LEANFA_HOPPER_OVERLAP"):
+              "LEANFA_HOPPER_PERSISTENT"):
         monkeypatch.delenv(k, raising=False)
     assert L.kernel_version() == "v3"
     q, k, v = _inputs(1, 200, 200, 2, 1, 128, 128)
@@ -469,11 +461,6 @@ def test_hopper_knobs(monkeypatch):
         emulate_mod._make_plan_cpu(L, p, torch.empty(1, 200, 2, 128, dtype=torch.bfloat16), None)
     monkeypatch.delenv("LEANFA_HOPPER_PINGPONG")
     monkeypatch.delenv("LEANFA_HOPPER_PERSISTENT")
-    assert plan.constexprs["OVERLAP"] is False
-    monkeypatch.setenv("LEANFA_HOPPER_OVERLAP", "1")  # FP8 two-level PV has no registers for it
-    with pytest.raises(ValueError, match="PV_IN_MMA"):
-        emulate_mod._make_plan_cpu(L, p, torch.empty(1, 200, 2, 128, dtype=torch.bfloat16), None)
-    monkeypatch.delenv("LEANFA_HOPPER_OVERLAP")
     monkeypatch.setenv("LEANFA_HOPPER_KERNEL", "v9")
     with pytest.raises(ValueError, match="LEANFA_HOPPER_KERNEL"):
         L.kernel_version()

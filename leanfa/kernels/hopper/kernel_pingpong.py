@@ -33,13 +33,13 @@ in by one FFMA), so no block's products sit in the FP8 wgmma accumulator for lon
 ``PV_IN_MMA`` (experiment, off): FP8 PV accumulates in the wgmma accumulator across all blocks,
 like BF16 (``acc * alpha`` fed back in) -- 64 registers fewer per thread (the room a wider S
 tile needs); run 13: the FP8 error is unchanged to 3 digits up to S = 8K, speed +0-3.5%.
-``OVERLAP`` (experiment, off; FP8 needs ``PV_IN_MMA``): batch ``j + 1`` is ``[QK_{j+1}, PV_j]`` and
-the softmax of block ``j + 1`` runs while PV_j is on the tensor cores
-(:func:`_consumer_blocks_overlapped`).
 
-The key loop (:func:`_consumer_blocks`) runs blocks ``[0, n_end - 1)`` with the next block's S
-issued alongside their PV and the last block peeled off, so that every loop value has one
-definition per iteration (a conditional QK made ptxas copy S's 64 registers at every block).
+The key loop runs blocks ``[0, n_end - 1)`` with the next block's S issued alongside their PV and
+the last block peeled off (:func:`_consumer_block`), so that every loop value has one definition
+per iteration (a conditional QK made ptxas copy S's 64 registers at every block). The softmax of
+block j + 1 under PV_j (FA3's intra-warpgroup overlap, ``OVERLAP``) was built twice and removed
+twice: run 14 (ptxas hoisted the PV wait) and run 20 (it ran as designed, but 12-21% slower;
+docs/perf-notes.md).
 """
 
 from __future__ import annotations
@@ -203,81 +203,6 @@ def _consumer_block(s, j, c, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k,
 
 
 @gluon.jit
-def _consumer_blocks(s, acc, m_i, l_i, c_q, k_scale_row, stride_ksblk, offs_m, offs_n0, seqlen_q, seqlen_k, n_full,
-                     n_end, q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars, ring, batch, s_zero,
-                     p_layout: gl.constexpr, o_layout: gl.constexpr, CAUSAL: gl.constexpr, V_KMAJOR: gl.constexpr,
-                     P_OFFSET: gl.constexpr, RESCALE_SKIP: gl.constexpr, PINGPONG: gl.constexpr,
-                     POLY: gl.constexpr, TWO_LEVEL: gl.constexpr, W: gl.constexpr):
-    """The key loop (default): batch ``j + 1`` is ``[PV_j, QK_{j+1}]``, issued after the softmax of
-    block j and waited for as a whole. ``s`` is S_0; returns ``(acc, m_i, l_i)``."""
-    BLOCK_N: gl.constexpr = k_bufs.shape[3]
-    # Blocks [0, n_end - 1) issue the next block's S with their PV; the last one is peeled off, so
-    # S has one definition per iteration (with a conditional second QK, ptxas copied all 64 S
-    # registers at every block). The K scale is loaded a block ahead, off the softmax's path.
-    k_sc = _k_scale(k_scale_row, stride_ksblk, 0, n_end, BLOCK_N)
-    for j in range(n_end - 1):
-        k_sc_next = _k_scale(k_scale_row, stride_ksblk, j + 1, n_end, BLOCK_N)
-        acc, m_i, l_i, s = _consumer_block(
-            s, j, c_q * k_sc, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, q_smem, k_bufs, v_bufs,
-            k_bars, v_bars, empty_bars, turn_bars, ring, batch, s_zero, p_layout, o_layout, CAUSAL, V_KMAJOR,
-            P_OFFSET, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, True, W)
-        k_sc = k_sc_next
-    if n_end > 0:
-        acc, m_i, l_i, s = _consumer_block(
-            s, n_end - 1, c_q * k_sc, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, q_smem, k_bufs,
-            v_bufs, k_bars, v_bars, empty_bars, turn_bars, ring, batch, s_zero, p_layout, o_layout, CAUSAL,
-            V_KMAJOR, P_OFFSET, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, False, W)
-
-    return acc, m_i, l_i
-
-
-@gluon.jit
-def _consumer_blocks_overlapped(s, acc, m_i, l_i, c_q, k_scale_row, stride_ksblk, offs_m, offs_n0, seqlen_q, seqlen_k,
-                                n_full, n_end, q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars, ring,
-                                batch, s_zero, p_layout: gl.constexpr, o_layout: gl.constexpr,
-                                CAUSAL: gl.constexpr, V_KMAJOR: gl.constexpr, P_OFFSET: gl.constexpr,
-                                RESCALE_SKIP: gl.constexpr, PINGPONG: gl.constexpr, POLY: gl.constexpr,
-                                W: gl.constexpr):
-    """``OVERLAP`` (PV in the wgmma accumulator only): the key loop with batch ``j + 1`` issued as
-    ``[QK_{j+1}, PV_j]``. wgmmas retire in issue order, so waiting for all but the newest group
-    retires S_{j+1} while PV_j is still on the tensor cores: the softmax of block j + 1 runs under
-    PV_j (FA3's intra-warpgroup overlap). ``s`` is S_0; returns ``(acc, m_i, l_i)``. Every loop
-    value has one definition per iteration (the last block is peeled off), and nothing but P_j
-    and O is live across the softmax besides S_{j+1}: with two-level FP8 accumulation the
-    in-flight PV tile (64 registers more) made ptxas retire PV before the softmax (run 14)."""
-    QK_CHUNKS: gl.constexpr = k_bufs.shape[0] // v_bufs.shape[0]
-    STAGES: gl.constexpr = v_bufs.shape[0]
-    BLOCK_N: gl.constexpr = k_bufs.shape[3]
-    p_op, m_i, l_i, alpha_o = _softmax_block(
-        s, 0, c_q * _k_scale(k_scale_row, stride_ksblk, 0, n_end, BLOCK_N), m_i, l_i, offs_m, offs_n0, seqlen_q,
-        seqlen_k, n_full, v_bufs.dtype, p_layout, o_layout, CAUSAL, P_OFFSET, RESCALE_SKIP, POLY)
-    for j in range(n_end - 1):
-        k_sc_next = _k_scale(k_scale_row, stride_ksblk, j + 1, n_end, BLOCK_N)
-        v = v_tile(v_bufs, v_bars, ring + j, STAGES, V_KMAJOR)
-        _wait_turn(turn_bars, batch + j + 1, W, PINGPONG)
-        s_acc = _issue_qk(q_smem, k_bufs, k_bars, ring + j + 1, s_zero, W, QK_CHUNKS)
-        pv_acc = warpgroup_mma(p_op, v, acc * alpha_o, is_async=True)
-        _pass_turn(turn_bars, W, PINGPONG)
-        s = warpgroup_mma_wait(1, deps=(s_acc, ))
-        p_op, m_i, l_i, alpha_o = _softmax_block(s, j + 1, c_q * k_sc_next, m_i, l_i, offs_m, offs_n0, seqlen_q,
-                                                 seqlen_k, n_full, v_bufs.dtype, p_layout, o_layout, CAUSAL,
-                                                 P_OFFSET, RESCALE_SKIP, POLY)
-        # V_{j+1} is needed next; waiting for it here also ends the softmax's basic block, which keeps
-        # ptxas from hoisting the PV wait below to the start of the softmax (it did, runs 14 and SASS)
-        mbarrier.wait(v_bars.index((ring + j + 1) % STAGES), ((ring + j + 1) // STAGES) & 1)
-        acc = warpgroup_mma_wait(0, deps=(pv_acc, ))
-        release_slot(empty_bars, (ring + j) % STAGES)
-    if n_end > 0:
-        v = v_tile(v_bufs, v_bars, ring + n_end - 1, STAGES, V_KMAJOR)
-        _wait_turn(turn_bars, batch + n_end, W, PINGPONG)
-        pv_acc = warpgroup_mma(p_op, v, acc * alpha_o, is_async=True)
-        _pass_turn(turn_bars, W, PINGPONG)
-        acc = warpgroup_mma_wait(0, deps=(pv_acc, ))
-        release_slot(empty_bars, (ring + n_end - 1) % STAGES)
-    return acc, m_i, l_i
-
-
-@gluon.jit
 def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars,
                    out_ptr, stride_ob, stride_os, stride_oh, lse_ptr, stride_lb, stride_lh,
                    q_scale_ptr, stride_qsb, stride_qsh, stride_qsblk,
@@ -288,8 +213,7 @@ def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars
                    b, h, hkv, q_start, m_start, n_full, n_end, ring, batch,
                    HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
                    RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, RESCALE_SKIP: gl.constexpr,
-                   PINGPONG: gl.constexpr, POLY: gl.constexpr, TWO_LEVEL: gl.constexpr, OVERLAP: gl.constexpr,
-                   W: gl.constexpr):
+                   PINGPONG: gl.constexpr, POLY: gl.constexpr, TWO_LEVEL: gl.constexpr, W: gl.constexpr):
     """Warpgroup ``W`` on one tile: rows ``[m_start + 64 W, + 64)`` of sequence ``b`` against its key
     blocks ``[0, n_end)``, which sit at ring positions ``ring + j``; its wgmma batches are numbered
     from ``batch``. Output row ``r`` is token ``q_start + r`` of ``out`` (and of the LSE)."""
@@ -318,16 +242,22 @@ def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars
         s_acc = _issue_qk(q_smem, k_bufs, k_bars, ring, s_zero, W, QK_CHUNKS)
         _pass_turn(turn_bars, W, PINGPONG)
         s = warpgroup_mma_wait(0, deps=(s_acc, ))
-    if OVERLAP:
-        acc, m_i, l_i = _consumer_blocks_overlapped(
-            s, acc, m_i, l_i, c_q, k_scale_row, stride_ksblk, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, n_end,
-            q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars, ring, batch, s_zero, p_layout,
-            o_layout, CAUSAL, V_KMAJOR, P_OFFSET, RESCALE_SKIP, PINGPONG, POLY, W)
-    else:
-        acc, m_i, l_i = _consumer_blocks(
-            s, acc, m_i, l_i, c_q, k_scale_row, stride_ksblk, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, n_end,
-            q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars, ring, batch, s_zero, p_layout,
-            o_layout, CAUSAL, V_KMAJOR, P_OFFSET, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, W)
+    # Blocks [0, n_end - 1) issue the next block's S with their PV; the last one is peeled off, so
+    # S has one definition per iteration (with a conditional second QK, ptxas copied all 64 S
+    # registers at every block). The K scale is loaded a block ahead, off the softmax's path.
+    k_sc = _k_scale(k_scale_row, stride_ksblk, 0, n_end, BLOCK_N)
+    for j in range(n_end - 1):
+        k_sc_next = _k_scale(k_scale_row, stride_ksblk, j + 1, n_end, BLOCK_N)
+        acc, m_i, l_i, s = _consumer_block(
+            s, j, c_q * k_sc, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, q_smem, k_bufs, v_bufs,
+            k_bars, v_bars, empty_bars, turn_bars, ring, batch, s_zero, p_layout, o_layout, CAUSAL, V_KMAJOR,
+            P_OFFSET, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, True, W)
+        k_sc = k_sc_next
+    if n_end > 0:
+        acc, m_i, l_i, s = _consumer_block(
+            s, n_end - 1, c_q * k_sc, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, q_smem, k_bufs,
+            v_bufs, k_bars, v_bars, empty_bars, turn_bars, ring, batch, s_zero, p_layout, o_layout, CAUSAL,
+            V_KMAJOR, P_OFFSET, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, False, W)
 
     # Epilogue: O = acc / l * v_scale; LSE.
     inv_l, lse = finish_rows(m_i, l_i, P_OFFSET)
@@ -355,7 +285,7 @@ def _consumer_step(t, ring, batch, qi, q_smem, k_bufs, v_bufs, q_bars, q_empty, 
                    num_bh, num_heads, group_size, num_m_tiles, num_tiles,
                    HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
                    RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, RESCALE_SKIP: gl.constexpr,
-                   PINGPONG: gl.constexpr, POLY: gl.constexpr, TWO_LEVEL: gl.constexpr, OVERLAP: gl.constexpr, VARLEN: gl.constexpr,
+                   PINGPONG: gl.constexpr, POLY: gl.constexpr, TWO_LEVEL: gl.constexpr, VARLEN: gl.constexpr,
                    W: gl.constexpr):
     """Tile ``t``; ``ring``, ``batch``, ``qi``: key blocks, wgmma batches and Q tiles of the
     program's earlier tiles (ring position, turn-barrier phase, ``q_bars`` phase). Returns them updated."""
@@ -373,7 +303,7 @@ def _consumer_step(t, ring, batch, qi, q_smem, k_bufs, v_bufs, q_bars, q_empty, 
                    sq, sk, qk_scale, sm_scale,
                    b, h, hkv, q_start, m_start, n_full, n_end, ring, batch,
                    HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY,
-                   TWO_LEVEL, OVERLAP, W)
+                   TWO_LEVEL, W)
     if n_end > 0:
         release_slot(q_empty, 0)  # this warpgroup's QK wgmmas and K-mean term are done with its Q half
     loaded = gl.minimum(n_end, 1)  # this tile had a Q tile and a batch 0
@@ -391,7 +321,7 @@ def _consumer(q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bar
               num_bh, num_heads, group_size, num_m_tiles, first_tile, tile_step, num_tiles,
               HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
               RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, RESCALE_SKIP: gl.constexpr,
-              PINGPONG: gl.constexpr, POLY: gl.constexpr, TWO_LEVEL: gl.constexpr, OVERLAP: gl.constexpr, VARLEN: gl.constexpr,
+              PINGPONG: gl.constexpr, POLY: gl.constexpr, TWO_LEVEL: gl.constexpr, VARLEN: gl.constexpr,
               PERSISTENT: gl.constexpr, W: gl.constexpr):
     """Warpgroup ``W`` over this program's tiles; after each it hands its Q half back (``q_empty``
     counts both warpgroups), so the producer can load the next tile's. Tiles with no key block to
@@ -410,7 +340,7 @@ def _consumer(q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bar
                 v_scale_ptr, stride_vsb, stride_vsh, stride_vsd, k_mean_ptr, stride_kmb, stride_kmh, stride_kmd,
                 seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k,
                 num_bh, num_heads, group_size, num_m_tiles, num_tiles,
-                HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, OVERLAP,
+                HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL,
                 VARLEN, W)
     else:
         _consumer_step(
@@ -420,7 +350,7 @@ def _consumer(q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bar
             v_scale_ptr, stride_vsb, stride_vsh, stride_vsd, k_mean_ptr, stride_kmb, stride_kmh, stride_kmd,
             seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k,
             num_bh, num_heads, group_size, num_m_tiles, num_tiles,
-            HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, OVERLAP,
+            HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL,
             VARLEN, W)
 
 
@@ -446,7 +376,6 @@ def attn_fwd_pingpong_kernel(
     CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
     RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, VARLEN: gl.constexpr, STAGES: gl.constexpr,
     RESCALE_SKIP: gl.constexpr, PINGPONG: gl.constexpr, POLY: gl.constexpr, PV_IN_MMA: gl.constexpr,
-    OVERLAP: gl.constexpr,
     PERSISTENT: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
@@ -455,7 +384,6 @@ def attn_fwd_pingpong_kernel(
     DCHUNK: gl.constexpr = q_desc.block_type.shape[3]
     QK_CHUNKS: gl.constexpr = HEAD_DQK // DCHUNK
     TWO_LEVEL: gl.constexpr = IS_FP8 and not PV_IN_MMA
-    gl.static_assert(not (OVERLAP and TWO_LEVEL), "OVERLAP needs PV in the wgmma accumulator (PV_IN_MMA for FP8)")
 
     first_tile, tile_step, num_tiles = program_tiles(num_bh, num_m_tiles, PERSISTENT)
 
@@ -481,7 +409,7 @@ def attn_fwd_pingpong_kernel(
                        k_mean_ptr, stride_kmb, stride_kmh, stride_kmd,
                        seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k,
                        num_bh, num_heads, group_size, num_m_tiles, first_tile, tile_step, num_tiles,
-                       HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, OVERLAP,
+                       HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL,
                        VARLEN, PERSISTENT, 0)),
         (_consumer, (q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars,
                        out_ptr, stride_ob, stride_os, stride_oh, lse_ptr, stride_lb, stride_lh,
@@ -491,7 +419,7 @@ def attn_fwd_pingpong_kernel(
                        k_mean_ptr, stride_kmb, stride_kmh, stride_kmd,
                        seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k,
                        num_bh, num_heads, group_size, num_m_tiles, first_tile, tile_step, num_tiles,
-                       HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, OVERLAP,
+                       HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL,
                        VARLEN, PERSISTENT, 1)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars,
                      seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, num_bh, num_heads, group_size, num_m_tiles,

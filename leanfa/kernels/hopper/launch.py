@@ -119,8 +119,7 @@ def _flag(name: str, default: bool) -> bool:
 #: LEANFA_HOPPER_PV_IN_MMA (FP8 PV accumulated in the wgmma accumulator, not in fp32 per block:
 #: an experiment, off; see kernel_pingpong), LEANFA_HOPPER_PERSISTENT (one program per SM looping over
 #: the tiles heaviest first, see schedule.py; off: 0-4% slower at 16K and up to 15% at 4K, runs 16-17),
-#: LEANFA_HOPPER_OVERLAP (the softmax of block j+1 under PV_j in the same warpgroup; FP8 needs
-#: PV_IN_MMA; an experiment, off), LEANFA_HOPPER_RESCALE_SKIP, LEANFA_HOPPER_PRODUCER_REGS.
+#: LEANFA_HOPPER_RESCALE_SKIP, LEANFA_HOPPER_PRODUCER_REGS.
 KERNELS = {"v1": attn_fwd_kernel, "v2": attn_fwd_ws_kernel, "v3": attn_fwd_pingpong_kernel}
 DEFAULT_VERSION = "v3"
 V3_CONSUMER_REGS = 240  # with a 24-register producer this is what the default partition gets too
@@ -227,12 +226,7 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
         persistent = _flag("LEANFA_HOPPER_PERSISTENT", False)
         if persistent and pingpong:
             raise ValueError("LEANFA_HOPPER_PERSISTENT and LEANFA_HOPPER_PINGPONG cannot be combined yet")
-        pv_in_mma = _flag("LEANFA_HOPPER_PV_IN_MMA", False)
-        overlap = _flag("LEANFA_HOPPER_OVERLAP", False)
-        if overlap and is_fp8 and not pv_in_mma:
-            raise ValueError("LEANFA_HOPPER_OVERLAP with FP8 needs LEANFA_HOPPER_PV_IN_MMA=1 (the softmax cannot "
-                             "run under PV while a separate fp32 PV tile is in flight: no registers left)")
-        constexprs.update(PINGPONG=pingpong, POLY=poly, PV_IN_MMA=pv_in_mma, OVERLAP=overlap,
+        constexprs.update(PINGPONG=pingpong, POLY=poly, PV_IN_MMA=_flag("LEANFA_HOPPER_PV_IN_MMA", False),
                           PERSISTENT=persistent, CONSUMER_REGS=V3_CONSUMER_REGS, VARLEN=varlen,
                           num_warps=NUM_WARPS // 2)
     if persistent:  # one program per SM (one CTA fits an SM: > 114 KB of shared memory)
