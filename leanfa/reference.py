@@ -2,7 +2,8 @@
 
 Same arguments as :func:`leanfa.flash_attn_func` / :func:`leanfa.flash_attn_varlen_func`
 (GQA, bottom-right causal mask, descales, K-smoothing mean, LSE), computed in float64 on the
-inputs' device and chunked over queries so a 32K-token check fits in GPU memory. Rows that
+inputs' device and chunked over queries so a 32K-token check fits in GPU memory: a chunk's
+float64 score temporaries (all heads x chunk rows x keys) stay under :data:`SCORE_BYTES`. Rows that
 see no key give output 0 and LSE ``-inf``.
 """
 
@@ -13,6 +14,11 @@ import math
 import torch
 
 from . import scales
+
+#: Bytes a query chunk's float64 score temporaries may take (scores, the masked copy, P: three
+#: ``(Hq, rows, Sk)`` tensors). A fixed row count did not bound them: DeepSeek's 128 heads at 32K
+#: keys asked for 64 GiB per chunk of 2048 rows (run 21).
+SCORE_BYTES = 6 << 30
 
 
 def _dequantize(x: torch.Tensor, token_scale: torch.Tensor, seqlen: int) -> torch.Tensor:
@@ -41,6 +47,7 @@ def _one_sequence(q, k, v, *, causal, scale, q_tab, k_tab, v_tab, k_mean, chunk)
     if sq == 0:
         return out, lse
     cols = torch.arange(sk, device=q.device)
+    chunk = max(1, min(chunk, SCORE_BYTES // (3 * 8 * hq * max(sk, 1))))
     for start in range(0, sq, chunk):
         stop = min(sq, start + chunk)
         s = torch.matmul(qd[start:stop].permute(1, 0, 2), kd) * scale  # (Hq, c, Sk)

@@ -234,3 +234,25 @@ def test_bf16_sink_keys_rejects_bf16_and_split_varlen(device):
     with pytest.raises(ValueError, match="multiple of 128"):  # varlen has no split path
         leanfa.attention(q[0], k[0], v[0], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=8, max_seqlen_k=8,
                          bf16_sink_keys=64)
+
+
+def test_reference_chunks_bound_memory_not_rows(monkeypatch):
+    """The float64 reference sizes its query chunks by bytes (all heads x rows x keys): with a
+    budget of a few rows it must give the same answer as one chunk. Run 21: a fixed 2048-row chunk
+    asked for 64 GiB with DeepSeek's 128 heads at 32K keys."""
+    import leanfa.reference as R
+
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(1, 37, 8, 64, generator=g)
+    k = torch.randn(1, 53, 2, 64, generator=g)
+    v = torch.randn(1, 53, 2, 32, generator=g)
+    whole, whole_lse = attention_ref(q, k, v, causal=True, return_lse=True)
+    monkeypatch.setattr(R, "SCORE_BYTES", 3 * 8 * 8 * 53 * 5)  # 5 rows per chunk
+    calls = []
+    real = R.torch.logsumexp
+    monkeypatch.setattr(R.torch, "logsumexp", lambda s, dim: calls.append(s.shape[1]) or real(s, dim=dim))
+    part, part_lse = attention_ref(q, k, v, causal=True, return_lse=True)
+    assert max(calls) == 5 and len(calls) == 8
+    assert torch.allclose(whole, part, rtol=0, atol=1e-12)
+    assert torch.equal(torch.isinf(whole_lse), torch.isinf(part_lse))
+    assert torch.allclose(whole_lse[~torch.isinf(whole_lse)], part_lse[~torch.isinf(part_lse)], rtol=0, atol=1e-12)
