@@ -52,6 +52,10 @@ run_steps() {
                 --time v3,v3-persist ;;  # one program per SM, heaviest tiles first
       persist_check) step persist_check 420 40 python3 scripts/hopper_v2_gpu.py --check v3-persist \
                 --check-timeout 300 --no-bench --sanitize ;;
+      vperm) step vperm 560 60 python3 scripts/hopper_v2_gpu.py --check v3-vperm:small --check-timeout 200 \
+                --time v3,v3-vperm,v3-pvmma,v3-vperm-pvmma ;;  # FP8 V keys permuted: P without the shuffle
+      vperm_check) step vperm_check 420 40 python3 scripts/hopper_v2_gpu.py --check v3-vperm \
+                --check-timeout 300 --no-bench --sanitize ;;
       fp8_varlen_probe) step fp8_varlen_probe 200 10 python3 scripts/hopper_fp8_varlen_probe.py ;;
       bench_persist) step bench_persist 200 12 env LEANFA_HOPPER_PERSISTENT=1 python3 -m leanfa.cli bench --quick \
                 --no-progress --sweep standard --seqlens 4k,16k --causal true \

@@ -50,7 +50,7 @@ def variants():
                            version="v3"))
     for dtype, dqk in (("fp8", 128), ("bf16", 128), ("bf16", 192)):
         out.append(Variant(dtype, dqk, 128, True, version="v3", varlen=dtype == "bf16"))
-    for knob in ("PV_IN_MMA", "PINGPONG", "PERSISTENT"):
+    for knob in ("PV_IN_MMA", "PINGPONG", "PERSISTENT", "V_PERMUTED"):
         out.append(Variant("fp8", 128, 128, True, version="v3", env=((f"LEANFA_HOPPER_{knob}", 1),)))
     return out
 

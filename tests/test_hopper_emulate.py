@@ -156,6 +156,38 @@ def test_mutation_k_scale_of_wrong_block():
         reset_shadows()
 
 
+def test_permute_v_keys():
+    """The launch's copy of a transposed FP8 V: slot s of each 16-key group holds key
+    layouts.key_slot_order(s); slots past the last key are zero."""
+    from leanfa.kernels.hopper.launch import permute_v_keys
+    from leanfa.kernels.hopper.layouts import key_slot_order
+
+    assert key_slot_order(16) == [0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15]
+    assert sorted(key_slot_order(64)) == list(range(64))
+    vt = torch.randn(2, 3, 8, 37).to(torch.float8_e4m3fn)  # (B, H, Dv, S) storage
+    got = permute_v_keys(vt.permute(0, 3, 1, 2))
+    assert got.shape == (2, 48, 3, 8) and got.stride(1) == 1
+    got = got.permute(0, 2, 3, 1).float()
+    for slot, key in enumerate(key_slot_order(48)):
+        want = vt[..., key].float() if key < 37 else torch.zeros(2, 3, 8)
+        assert torch.equal(got[..., slot], want), slot
+
+
+def test_mutation_p_operand_key_order(monkeypatch):
+    """LEANFA_HOPPER_V_PERMUTED: P's columns must be regrouped in the order the launch permuted V's
+    keys; leaving them in accumulator order is caught."""
+    from leanfa.kernels.hopper import layouts
+
+    monkeypatch.setenv("LEANFA_HOPPER_V_PERMUTED", "1")
+    reset_shadows()
+    try:
+        assert _fp8_block_scaled_error("v3") < 4e-2
+        _mutated(layouts.p_operand, ".permute(0, 1, 3, 2, 4)", ".permute(0, 1, 2, 3, 4)")
+        assert _fp8_block_scaled_error("v3") > 1e-1
+    finally:
+        reset_shadows()
+
+
 @pytest.mark.parametrize("form", ["scalar", "per_head"])
 def test_fp8_broadcast_descales(form):
     """Per-tensor and per-(batch, kv head) descales become broadcast tables (a size-1 block dim)."""
@@ -266,7 +298,8 @@ V2_SHAPES = [(1, 1, 1, 2, 2), (1, 129, 700, 2, 1), (1, 700, 300, 2, 2), (1, 1, 1
 
 
 @pytest.mark.parametrize("version,knob", [("v2", "LEANFA_HOPPER_PIPE"), ("v3", "LEANFA_HOPPER_PINGPONG"),
-                                          ("v3", "LEANFA_HOPPER_PV_IN_MMA"), ("v3", "LEANFA_HOPPER_PERSISTENT")])
+                                          ("v3", "LEANFA_HOPPER_PV_IN_MMA"), ("v3", "LEANFA_HOPPER_PERSISTENT"),
+                                          ("v3", "LEANFA_HOPPER_V_PERMUTED")])
 @pytest.mark.parametrize("order", ["consumer-first", "producer-first"])
 @pytest.mark.parametrize("flag", ["1", "0"])
 @pytest.mark.parametrize("fp8", [False, True])
@@ -274,8 +307,9 @@ V2_SHAPES = [(1, 1, 1, 2, 2), (1, 129, 700, 2, 1), (1, 700, 300, 2, 2), (1, 1, 1
 def test_warp_specialized_matches_v1(shape, fp8, flag, order, version, knob, monkeypatch):
     """v2 (producer warp + one consumer partition; ``flag``: QK^T of block j+1 issued before the
     softmax of block j) and v3 (producer warp + two consumer partitions; ``flag``: turn barriers,
-    FP8 PV accumulated in the wgmma accumulator, or persistent programs that run several tiles
-    each) give v1's numbers, whichever partition runs first."""
+    FP8 PV accumulated in the wgmma accumulator, persistent programs that run several tiles
+    each, or FP8 V with its keys permuted so that P needs no shuffle) give v1's numbers, whichever
+    partition runs first."""
     for name in knob.split(","):
         monkeypatch.setenv(name, flag)
     q, k, v = _inputs(*shape, 128, 128)
@@ -442,7 +476,7 @@ def test_varlen_needs_v3(monkeypatch):
 def test_hopper_knobs(monkeypatch):
     """v3 is the default Hopper kernel; a bad knob value is an error, never a silent fallback."""
     for k in ("LEANFA_HOPPER_KERNEL", "LEANFA_HOPPER_POLY", "LEANFA_HOPPER_PINGPONG", "LEANFA_HOPPER_PV_IN_MMA",
-              "LEANFA_HOPPER_PERSISTENT"):
+              "LEANFA_HOPPER_PERSISTENT", "LEANFA_HOPPER_V_PERMUTED"):
         monkeypatch.delenv(k, raising=False)
     assert L.kernel_version() == "v3"
     q, k, v = _inputs(1, 200, 200, 2, 1, 128, 128)
@@ -461,6 +495,10 @@ def test_hopper_knobs(monkeypatch):
         emulate_mod._make_plan_cpu(L, p, torch.empty(1, 200, 2, 128, dtype=torch.bfloat16), None)
     monkeypatch.delenv("LEANFA_HOPPER_PINGPONG")
     monkeypatch.delenv("LEANFA_HOPPER_PERSISTENT")
+    monkeypatch.setenv("LEANFA_HOPPER_V_PERMUTED", "1")  # FP8 dense: V copied with its keys permuted
+    plan = emulate_mod._make_plan_cpu(L, p, torch.empty(1, 200, 2, 128, dtype=torch.bfloat16), None)
+    assert plan.constexprs["V_KMAJOR"] == 2 and plan.args[2].shape[3] == 208  # 200 keys -> 13 groups of 16
+    monkeypatch.delenv("LEANFA_HOPPER_V_PERMUTED")
     monkeypatch.setenv("LEANFA_HOPPER_KERNEL", "v9")
     with pytest.raises(ValueError, match="LEANFA_HOPPER_KERNEL"):
         L.kernel_version()

@@ -53,7 +53,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .epilogue import kmean_lse_term, store_output
-from .layouts import a_operand_layout, wgmma_layout
+from .layouts import PERMUTED_KEYS, a_operand_layout, p_operand, wgmma_layout
 from .masking import kv_block_range, mask_scores
 from .pipeline import (alloc_barriers, invalidate_barriers, load_q, produce_kv, qk_async, release_slot, v_tile,
                        wait_k)
@@ -143,7 +143,8 @@ def _issue_qk(q_smem, k_bufs, k_bars, j, s_zero, W: gl.constexpr, QK_CHUNKS: gl.
 @gluon.jit
 def _softmax_block(s, j, c, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full,
                    p_dtype: gl.constexpr, p_layout: gl.constexpr, o_layout: gl.constexpr,
-                   CAUSAL: gl.constexpr, P_OFFSET: gl.constexpr, RESCALE_SKIP: gl.constexpr, POLY: gl.constexpr):
+                   CAUSAL: gl.constexpr, P_OFFSET: gl.constexpr, RESCALE_SKIP: gl.constexpr, POLY: gl.constexpr,
+                   V_KMAJOR: gl.constexpr):
     """Lean P of key block ``j`` (masked on the diagonal / tail blocks only; ``c``: the block's
     score scale): the PV operand P, the new row max and sum, and the factor ``alpha`` (O's layout)
     that rescales O to the new max."""
@@ -152,7 +153,7 @@ def _softmax_block(s, j, c, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_ful
         s = mask_scores(s, offs_m, j * BLOCK_N + offs_n0, seqlen_q, seqlen_k, CAUSAL)
     p, m_i, l_i, alpha = online_softmax_step_lazy(s, c, m_i, l_i, P_OFFSET, RESCALE_SKIP, POLY)
     alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-    p_op = gl.convert_layout(p.to(p_dtype), p_layout)
+    p_op = p_operand(p.to(p_dtype), p_layout, V_KMAJOR == PERMUTED_KEYS)
     return p_op, m_i, l_i, alpha_o
 
 
@@ -186,7 +187,8 @@ def _consumer_block(s, j, c, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k,
     QK_CHUNKS: gl.constexpr = k_bufs.shape[0] // v_bufs.shape[0]
     STAGES: gl.constexpr = v_bufs.shape[0]
     p_op, m_i, l_i, alpha_o = _softmax_block(s, j, c, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full,
-                                             v_bufs.dtype, p_layout, o_layout, CAUSAL, P_OFFSET, RESCALE_SKIP, POLY)
+                                             v_bufs.dtype, p_layout, o_layout, CAUSAL, P_OFFSET, RESCALE_SKIP, POLY,
+                                             V_KMAJOR)
     v = v_tile(v_bufs, v_bars, ring + j, STAGES, V_KMAJOR)
     _wait_turn(turn_bars, batch + j + 1, W, PINGPONG)
     pv_acc = _issue_pv(p_op, v, acc, alpha_o, TWO_LEVEL)

@@ -22,6 +22,7 @@ from ...scales import broadcast_strides
 from .kernel import attn_fwd_kernel
 from .kernel_pingpong import attn_fwd_pingpong_kernel
 from .kernel_ws import attn_fwd_ws_kernel
+from .layouts import PERMUTED_KEYS, key_slot_order
 
 BLOCK_M = 128
 BLOCK_N = 128
@@ -39,6 +40,20 @@ _GL_DTYPES = {
 def v_is_kmajor(v: torch.Tensor) -> bool:
     """V stored transposed ((B, Hkv, Dv, S) storage viewed as (B, S, Hkv, Dv))."""
     return v.stride(1) == 1 and v.stride(3) != 1
+
+
+def permute_v_keys(v: torch.Tensor) -> torch.Tensor:
+    """A copy of a transposed-storage V ``(B, S, H, Dv)`` with its keys in :func:`.layouts.key_slot_order`,
+    padded with zero keys to a multiple of 16 (``LEANFA_HOPPER_V_PERMUTED``: FP8 P then needs no
+    layout shuffle). One pass over V; the quantizer could write this order directly."""
+    B, S, H, Dv = v.shape
+    n = -(-S // 16) * 16
+    keys = torch.tensor(key_slot_order(n), device=v.device)
+    slots = torch.nonzero(keys < S).flatten()
+    src = v.permute(0, 2, 3, 1).view(torch.uint8)  # (B, H, Dv, S); indexing works on bytes
+    out = torch.zeros(B, H, Dv, n, dtype=torch.uint8, device=v.device)
+    out[..., slots] = src[..., keys[slots]]
+    return out.view(v.dtype).permute(0, 3, 1, 2)
 
 
 def _bshd_as_bhsd(t: torch.Tensor):
@@ -119,7 +134,10 @@ def _flag(name: str, default: bool) -> bool:
 #: LEANFA_HOPPER_PV_IN_MMA (FP8 PV accumulated in the wgmma accumulator, not in fp32 per block:
 #: an experiment, off; see kernel_pingpong), LEANFA_HOPPER_PERSISTENT (one program per SM looping over
 #: the tiles heaviest first, see schedule.py; off: 0-4% slower at 16K and up to 15% at 4K, runs 16-17),
-#: LEANFA_HOPPER_RESCALE_SKIP, LEANFA_HOPPER_PRODUCER_REGS.
+#: LEANFA_HOPPER_V_PERMUTED (dense FP8: the launch copies V with its keys permuted within groups
+#: of 16 so that P needs no layout shuffle, see layouts.key_slot_order; an experiment, off:
+#: AOT 51 fewer instructions per block, not yet measured), LEANFA_HOPPER_RESCALE_SKIP,
+#: LEANFA_HOPPER_PRODUCER_REGS.
 KERNELS = {"v1": attn_fwd_kernel, "v2": attn_fwd_ws_kernel, "v3": attn_fwd_pingpong_kernel}
 DEFAULT_VERSION = "v3"
 V3_CONSUMER_REGS = 240  # with a 24-register producer this is what the default partition gets too
@@ -167,6 +185,9 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
         B, Sq, Sk = cu_seqlens_q.shape[0] - 1, int(max_seqlen_q), int(max_seqlen_k)
     is_fp8 = q.dtype == torch.float8_e4m3fn
     kmajor = v_is_kmajor(v)
+    if kmajor and is_fp8 and not varlen and version == "v3" and _flag("LEANFA_HOPPER_V_PERMUTED", False):
+        v = permute_v_keys(v)
+        kmajor = PERMUTED_KEYS.value
     dchunk = qk_chunk(Dqk)
     q_rows = BLOCK_M // 2 if version == "v3" else BLOCK_M  # v3: one 64-row Q box per consumer warpgroup
     q_desc = _desc(q, *_bshd_as_bhsd(q), [1, 1, q_rows, dchunk])
