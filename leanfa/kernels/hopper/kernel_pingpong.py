@@ -206,11 +206,7 @@ def _consumer_block(s, j, c, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k,
 
 @gluon.jit
 def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars,
-                   out_ptr, stride_ob, stride_os, stride_oh, lse_ptr, stride_lb, stride_lh,
-                   q_scale_ptr, stride_qsb, stride_qsh, stride_qsblk,
-                   k_scale_ptr, stride_ksb, stride_ksh, stride_ksblk,
-                   v_scale_ptr, stride_vsb, stride_vsh, stride_vsd,
-                   k_mean_ptr, stride_kmb, stride_kmh, stride_kmd,
+                   out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
                    seqlen_q, seqlen_k, qk_scale, sm_scale,
                    b, h, hkv, q_start, m_start, n_full, n_end, ring, batch,
                    HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
@@ -218,7 +214,14 @@ def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars
                    PINGPONG: gl.constexpr, POLY: gl.constexpr, TWO_LEVEL: gl.constexpr, W: gl.constexpr):
     """Warpgroup ``W`` on one tile: rows ``[m_start + 64 W, + 64)`` of sequence ``b`` against its key
     blocks ``[0, n_end)``, which sit at ring positions ``ring + j``; its wgmma batches are numbered
-    from ``batch``. Output row ``r`` is token ``q_start + r`` of ``out`` (and of the LSE)."""
+    from ``batch``. Output row ``r`` is token ``q_start + r`` of ``out`` (and of the LSE). ``out_t``,
+    ``lse_t`` and the ``*_scale_t``/``k_mean_t`` tables are ``(pointer, strides...)`` tuples."""
+    out_ptr, stride_ob, stride_os, stride_oh = out_t
+    lse_ptr, stride_lb, stride_lh = lse_t
+    q_scale_ptr, stride_qsb, stride_qsh, stride_qsblk = q_scale_t
+    k_scale_ptr, stride_ksb, stride_ksh, stride_ksblk = k_scale_t
+    v_scale_ptr, stride_vsb, stride_vsh, stride_vsd = v_scale_t
+    k_mean_ptr, stride_kmb, stride_kmh, stride_kmd = k_mean_t
     QK_CHUNKS: gl.constexpr = k_bufs.shape[0] // v_bufs.shape[0]
     BLOCK_N: gl.constexpr = k_bufs.shape[3]
     BITS: gl.constexpr = 8 if IS_FP8 else 16
@@ -278,11 +281,7 @@ def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars
 
 @gluon.jit
 def _consumer_step(t, ring, batch, qi, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars,
-                   out_ptr, stride_ob, stride_os, stride_oh, lse_ptr, stride_lb, stride_lh,
-                   q_scale_ptr, stride_qsb, stride_qsh, stride_qsblk,
-                   k_scale_ptr, stride_ksb, stride_ksh, stride_ksblk,
-                   v_scale_ptr, stride_vsb, stride_vsh, stride_vsd,
-                   k_mean_ptr, stride_kmb, stride_kmh, stride_kmd,
+                   out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
                    seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k,
                    num_bh, num_heads, group_size, num_m_tiles, num_tiles,
                    HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
@@ -297,11 +296,7 @@ def _consumer_step(t, ring, batch, qi, q_smem, k_bufs, v_bufs, q_bars, q_empty, 
     if n_end > 0:
         mbarrier.wait(q_bars.index(W), qi & 1)
     _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars,
-                   out_ptr, stride_ob, stride_os, stride_oh, lse_ptr, stride_lb, stride_lh,
-                   q_scale_ptr, stride_qsb, stride_qsh, stride_qsblk,
-                   k_scale_ptr, stride_ksb, stride_ksh, stride_ksblk,
-                   v_scale_ptr, stride_vsb, stride_vsh, stride_vsd,
-                   k_mean_ptr, stride_kmb, stride_kmh, stride_kmd,
+                   out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
                    sq, sk, qk_scale, sm_scale,
                    b, h, hkv, q_start, m_start, n_full, n_end, ring, batch,
                    HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY,
@@ -314,11 +309,7 @@ def _consumer_step(t, ring, batch, qi, q_smem, k_bufs, v_bufs, q_bars, q_empty, 
 
 @gluon.jit
 def _consumer(q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars,
-              out_ptr, stride_ob, stride_os, stride_oh, lse_ptr, stride_lb, stride_lh,
-              q_scale_ptr, stride_qsb, stride_qsh, stride_qsblk,
-              k_scale_ptr, stride_ksb, stride_ksh, stride_ksblk,
-              v_scale_ptr, stride_vsb, stride_vsh, stride_vsd,
-              k_mean_ptr, stride_kmb, stride_kmh, stride_kmd,
+              out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
               seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k,
               num_bh, num_heads, group_size, num_m_tiles, first_tile, tile_step, num_tiles,
               HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
@@ -337,9 +328,7 @@ def _consumer(q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bar
         for r in range(0, (num_tiles + tile_step - 1) // tile_step):
             ring, batch, qi = _consumer_step(
                 round_tile(r, first_tile, tile_step), ring, batch, qi, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars,
-                out_ptr, stride_ob, stride_os, stride_oh, lse_ptr, stride_lb, stride_lh,
-                q_scale_ptr, stride_qsb, stride_qsh, stride_qsblk, k_scale_ptr, stride_ksb, stride_ksh, stride_ksblk,
-                v_scale_ptr, stride_vsb, stride_vsh, stride_vsd, k_mean_ptr, stride_kmb, stride_kmh, stride_kmd,
+                out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
                 seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k,
                 num_bh, num_heads, group_size, num_m_tiles, num_tiles,
                 HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL,
@@ -347,9 +336,7 @@ def _consumer(q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bar
     else:
         _consumer_step(
             first_tile, 0, 0, 0, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars,
-            out_ptr, stride_ob, stride_os, stride_oh, lse_ptr, stride_lb, stride_lh,
-            q_scale_ptr, stride_qsb, stride_qsh, stride_qsblk, k_scale_ptr, stride_ksb, stride_ksh, stride_ksblk,
-            v_scale_ptr, stride_vsb, stride_vsh, stride_vsd, k_mean_ptr, stride_kmb, stride_kmh, stride_kmd,
+            out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
             seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k,
             num_bh, num_heads, group_size, num_m_tiles, num_tiles,
             HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL,
@@ -400,25 +387,24 @@ def attn_fwd_pingpong_kernel(
     turn_bars = alloc_barriers(2)
 
 
+    # the output, the LSE and the four scale tables travel as (pointer, strides...) tuples
+    out_t = (out_ptr, stride_ob, stride_os, stride_oh)
+    lse_t = (lse_ptr, stride_lb, stride_lh)
+    q_scale_t = (q_scale_ptr, stride_qsb, stride_qsh, stride_qsblk)
+    k_scale_t = (k_scale_ptr, stride_ksb, stride_ksh, stride_ksblk)
+    v_scale_t = (v_scale_ptr, stride_vsb, stride_vsh, stride_vsd)
+    k_mean_t = (k_mean_ptr, stride_kmb, stride_kmh, stride_kmd)
     # the two consumers differ only in their last argument (a tuple concatenation would turn the
     # constexprs into runtime values)
     gl.warp_specialize([
         (_consumer, (q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars,
-                       out_ptr, stride_ob, stride_os, stride_oh, lse_ptr, stride_lb, stride_lh,
-                       q_scale_ptr, stride_qsb, stride_qsh, stride_qsblk,
-                       k_scale_ptr, stride_ksb, stride_ksh, stride_ksblk,
-                       v_scale_ptr, stride_vsb, stride_vsh, stride_vsd,
-                       k_mean_ptr, stride_kmb, stride_kmh, stride_kmd,
+                       out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
                        seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k,
                        num_bh, num_heads, group_size, num_m_tiles, first_tile, tile_step, num_tiles,
                        HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL,
                        VARLEN, PERSISTENT, 0)),
         (_consumer, (q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars,
-                       out_ptr, stride_ob, stride_os, stride_oh, lse_ptr, stride_lb, stride_lh,
-                       q_scale_ptr, stride_qsb, stride_qsh, stride_qsblk,
-                       k_scale_ptr, stride_ksb, stride_ksh, stride_ksblk,
-                       v_scale_ptr, stride_vsb, stride_vsh, stride_vsd,
-                       k_mean_ptr, stride_kmb, stride_kmh, stride_kmd,
+                       out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
                        seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k,
                        num_bh, num_heads, group_size, num_m_tiles, first_tile, tile_step, num_tiles,
                        HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL,
