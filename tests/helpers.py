@@ -33,3 +33,8 @@ def qkv(b, sq, sk, hq, hkv, dqk, dv, dtype, device, k_outliers=False, seed=None)
         k[..., 3] += 40.0
         k[..., 17] -= 25.0
     return q.to(dtype).to(device), k.to(dtype).to(device), v.to(dtype).to(device)
+
+
+def cu_seqlens(lengths, device="cpu") -> torch.Tensor:
+    """flash-attn's ``cu_seqlens``: int32 ``[0, l0, l0 + l1, ...]`` for sequence ``lengths``."""
+    return torch.tensor([0, *lengths], device=device).cumsum(0).to(torch.int32)

@@ -11,7 +11,7 @@ import torch
 import leanfa
 from leanfa.reference import attention_ref
 
-from helpers import TOL, qkv, rel_l2
+from helpers import TOL, cu_seqlens, qkv, rel_l2
 
 BF16, FP16, FP8 = torch.bfloat16, torch.float16, torch.float8_e4m3fn
 
@@ -98,8 +98,7 @@ def test_fp8_smoothing_helps_outlier_k(device):
 def test_varlen(device, precision, causal):
     lens_q = [5, 0, 1, 70, 33]
     lens_k = [9, 3, 1, 70, 20]  # includes Sq > Sk (rows with no key when causal) and an empty q
-    cu_q = torch.tensor([0] + list(torch.tensor(lens_q).cumsum(0)), dtype=torch.int32)
-    cu_k = torch.tensor([0] + list(torch.tensor(lens_k).cumsum(0)), dtype=torch.int32)
+    cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
     q = torch.randn(sum(lens_q), 4, 128).to(BF16).to(device)
     k = torch.randn(sum(lens_k), 2, 128).to(BF16).to(device)
     v = torch.randn(sum(lens_k), 2, 128).to(BF16).to(device)
@@ -209,7 +208,7 @@ def test_fp8_bf16_sink_keys_varlen(device):
     lens = [300, 90, 1, 200]
     seqs = [make_qkv("llama3-8b", 1, n, heads=2, kv_heads=1, device=device, seed=i) for i, n in enumerate(lens)]
     q, k, v = (torch.cat([s[j][0] for s in seqs]) for j in range(3))
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    cu = cu_seqlens(lens, device)
     kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens), max_seqlen_k=max(lens), causal=True)
     out, lse = leanfa.attention(q, k, v, bf16_sink_keys=128, return_lse=True, **kw)
     plain = leanfa.attention(q, k, v, **kw)

@@ -6,7 +6,7 @@ import torch
 import leanfa
 from leanfa.reference import attention_ref
 
-from helpers import TOL, rel_l2
+from helpers import TOL, cu_seqlens, rel_l2
 
 pytestmark = pytest.mark.gpu
 
@@ -51,7 +51,7 @@ def test_gaussian_fp8_16k_noncausal():
 
 def test_varlen_long_uneven():
     lens = [1, 777, 4096, 130, 9000]
-    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    cu = cu_seqlens(lens, "cuda")
     g = torch.Generator(device="cuda").manual_seed(2)
     q = torch.randn(sum(lens), 8, 128, device="cuda", generator=g).to(torch.bfloat16)
     k = torch.randn(sum(lens), 2, 128, device="cuda", generator=g).to(torch.bfloat16)

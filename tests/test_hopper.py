@@ -13,6 +13,7 @@ import torch
 
 import leanfa
 from leanfa.reference import attention_ref
+from helpers import cu_seqlens
 
 ON_H100 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 gpu = pytest.mark.gpu
@@ -148,8 +149,7 @@ def test_varlen_matches_reference(lens, dims, causal, fp8, monkeypatch):
 
     monkeypatch.setenv("LEANFA_POISON_OUTPUTS", "1")
     lq, lk = lens
-    cu_q = torch.tensor([0] + lq, device="cuda").cumsum(0).to(torch.int32)
-    cu_k = torch.tensor([0] + lk, device="cuda").cumsum(0).to(torch.int32)
+    cu_q, cu_k = cu_seqlens(lq, "cuda"), cu_seqlens(lk, "cuda")
     g = torch.Generator(device="cuda").manual_seed(len(lq))
     q = torch.randn(sum(lq), 4, dims[0], device="cuda", generator=g).to(torch.bfloat16)
     k = torch.randn(sum(lk), 2, dims[0], device="cuda", generator=g).to(torch.bfloat16)
@@ -193,8 +193,7 @@ def test_varlen_empty_batch_falls_back(lens_q, lens_k):
     from leanfa.api import _build_problem
     from leanfa.kernels import hopper
 
-    cu_q = torch.tensor([0] + lens_q, device="cuda").cumsum(0).to(torch.int32)
-    cu_k = torch.tensor([0] + lens_k, device="cuda").cumsum(0).to(torch.int32)
+    cu_q, cu_k = cu_seqlens(lens_q, "cuda"), cu_seqlens(lens_k, "cuda")
     q = torch.randn(sum(lens_q), 4, 128, device="cuda").to(torch.bfloat16)
     k = torch.randn(sum(lens_k), 1, 128, device="cuda").to(torch.bfloat16)
     # max_seqlen must be positive (api: flash-attn's contract), also for an all-empty batch

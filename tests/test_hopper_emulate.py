@@ -16,6 +16,7 @@ import torch
 
 import leanfa
 from leanfa.reference import attention_ref
+from helpers import cu_seqlens
 
 emulate_mod = pytest.importorskip("leanfa.kernels.hopper.emulate")
 from leanfa.kernels.hopper import kernel as K  # noqa: E402
@@ -414,8 +415,7 @@ def test_v3_varlen(lens, causal, fp8, persistent, monkeypatch):
     monkeypatch.setenv("LEANFA_HOPPER_PERSISTENT", persistent)
     lq, lk = lens
     g = torch.Generator().manual_seed(len(lq))
-    cu_q = torch.tensor([0] + lq).cumsum(0).to(torch.int32)
-    cu_k = torch.tensor([0] + lk).cumsum(0).to(torch.int32)
+    cu_q, cu_k = cu_seqlens(lq), cu_seqlens(lk)
     q = torch.randn(int(cu_q[-1]), 2, 128, generator=g).to(torch.bfloat16)
     k = (torch.randn(int(cu_k[-1]), 1, 128, generator=g) + 1).to(torch.bfloat16)
     v = torch.randn(int(cu_k[-1]), 1, 128, generator=g).to(torch.bfloat16)

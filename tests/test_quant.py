@@ -6,6 +6,7 @@ import torch
 import leanfa
 from leanfa.quant import E4M3_MAX, FP8_DTYPE, _quantize_launch, _Seqs
 from leanfa.scales import SCALE_BLOCK
+from helpers import cu_seqlens
 
 
 def _dequant_qk(x8, descale, seqlen):
@@ -105,7 +106,7 @@ def test_fused_block_path_matches_per_tensor_kernels(device, varlen, smooth_k):
     if varlen:
         lens_q, lens_k = [1, 300, 0, 129], [2, 700, 0, 1]  # empty and one-token sequences
         shape_q, shape_k = (sum(lens_q), hq), (sum(lens_k), hkv)
-        cu = lambda ls: torch.tensor([0] + list(torch.tensor(ls).cumsum(0)), dtype=torch.int32, device=device)  # noqa: E731
+        cu = lambda ls: cu_seqlens(ls, device)  # noqa: E731
         kw = dict(cu_seqlens_q=cu(lens_q), cu_seqlens_k=cu(lens_k), max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k))
     else:
         shape_q, shape_k, kw = (2, 300, hq), (2, 700, hkv), {}
