@@ -56,6 +56,8 @@ run_steps() {
                 --time v3,v3-vperm,v3-pvmma,v3-vperm-pvmma ;;  # FP8 V keys permuted: P without the shuffle
       vperm_check) step vperm_check 420 40 python3 scripts/hopper_v2_gpu.py --check v3-vperm \
                 --check-timeout 300 --no-bench --sanitize ;;
+      d64) step d64 420 40 python3 scripts/hopper_v2_gpu.py --check v3-d64 --check-timeout 300 --no-bench \
+                --sanitize ;;  # head dim 64 on v3 (the 128/192 cases too), then LEANFA_HOPPER_D64 can go
       fp8_varlen_probe) step fp8_varlen_probe 200 10 python3 scripts/hopper_fp8_varlen_probe.py ;;
       bench_persist) step bench_persist 200 12 env LEANFA_HOPPER_PERSISTENT=1 python3 -m leanfa.cli bench --quick \
                 --no-progress --sweep standard --seqlens 4k,16k --causal true \

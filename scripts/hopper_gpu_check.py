@@ -209,8 +209,9 @@ def default_cases(small=False):
     if small:
         shapes = [(1, 1, 1, 4, 4), (2, 100, 100, 8, 2), (1, 129, 300, 4, 2), (1, 300, 129, 4, 4)]
     cases = []
+    dims = ((128, 128), (192, 128)) + (((64, 64), ) if os.environ.get("LEANFA_HOPPER_D64") == "1" else ())
     for dtype in ("bf16", "fp8"):
-        for dqk, dv in ((128, 128), (192, 128)):
+        for dqk, dv in dims:
             for causal in (True, False):
                 for i, (B, Sq, Sk, Hq, Hkv) in enumerate(shapes):
                     cases.append(dict(dtype=dtype, B=B, Sq=Sq, Sk=Sk, Hq=Hq, Hkv=Hkv, dqk=dqk, dv=dv,

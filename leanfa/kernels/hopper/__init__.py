@@ -40,6 +40,9 @@ VALIDATED = True
 #: LEANFA_HOPPER_FP8_VARLEN=1 forces it (for that probe only).
 FP8_VARLEN = os.environ.get("LEANFA_HOPPER_FP8_VARLEN", "0") == "1"
 HEAD_DIMS = ((128, 128), (192, 128))
+#: Head dims the v3 kernel runs only with ``LEANFA_HOPPER_D64=1`` until an H200 run has checked them
+#: (the CPU emulator and the sm90 AOT compile pass: 0 B spills, 74 KB / 148 KB of shared memory).
+EXPERIMENTAL_HEAD_DIMS = ((64, 64),)
 IN_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -65,8 +68,11 @@ def supports(problem) -> tuple[bool, str]:
         return False, ("FP8 varlen is not run by the Hopper kernel: its transposed V puts the tokens innermost, "
                        "and a sequence starting at an arbitrary token is not a valid TMA box start")
     dims = (problem.head_dim_qk, problem.head_dim_v)
-    if dims not in HEAD_DIMS:
-        return False, f"head dims {dims[0]}/{dims[1]} are not implemented in the Hopper kernel (128/128, 192/128)"
+    experimental = (dims in EXPERIMENTAL_HEAD_DIMS and os.environ.get("LEANFA_HOPPER_D64", "0") == "1"
+                    and _launch.kernel_version() == "v3")
+    if dims not in HEAD_DIMS and not experimental:
+        return False, (f"head dims {dims[0]}/{dims[1]} are not implemented in the Hopper kernel (128/128, 192/128; "
+                       "64/64 with LEANFA_HOPPER_D64=1 until it is GPU-checked)")
     if q.dtype not in IN_DTYPES:
         return False, f"dtype {q.dtype} is not supported by the Hopper kernel"
     if problem.out_dtype not in OUT_DTYPES:
