@@ -53,7 +53,7 @@ run_steps() {
       persist_check) step persist_check 420 40 python3 scripts/hopper_v2_gpu.py --check v3-persist \
                 --check-timeout 300 --no-bench --sanitize ;;
       vperm) step vperm 560 60 python3 scripts/hopper_v2_gpu.py --check v3-vperm:small --check-timeout 200 \
-                --time v3,v3-vperm,v3-pvmma,v3-vperm-pvmma ;;  # FP8 V keys permuted: P without the shuffle
+                --time v3,v3-vperm,v3-pvmma,v3-vperm-pvmma,v3-wide ;;  # FP8 V keys permuted: P without the shuffle
       vperm_check) step vperm_check 420 40 python3 scripts/hopper_v2_gpu.py --check v3-vperm \
                 --check-timeout 300 --no-bench --sanitize ;;
       d64) step d64 420 40 python3 scripts/hopper_v2_gpu.py --check v3-d64 --check-timeout 300 --no-bench \

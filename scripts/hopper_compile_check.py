@@ -48,6 +48,8 @@ def variants():
     for v in v1:
         out.append(Variant(v.dtype, v.dqk, v.dv, v.causal, v.return_lse, v.k_mean, v.v_kmajor, v.out_dtype,
                            version="v3"))
+    out.append(Variant("fp8", 128, 128, True, version="v3",  # 256-key blocks (ptxas serializes its wgmmas)
+                       env=(("LEANFA_HOPPER_BLOCK_N", 256), ("LEANFA_HOPPER_PV_IN_MMA", 1), ("LEANFA_HOPPER_V_PERMUTED", 1))))
     for dtype, causal in (("fp8", True), ("fp8", False), ("bf16", True), ("bf16", False)):  # head dim 64
         out.append(Variant(dtype, 64, 64, causal, version="v3"))
     for dtype, dqk in (("fp8", 128), ("bf16", 128), ("bf16", 192)):

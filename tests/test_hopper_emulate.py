@@ -326,6 +326,47 @@ def test_warp_specialized_matches_v1(shape, fp8, flag, order, version, knob, mon
     assert torch.equal(torch.isinf(l1), torch.isinf(l2))
 
 
+WIDE = {"LEANFA_HOPPER_BLOCK_N": "256", "LEANFA_HOPPER_PV_IN_MMA": "1"}
+
+
+@pytest.mark.parametrize("vperm", ["0", "1"])
+@pytest.mark.parametrize("order", ["consumer-first", "producer-first"])
+@pytest.mark.parametrize("shape", V2_SHAPES)
+def test_v3_block_n_256_matches_v1(shape, order, vperm, monkeypatch):
+    """LEANFA_HOPPER_BLOCK_N=256 (FP8, PV in the wgmma accumulator; with and without the permuted
+    V): 256-key blocks, partial ones at the tail and on the causal diagonal, are as accurate as v1's
+    128-key blocks against float64. (Not elementwise equal: P is rounded to e4m3 relative to the
+    running row max, which a wider block reaches in fewer steps.)"""
+    for name, value in {**WIDE, "LEANFA_HOPPER_V_PERMUTED": vperm}.items():
+        monkeypatch.setenv(name, value)
+    qq = leanfa.quantize_fp8(*_inputs(*shape, 128, 128))
+    kw = qq.descales()
+    p = _problem(qq.q, qq.k, qq.v, True, **kw)
+    o1, l1, _ = emulate(p, version="v1")
+    o3, l3, _ = emulate(p, version="v3", ws_order=order)
+    assert not torch.isnan(o3).any()
+    ref = attention_ref(p.q, p.k, p.v, causal=True, **kw)
+    if ref.norm() > 0:
+        err1, err3 = (float((o.double() - ref).norm() / ref.norm()) for o in (o1, o3))
+        assert err3 < 1.1 * err1 + 1e-3, (err1, err3)
+    else:
+        assert (o3 == 0).all()
+    assert torch.equal(torch.isinf(l1), torch.isinf(l3))
+
+
+def test_v3_block_n_256_scales_each_half(monkeypatch):
+    """A 256-key block spans two K scale blocks; its upper half must use its own scale."""
+    for name, value in WIDE.items():
+        monkeypatch.setenv(name, value)
+    reset_shadows()
+    try:
+        assert _fp8_block_scaled_error("v3") < 4e-2
+        _mutated(KP._consumer_tile, "c_q * k_sc, c_q * k_hi, acc", "c_q * k_sc, c_q * k_sc, acc")
+        assert _fp8_block_scaled_error("v3") > 1e-1
+    finally:
+        reset_shadows()
+
+
 # the K/V ring protocol the warp-specialized kernels share (pipeline.py), mutated
 RING_MUTATIONS = [
     ("release_slot", "    gl.thread_barrier()\n", "    pass\n"),  # arrive before the partition's warps are done
@@ -476,7 +517,7 @@ def test_varlen_needs_v3(monkeypatch):
 def test_hopper_knobs(monkeypatch):
     """v3 is the default Hopper kernel; a bad knob value is an error, never a silent fallback."""
     for k in ("LEANFA_HOPPER_KERNEL", "LEANFA_HOPPER_POLY", "LEANFA_HOPPER_PINGPONG", "LEANFA_HOPPER_PV_IN_MMA",
-              "LEANFA_HOPPER_PERSISTENT", "LEANFA_HOPPER_V_PERMUTED"):
+              "LEANFA_HOPPER_PERSISTENT", "LEANFA_HOPPER_V_PERMUTED", "LEANFA_HOPPER_BLOCK_N"):
         monkeypatch.delenv(k, raising=False)
     assert L.kernel_version() == "v3"
     q, k, v = _inputs(1, 200, 200, 2, 1, 128, 128)
@@ -499,6 +540,17 @@ def test_hopper_knobs(monkeypatch):
     plan = emulate_mod._make_plan_cpu(L, p, torch.empty(1, 200, 2, 128, dtype=torch.bfloat16), None)
     assert plan.constexprs["V_KMAJOR"] == 2 and plan.args[2].shape[3] == 208  # 200 keys -> 13 groups of 16
     monkeypatch.delenv("LEANFA_HOPPER_V_PERMUTED")
+    monkeypatch.setenv("LEANFA_HOPPER_BLOCK_N", "256")  # FP8 256-key blocks need PV in the wgmma accumulator
+    with pytest.raises(ValueError, match="PV_IN_MMA"):
+        emulate_mod._make_plan_cpu(L, p, torch.empty(1, 200, 2, 128, dtype=torch.bfloat16), None)
+    monkeypatch.setenv("LEANFA_HOPPER_PV_IN_MMA", "1")
+    plan = emulate_mod._make_plan_cpu(L, p, torch.empty(1, 200, 2, 128, dtype=torch.bfloat16), None)
+    assert plan.args[1].block_shape[2] == 256
+    monkeypatch.setenv("LEANFA_HOPPER_BLOCK_N", "512")
+    with pytest.raises(ValueError, match="LEANFA_HOPPER_BLOCK_N"):
+        emulate_mod._make_plan_cpu(L, p, torch.empty(1, 200, 2, 128, dtype=torch.bfloat16), None)
+    monkeypatch.delenv("LEANFA_HOPPER_BLOCK_N")
+    monkeypatch.delenv("LEANFA_HOPPER_PV_IN_MMA")
     monkeypatch.setenv("LEANFA_HOPPER_KERNEL", "v9")
     with pytest.raises(ValueError, match="LEANFA_HOPPER_KERNEL"):
         L.kernel_version()

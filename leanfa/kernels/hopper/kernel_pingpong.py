@@ -59,7 +59,7 @@ from .pipeline import (alloc_barriers, invalidate_barriers, load_q, produce_kv, 
                        wait_k)
 from .schedule import program_tiles, round_tile, sequence_bounds, tile_coords
 from .softmax import finish_rows
-from .softmax_ws import fold_pv, online_softmax_step_lazy
+from .softmax_ws import fold_pv, online_softmax_step_halves, online_softmax_step_lazy
 
 SCALE_BLOCK = gl.constexpr(128)  # tokens per Q/K scale block (leanfa.scales.SCALE_BLOCK)
 WG_WARPS = gl.constexpr(4)  # warps per consumer warpgroup
@@ -141,17 +141,20 @@ def _issue_qk(q_smem, k_bufs, k_bars, j, s_zero, W: gl.constexpr, QK_CHUNKS: gl.
 
 
 @gluon.jit
-def _softmax_block(s, j, c, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full,
+def _softmax_block(s, j, c, c_hi, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full,
                    p_dtype: gl.constexpr, p_layout: gl.constexpr, o_layout: gl.constexpr,
                    CAUSAL: gl.constexpr, P_OFFSET: gl.constexpr, RESCALE_SKIP: gl.constexpr, POLY: gl.constexpr,
                    V_KMAJOR: gl.constexpr):
     """Lean P of key block ``j`` (masked on the diagonal / tail blocks only; ``c``: the block's
-    score scale): the PV operand P, the new row max and sum, and the factor ``alpha`` (O's layout)
-    that rescales O to the new max."""
+    score scale, ``c_hi`` its upper half's when the block spans two K scale blocks): the PV operand
+    P, the new row max and sum, and the factor ``alpha`` (O's layout) that rescales O to the new max."""
     BLOCK_N: gl.constexpr = s.shape[1]
     if j >= n_full:
         s = mask_scores(s, offs_m, j * BLOCK_N + offs_n0, seqlen_q, seqlen_k, CAUSAL)
-    p, m_i, l_i, alpha = online_softmax_step_lazy(s, c, m_i, l_i, P_OFFSET, RESCALE_SKIP, POLY)
+    if BLOCK_N > SCALE_BLOCK:
+        p, m_i, l_i, alpha = online_softmax_step_halves(s, c, c_hi, m_i, l_i, P_OFFSET, RESCALE_SKIP, POLY)
+    else:
+        p, m_i, l_i, alpha = online_softmax_step_lazy(s, c, m_i, l_i, P_OFFSET, RESCALE_SKIP, POLY)
     alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     p_op = p_operand(p.to(p_dtype), p_layout, V_KMAJOR == PERMUTED_KEYS)
     return p_op, m_i, l_i, alpha_o
@@ -162,6 +165,21 @@ def _k_scale(k_scale_row, stride_ksblk, j, n_end, BLOCK_N: gl.constexpr):
     """The K dequantization scale of key block ``j < n_end`` (one per ``SCALE_BLOCK`` keys); 1 when
     the tile has no key block (nothing is read)."""
     return gl.load(k_scale_row + ((j * BLOCK_N) // SCALE_BLOCK) * stride_ksblk, mask=j < n_end, other=1.0)
+
+
+@gluon.jit
+def _k_scales(k_scale_row, stride_ksblk, j, n_end, seqlen_k, BLOCK_N: gl.constexpr):
+    """``(scale, upper-half scale)`` of key block ``j``: the same value when the block is one K
+    scale block; for a block of 2 x ``SCALE_BLOCK`` keys the upper half's (1 if it has no key: the
+    table ends with the last key)."""
+    k_lo = _k_scale(k_scale_row, stride_ksblk, j, n_end, BLOCK_N)
+    if BLOCK_N > SCALE_BLOCK:
+        hi = j * BLOCK_N + SCALE_BLOCK
+        k_hi = gl.load(k_scale_row + (hi // SCALE_BLOCK) * stride_ksblk, mask=(j < n_end) & (hi < seqlen_k),
+                       other=1.0)
+    else:
+        k_hi = k_lo
+    return k_lo, k_hi
 
 
 @gluon.jit
@@ -176,7 +194,7 @@ def _issue_pv(p_op, v, acc, alpha_o, TWO_LEVEL: gl.constexpr):
 
 
 @gluon.jit
-def _consumer_block(s, j, c, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, q_smem, k_bufs, v_bufs,
+def _consumer_block(s, j, c, c_hi, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, q_smem, k_bufs, v_bufs,
                     k_bars, v_bars, empty_bars, turn_bars, ring, batch, s_zero,
                     p_layout: gl.constexpr, o_layout: gl.constexpr, CAUSAL: gl.constexpr, V_KMAJOR: gl.constexpr,
                     P_OFFSET: gl.constexpr, RESCALE_SKIP: gl.constexpr, PINGPONG: gl.constexpr, POLY: gl.constexpr,
@@ -186,7 +204,7 @@ def _consumer_block(s, j, c, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k,
     PV folded into O and the K/V slot released. Returns ``(acc, m_i, l_i, S_{j+1})``."""
     QK_CHUNKS: gl.constexpr = k_bufs.shape[0] // v_bufs.shape[0]
     STAGES: gl.constexpr = v_bufs.shape[0]
-    p_op, m_i, l_i, alpha_o = _softmax_block(s, j, c, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full,
+    p_op, m_i, l_i, alpha_o = _softmax_block(s, j, c, c_hi, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full,
                                              v_bufs.dtype, p_layout, o_layout, CAUSAL, P_OFFSET, RESCALE_SKIP, POLY,
                                              V_KMAJOR)
     v = v_tile(v_bufs, v_bars, ring + j, STAGES, V_KMAJOR)
@@ -250,17 +268,18 @@ def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars
     # Blocks [0, n_end - 1) issue the next block's S with their PV; the last one is peeled off, so
     # S has one definition per iteration (with a conditional second QK, ptxas copied all 64 S
     # registers at every block). The K scale is loaded a block ahead, off the softmax's path.
-    k_sc = _k_scale(k_scale_row, stride_ksblk, 0, n_end, BLOCK_N)
+    k_sc, k_hi = _k_scales(k_scale_row, stride_ksblk, 0, n_end, seqlen_k, BLOCK_N)
     for j in range(n_end - 1):
-        k_sc_next = _k_scale(k_scale_row, stride_ksblk, j + 1, n_end, BLOCK_N)
+        k_sc_next, k_hi_next = _k_scales(k_scale_row, stride_ksblk, j + 1, n_end, seqlen_k, BLOCK_N)
         acc, m_i, l_i, s = _consumer_block(
-            s, j, c_q * k_sc, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, q_smem, k_bufs, v_bufs,
+            s, j, c_q * k_sc, c_q * k_hi, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, q_smem, k_bufs, v_bufs,
             k_bars, v_bars, empty_bars, turn_bars, ring, batch, s_zero, p_layout, o_layout, CAUSAL, V_KMAJOR,
             P_OFFSET, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, True, W)
         k_sc = k_sc_next
+        k_hi = k_hi_next
     if n_end > 0:
         acc, m_i, l_i, s = _consumer_block(
-            s, n_end - 1, c_q * k_sc, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, q_smem, k_bufs,
+            s, n_end - 1, c_q * k_sc, c_q * k_hi, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, q_smem, k_bufs,
             v_bufs, k_bars, v_bars, empty_bars, turn_bars, ring, batch, s_zero, p_layout, o_layout, CAUSAL,
             V_KMAJOR, P_OFFSET, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, False, W)
 

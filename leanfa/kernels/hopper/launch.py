@@ -26,6 +26,7 @@ from .layouts import PERMUTED_KEYS, key_slot_order
 
 BLOCK_M = 128
 BLOCK_N = 128
+SCALE_TOKENS = 128  # tokens per Q/K scale block (leanfa.scales.SCALE_BLOCK)
 NUM_WARPS = 8  # two consumer warpgroups, 64 query rows each
 LOG2E = 1.4426950408889634
 SMEM_LIMIT = 227 * 1024
@@ -90,10 +91,10 @@ def qk_chunk(dqk: int) -> int:
     return dqk if dqk & (dqk - 1) == 0 else 64
 
 
-def stages_for(dqk: int, dv: int, elt: int) -> int:
+def stages_for(dqk: int, dv: int, elt: int, block_n: int = BLOCK_N) -> int:
     """Deepest K/V ring that fits shared memory (with room for layout-conversion scratch)."""
     q_bytes = BLOCK_M * dqk * elt
-    stage = BLOCK_N * (dqk + dv) * elt
+    stage = block_n * (dqk + dv) * elt
     scratch = 8 * 1024
     stages = 4
     while stages > 2 and q_bytes + stages * stage + scratch > SMEM_LIMIT:
@@ -101,12 +102,29 @@ def stages_for(dqk: int, dv: int, elt: int) -> int:
     return stages
 
 
-def _stages(dqk: int, dv: int, elt: int) -> int:
+def _block_n(version: str, is_fp8: bool) -> int:
+    """Keys per block: 128, or 256 with ``LEANFA_HOPPER_BLOCK_N=256`` (v3 FP8 with PV in the wgmma
+    accumulator: cuDNN's FP8 kernel runs a 64x256 S tile per warpgroup, run 20's SASS; S then takes
+    128 registers, which leave no room for a separate fp32 PV tile)."""
+    n = int(os.environ.get("LEANFA_HOPPER_BLOCK_N", "128") or 128)
+    if n == BLOCK_N:
+        return n
+    if n != 256:
+        raise ValueError(f"LEANFA_HOPPER_BLOCK_N must be 128 or 256, got {n}")
+    if version != "v3" or not is_fp8:
+        return BLOCK_N  # BF16's P (64 registers at 256 keys) does not fit next to S and O
+    if not _flag("LEANFA_HOPPER_PV_IN_MMA", False):
+        raise ValueError("LEANFA_HOPPER_BLOCK_N=256 needs LEANFA_HOPPER_PV_IN_MMA=1 (no registers for a separate "
+                         "fp32 PV tile next to a 64x256 S tile)")
+    return n
+
+
+def _stages(dqk: int, dv: int, elt: int, block_n: int = BLOCK_N) -> int:
     """``stages_for``, or ``LEANFA_HOPPER_STAGES`` (2-4) to measure other ring depths on the GPU.
     bf16 d128 gets 2 by default, but 3 fits (229,448 B of 232,448 B: no layout-conversion scratch is
     allocated; see scripts/hopper_compile_check.py)."""
     env = int(os.environ.get("LEANFA_HOPPER_STAGES", "0") or 0)
-    return env if env in (2, 3, 4) else stages_for(dqk, dv, elt)
+    return env if env in (2, 3, 4) else stages_for(dqk, dv, elt, block_n)
 
 
 def kernel_version() -> str:
@@ -134,6 +152,8 @@ def _flag(name: str, default: bool) -> bool:
 #: LEANFA_HOPPER_PV_IN_MMA (FP8 PV accumulated in the wgmma accumulator, not in fp32 per block:
 #: an experiment, off; see kernel_pingpong), LEANFA_HOPPER_PERSISTENT (one program per SM looping over
 #: the tiles heaviest first, see schedule.py; off: 0-4% slower at 16K and up to 15% at 4K, runs 16-17),
+#: LEANFA_HOPPER_BLOCK_N=256 (FP8 with PV_IN_MMA: 256-key blocks, cuDNN's 64x256 S tile; an
+#: experiment, off: ptxas serializes its wgmmas for lack of registers, docs/perf-notes.md),
 #: LEANFA_HOPPER_V_PERMUTED (dense FP8: the launch copies V with its keys permuted within groups
 #: of 16 so that P needs no layout shuffle, see layouts.key_slot_order; an experiment, off:
 #: AOT 51 fewer instructions per block, not yet measured), LEANFA_HOPPER_RESCALE_SKIP,
@@ -189,17 +209,18 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
         v = permute_v_keys(v)
         kmajor = PERMUTED_KEYS.value
     dchunk = qk_chunk(Dqk)
+    block_n = _block_n(version, is_fp8)
     q_rows = BLOCK_M // 2 if version == "v3" else BLOCK_M  # v3: one 64-row Q box per consumer warpgroup
     q_desc = _desc(q, *_bshd_as_bhsd(q), [1, 1, q_rows, dchunk])
-    k_desc = _desc(k, *_bshd_as_bhsd(k), [1, 1, BLOCK_N, dchunk])
+    k_desc = _desc(k, *_bshd_as_bhsd(k), [1, 1, block_n, dchunk])
     if kmajor:
-        v_desc = _desc(v, *_v_kmajor_dims(v), [1, 1, Dv, BLOCK_N])
+        v_desc = _desc(v, *_v_kmajor_dims(v), [1, 1, Dv, block_n])
     else:
-        v_desc = _desc(v, *_bshd_as_bhsd(v), [1, 1, BLOCK_N, Dv])
+        v_desc = _desc(v, *_bshd_as_bhsd(v), [1, 1, block_n, Dv])
     num_m_tiles = triton_cdiv(Sq, BLOCK_M)
     # the kernel reads table[b, h, token // 128] for every Q tile / key block: a table must have one
     # entry per 128-token block, or a single broadcast one (stride 0, see scales.broadcast_strides)
-    for name, t, n in (("q_scale", q_scale, num_m_tiles), ("k_scale", k_scale, triton_cdiv(Sk, BLOCK_N))):
+    for name, t, n in (("q_scale", q_scale, num_m_tiles), ("k_scale", k_scale, triton_cdiv(Sk, SCALE_TOKENS))):
         if t.shape[2] not in (1, n):
             raise ValueError(f"{name} table has {t.shape[2]} blocks, expected 1 or {n}")
     has_kmean = k_mean is not None and return_lse
@@ -229,7 +250,7 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
     constexprs = dict(
         HEAD_DQK=Dqk, HEAD_DV=Dv, CAUSAL=bool(causal), IS_FP8=is_fp8, V_KMAJOR=kmajor,
         RETURN_LSE=bool(return_lse), HAS_KMEAN=has_kmean,
-        STAGES=_stages(Dqk, Dv, q.element_size()), num_warps=NUM_WARPS,
+        STAGES=_stages(Dqk, Dv, q.element_size(), block_n), num_warps=NUM_WARPS,
     )
     if version in ("v2", "v3"):
         constexprs.update(

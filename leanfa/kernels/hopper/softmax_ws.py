@@ -44,6 +44,34 @@ def online_softmax_step_lazy(s, c, m_i, l_i, P_OFFSET: gl.constexpr, RESCALE_SKI
 
 
 @gluon.jit
+def online_softmax_step_halves(s, c0, c1, m_i, l_i, P_OFFSET: gl.constexpr, RESCALE_SKIP: gl.constexpr,
+                               POLY: gl.constexpr = 0):
+    """:func:`online_softmax_step_lazy` for a block whose two column halves have their own score
+    scales ``c0``, ``c1`` (a 256-key block spans two 128-token K scale blocks). The halves are a
+    thread's own registers (columns ``8i + 2t + e``, ``i < 16`` or ``>= 16``), regrouped without data
+    movement; every score still takes one FFMA."""
+    TAU: gl.constexpr = 0.8 if P_OFFSET > 0.0 else 8.0
+    M: gl.constexpr = s.shape[0]
+    N: gl.constexpr = s.shape[1]
+    row_layout: gl.constexpr = m_i.type.layout
+    s0, s1 = gl.split(s.reshape([M, 2, N // 2]).permute(0, 2, 1))
+    m_blk = gl.maximum(gl.convert_layout(gl.max(s0, axis=1), row_layout) * c0,
+                       gl.convert_layout(gl.max(s1, axis=1), row_layout) * c1)
+    if RESCALE_SKIP:
+        m_new = gl.where(m_blk > m_i + TAU, m_blk, m_i)
+    else:
+        m_new = gl.maximum(m_i, m_blk)
+    m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_sub)
+    neg_m = gl.convert_layout(P_OFFSET - m_sub, gl.SliceLayout(1, s0.type.layout))
+    p0 = exp2_mixed(gl.fma(s0, c0, neg_m[:, None]), POLY)
+    p1 = exp2_mixed(gl.fma(s1, c1, neg_m[:, None]), POLY)
+    l_new = l_i * alpha + gl.convert_layout(gl.sum(p0, axis=1) + gl.sum(p1, axis=1), row_layout)
+    p = gl.join(p0, p1).permute(0, 2, 1).reshape([M, N])
+    return gl.convert_layout(p, s.type.layout), m_new, l_new, alpha
+
+
+@gluon.jit
 def fold_pv(acc, alpha_o, pv, TWO_LEVEL: gl.constexpr):
     """O after a retired PV wgmma. Two-level (FP8): the block's PV was accumulated in a fresh fp32
     tile, added here by one FFMA per element that also rescales O; otherwise the wgmma accumulated
