@@ -37,8 +37,8 @@ def _compile(fn, types: dict, constexprs: dict, target, num_warps=4, num_stages=
     return ck
 
 
-def ptxas_usage(ptx: str, arch: int = 90) -> tuple[int, int, int]:
-    """(registers, spill stores, spill loads) that ptxas reports for ``ptx``."""
+def _ptxas_verbose(ptx: str, arch: int) -> str:
+    """What ``ptxas -v`` prints for ``ptx``."""
     from triton.backends.nvidia.compiler import get_ptxas
 
     with tempfile.TemporaryDirectory() as d:
@@ -51,6 +51,18 @@ def ptxas_usage(ptx: str, arch: int = 90) -> tuple[int, int, int]:
     txt = r.stdout + r.stderr
     if r.returncode != 0:
         raise RuntimeError(f"ptxas failed: {txt[-2000:]}")
+    return txt
+
+
+def ptxas_perf_warnings(ptx: str, arch: int = 90) -> list[str]:
+    """ptxas's "Potential Performance Loss" lines, e.g. C7512: every wgmma waited for on its own
+    because the registers ran out (the kernel would still be correct, at a fraction of the speed)."""
+    return [line.strip() for line in _ptxas_verbose(ptx, arch).splitlines() if "Performance Loss" in line]
+
+
+def ptxas_usage(ptx: str, arch: int = 90) -> tuple[int, int, int]:
+    """(registers, spill stores, spill loads) that ptxas reports for ``ptx``."""
+    txt = _ptxas_verbose(ptx, arch)
     regs = int(m.group(1)) if (m := re.search(r"Used (\d+) registers", txt)) else -1
     m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", txt)
     stores, loads = (int(m.group(1)), int(m.group(2))) if m else (-1, -1)

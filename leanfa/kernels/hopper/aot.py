@@ -17,7 +17,7 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import mangle_type
 
-from ..aot import ptxas_usage
+from ..aot import ptxas_perf_warnings, ptxas_usage
 
 from . import launch as L
 
@@ -109,6 +109,7 @@ class Compiled:
     wgmma_ptx: int
     ptx: str
     ttgir: str
+    perf_warnings: list  # ptxas "Potential Performance Loss" lines (C7512: wgmmas serialized)
 
 
 def compile_variant(v: Variant) -> Compiled:
@@ -120,4 +121,4 @@ def compile_variant(v: Variant) -> Compiled:
     ptx = ck.asm["ptx"]
     regs, ss, sl = ptxas_usage(ptx)
     return Compiled(v.name, regs, ss, sl, ck.metadata.shared, ptx.count("wgmma.mma_async"), ptx,
-                    ck.asm["ttgir"])
+                    ck.asm["ttgir"], ptxas_perf_warnings(ptx))

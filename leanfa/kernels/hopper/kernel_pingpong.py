@@ -211,9 +211,17 @@ def _consumer_block(s, j, c, c_hi, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seq
     _wait_turn(turn_bars, batch + j + 1, W, PINGPONG)
     pv_acc = _issue_pv(p_op, v, acc, alpha_o, TWO_LEVEL)
     if NEXT:
-        s_acc = _issue_qk(q_smem, k_bufs, k_bars, ring + j + 1, s_zero, W, QK_CHUNKS)
-        _pass_turn(turn_bars, W, PINGPONG)
-        pv, s = warpgroup_mma_wait(0, deps=(pv_acc, s_acc))
+        if s.shape[1] > SCALE_BLOCK:
+            # 256-key blocks: S_{j+1} (128 registers) is only written after PV_j retired, so P_j and
+            # S_{j+1} are never live together (with both in flight ptxas serialized every wgmma)
+            _pass_turn(turn_bars, W, PINGPONG)
+            pv = warpgroup_mma_wait(0, deps=(pv_acc, ))
+            s_acc = _issue_qk(q_smem, k_bufs, k_bars, ring + j + 1, s_zero, W, QK_CHUNKS)
+            s = warpgroup_mma_wait(0, deps=(s_acc, ))
+        else:
+            s_acc = _issue_qk(q_smem, k_bufs, k_bars, ring + j + 1, s_zero, W, QK_CHUNKS)
+            _pass_turn(turn_bars, W, PINGPONG)
+            pv, s = warpgroup_mma_wait(0, deps=(pv_acc, s_acc))
     else:
         _pass_turn(turn_bars, W, PINGPONG)
         pv = warpgroup_mma_wait(0, deps=(pv_acc, ))
