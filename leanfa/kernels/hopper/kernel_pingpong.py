@@ -34,6 +34,11 @@ in by one FFMA), so no block's products sit in the FP8 wgmma accumulator for lon
 like BF16 (``acc * alpha`` fed back in) -- 64 registers fewer per thread (the room a wider S
 tile needs); run 13: the FP8 error is unchanged to 3 digits up to S = 8K, speed +0-3.5%.
 
+Experiments, off until measured: ``V_KMAJOR == PERMUTED_KEYS`` (``LEANFA_HOPPER_V_PERMUTED``: V's keys
+permuted so that P needs no layout shuffle, :mod:`.layouts`) and 256-key blocks
+(``LEANFA_HOPPER_BLOCK_N=256``, FP8 with ``PV_IN_MMA``: a 64x256 S tile per warpgroup, each half
+with its own K scale; PV_j is retired before QK_{j+1} is issued, or ptxas serializes every wgmma).
+
 The key loop runs blocks ``[0, n_end - 1)`` with the next block's S issued alongside their PV and
 the last block peeled off (:func:`_consumer_block`), so that every loop value has one definition
 per iteration (a conditional QK made ptxas copy S's 64 registers at every block). The softmax of

@@ -152,8 +152,8 @@ def _flag(name: str, default: bool) -> bool:
 #: LEANFA_HOPPER_PV_IN_MMA (FP8 PV accumulated in the wgmma accumulator, not in fp32 per block:
 #: an experiment, off; see kernel_pingpong), LEANFA_HOPPER_PERSISTENT (one program per SM looping over
 #: the tiles heaviest first, see schedule.py; off: 0-4% slower at 16K and up to 15% at 4K, runs 16-17),
-#: LEANFA_HOPPER_BLOCK_N=256 (FP8 with PV_IN_MMA: 256-key blocks, cuDNN's 64x256 S tile; an
-#: experiment, off: ptxas serializes its wgmmas for lack of registers, docs/perf-notes.md),
+#: LEANFA_HOPPER_BLOCK_N=256 (FP8 with PV_IN_MMA: 256-key blocks, cuDNN's 64x256 S tile, PV_j
+#: retired before QK_{j+1} so that the registers fit; an experiment, off until measured),
 #: LEANFA_HOPPER_V_PERMUTED (dense FP8: the launch copies V with its keys permuted within groups
 #: of 16 so that P needs no layout shuffle, see layouts.key_slot_order; an experiment, off:
 #: AOT 51 fewer instructions per block, not yet measured), LEANFA_HOPPER_RESCALE_SKIP,
