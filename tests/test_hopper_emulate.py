@@ -151,7 +151,7 @@ def test_mutation_k_scale_of_wrong_block():
     """v3 loads the K scale a block ahead; using the current block's index there is caught."""
     reset_shadows()
     try:
-        _mutated(KP._consumer_tile, "_k_scale(k_scale_row, stride_ksblk, j + 1,", "_k_scale(k_scale_row, stride_ksblk, j,")
+        _mutated(KP._consumer_tile, "_k_scales(k_scale_row, stride_ksblk, j + 1,", "_k_scales(k_scale_row, stride_ksblk, j,")
         assert _fp8_block_scaled_error("v3") > 1e-1
     finally:
         reset_shadows()
