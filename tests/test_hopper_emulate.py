@@ -147,14 +147,21 @@ def test_fp8_per_block_k_scales(version):
     assert _fp8_block_scaled_error(version) < 4e-2
 
 
-def test_mutation_k_scale_of_wrong_block():
-    """v3 loads the K scale a block ahead; using the current block's index there is caught."""
+def _block_scaled_mutation_caught(jit_fn, old, new):
+    """v3 is accurate on block-scaled keys, and ``old -> new`` in ``jit_fn`` makes it > 10% wrong."""
     reset_shadows()
     try:
-        _mutated(KP._consumer_tile, "_k_scales(k_scale_row, stride_ksblk, j + 1,", "_k_scales(k_scale_row, stride_ksblk, j,")
+        assert _fp8_block_scaled_error("v3") < 4e-2
+        _mutated(jit_fn, old, new)
         assert _fp8_block_scaled_error("v3") > 1e-1
     finally:
         reset_shadows()
+
+
+def test_mutation_k_scale_of_wrong_block():
+    """v3 loads the K scale a block ahead; using the current block's index there is caught."""
+    _block_scaled_mutation_caught(KP._consumer_tile, "_k_scales(k_scale_row, stride_ksblk, j + 1,",
+                                  "_k_scales(k_scale_row, stride_ksblk, j,")
 
 
 def test_permute_v_keys():
@@ -180,13 +187,7 @@ def test_mutation_p_operand_key_order(monkeypatch):
     from leanfa.kernels.hopper import layouts
 
     monkeypatch.setenv("LEANFA_HOPPER_V_PERMUTED", "1")
-    reset_shadows()
-    try:
-        assert _fp8_block_scaled_error("v3") < 4e-2
-        _mutated(layouts.p_operand, ".permute(0, 1, 3, 2, 4)", ".permute(0, 1, 2, 3, 4)")
-        assert _fp8_block_scaled_error("v3") > 1e-1
-    finally:
-        reset_shadows()
+    _block_scaled_mutation_caught(layouts.p_operand, ".permute(0, 1, 3, 2, 4)", ".permute(0, 1, 2, 3, 4)")
 
 
 @pytest.mark.parametrize("form", ["scalar", "per_head"])
@@ -358,13 +359,7 @@ def test_v3_block_n_256_scales_each_half(monkeypatch):
     """A 256-key block spans two K scale blocks; its upper half must use its own scale."""
     for name, value in WIDE.items():
         monkeypatch.setenv(name, value)
-    reset_shadows()
-    try:
-        assert _fp8_block_scaled_error("v3") < 4e-2
-        _mutated(KP._consumer_tile, "c_q * k_sc, c_q * k_hi, acc", "c_q * k_sc, c_q * k_sc, acc")
-        assert _fp8_block_scaled_error("v3") > 1e-1
-    finally:
-        reset_shadows()
+    _block_scaled_mutation_caught(KP._consumer_tile, "c_q * k_sc, c_q * k_hi, acc", "c_q * k_sc, c_q * k_sc, acc")
 
 
 # the K/V ring protocol the warp-specialized kernels share (pipeline.py), mutated

@@ -25,18 +25,26 @@ from .exp2 import exp2_mixed
 
 
 @gluon.jit
+def _new_row_max(m_i, m_blk, TAU: gl.constexpr, RESCALE_SKIP: gl.constexpr):
+    """``(m_new, m_sub, alpha)``: the row max after a block whose max is ``m_blk`` (kept stale within
+    ``TAU`` with ``RESCALE_SKIP``), the value subtracted in the exponent (0 for rows with no key
+    yet) and the factor that rescales the old sum and O."""
+    if RESCALE_SKIP:
+        m_new = gl.where(m_blk > m_i + TAU, m_blk, m_i)
+    else:
+        m_new = gl.maximum(m_i, m_blk)
+    m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
+    return m_new, m_sub, gl.exp2(m_i - m_sub)
+
+
+@gluon.jit
 def online_softmax_step_lazy(s, c, m_i, l_i, P_OFFSET: gl.constexpr, RESCALE_SKIP: gl.constexpr,
                              POLY: gl.constexpr = 0):
     """One key block: ``(p, m_new, l_new, alpha)``; the caller rescales the accumulator by alpha.
     ``POLY`` of every 8 exponentials run on the FMA pipe (:func:`.exp2.exp2_mixed`)."""
     TAU: gl.constexpr = 0.8 if P_OFFSET > 0.0 else 8.0
     m_blk = gl.max(s, axis=1) * c
-    if RESCALE_SKIP:
-        m_new = gl.where(m_blk > m_i + TAU, m_blk, m_i)
-    else:
-        m_new = gl.maximum(m_i, m_blk)
-    m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = gl.exp2(m_i - m_sub)
+    m_new, m_sub, alpha = _new_row_max(m_i, m_blk, TAU, RESCALE_SKIP)
     neg_m = P_OFFSET - m_sub
     p = exp2_mixed(gl.fma(s, c, neg_m[:, None]), POLY)
     l_new = l_i * alpha + gl.sum(p, axis=1)
@@ -57,12 +65,7 @@ def online_softmax_step_halves(s, c0, c1, m_i, l_i, P_OFFSET: gl.constexpr, RESC
     s0, s1 = gl.split(s.reshape([M, 2, N // 2]).permute(0, 2, 1))
     m_blk = gl.maximum(gl.convert_layout(gl.max(s0, axis=1), row_layout) * c0,
                        gl.convert_layout(gl.max(s1, axis=1), row_layout) * c1)
-    if RESCALE_SKIP:
-        m_new = gl.where(m_blk > m_i + TAU, m_blk, m_i)
-    else:
-        m_new = gl.maximum(m_i, m_blk)
-    m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = gl.exp2(m_i - m_sub)
+    m_new, m_sub, alpha = _new_row_max(m_i, m_blk, TAU, RESCALE_SKIP)
     neg_m = gl.convert_layout(P_OFFSET - m_sub, gl.SliceLayout(1, s0.type.layout))
     p0 = exp2_mixed(gl.fma(s0, c0, neg_m[:, None]), POLY)
     p1 = exp2_mixed(gl.fma(s1, c1, neg_m[:, None]), POLY)
