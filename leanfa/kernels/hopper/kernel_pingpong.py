@@ -166,22 +166,21 @@ def _softmax_block(s, j, c, c_hi, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k,
 
 
 @gluon.jit
-def _k_scale(k_scale_row, stride_ksblk, j, n_end, BLOCK_N: gl.constexpr):
-    """The K dequantization scale of key block ``j < n_end`` (one per ``SCALE_BLOCK`` keys); 1 when
-    the tile has no key block (nothing is read)."""
-    return gl.load(k_scale_row + ((j * BLOCK_N) // SCALE_BLOCK) * stride_ksblk, mask=j < n_end, other=1.0)
+def _k_scale(k_scale_row, stride_ksblk, key, valid):
+    """The K dequantization scale of the ``SCALE_BLOCK`` tokens holding ``key``; 1 where not
+    ``valid`` (nothing is read)."""
+    return gl.load(k_scale_row + (key // SCALE_BLOCK) * stride_ksblk, mask=valid, other=1.0)
 
 
 @gluon.jit
 def _k_scales(k_scale_row, stride_ksblk, j, n_end, seqlen_k, BLOCK_N: gl.constexpr):
-    """``(scale, upper-half scale)`` of key block ``j``: the same value when the block is one K
-    scale block; for a block of 2 x ``SCALE_BLOCK`` keys the upper half's (1 if it has no key: the
-    table ends with the last key)."""
-    k_lo = _k_scale(k_scale_row, stride_ksblk, j, n_end, BLOCK_N)
+    """``(scale, upper-half scale)`` of key block ``j < n_end`` (1 when the tile has no key block):
+    the same value when the block is one K scale block; for a block of 2 x ``SCALE_BLOCK`` keys the
+    upper half's (1 if it has no key: the table ends with the last key)."""
+    k_lo = _k_scale(k_scale_row, stride_ksblk, j * BLOCK_N, j < n_end)
     if BLOCK_N > SCALE_BLOCK:
         hi = j * BLOCK_N + SCALE_BLOCK
-        k_hi = gl.load(k_scale_row + (hi // SCALE_BLOCK) * stride_ksblk, mask=(j < n_end) & (hi < seqlen_k),
-                       other=1.0)
+        k_hi = _k_scale(k_scale_row, stride_ksblk, hi, (j < n_end) & (hi < seqlen_k))
     else:
         k_hi = k_lo
     return k_lo, k_hi
@@ -205,8 +204,9 @@ def _consumer_block(s, j, c, c_hi, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seq
                     P_OFFSET: gl.constexpr, RESCALE_SKIP: gl.constexpr, PINGPONG: gl.constexpr, POLY: gl.constexpr,
                     TWO_LEVEL: gl.constexpr, NEXT: gl.constexpr, W: gl.constexpr):
     """Key block ``j`` (ring position ``ring + j``, wgmma batch ``batch + j + 1``): softmax of its
-    scores ``s``, then ``[PV_j, QK_{j+1}]`` (``NEXT``; else PV_j alone) issued together, waited for,
-    PV folded into O and the K/V slot released. Returns ``(acc, m_i, l_i, S_{j+1})``."""
+    scores ``s``, then ``[PV_j, QK_{j+1}]`` (``NEXT``; else PV_j alone) issued together and waited
+    for (256-key blocks: PV_j retired before QK_{j+1} is issued), PV folded into O and the K/V slot
+    released. Returns ``(acc, m_i, l_i, S_{j+1})``."""
     QK_CHUNKS: gl.constexpr = k_bufs.shape[0] // v_bufs.shape[0]
     STAGES: gl.constexpr = v_bufs.shape[0]
     p_op, m_i, l_i, alpha_o = _softmax_block(s, j, c, c_hi, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full,

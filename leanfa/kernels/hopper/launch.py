@@ -18,7 +18,7 @@ import torch
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ...scales import broadcast_strides
+from ...scales import SCALE_BLOCK, broadcast_strides
 from .kernel import attn_fwd_kernel
 from .kernel_pingpong import attn_fwd_pingpong_kernel
 from .kernel_ws import attn_fwd_ws_kernel
@@ -26,7 +26,6 @@ from .layouts import PERMUTED_KEYS, key_slot_order
 
 BLOCK_M = 128
 BLOCK_N = 128
-SCALE_TOKENS = 128  # tokens per Q/K scale block (leanfa.scales.SCALE_BLOCK)
 NUM_WARPS = 8  # two consumer warpgroups, 64 query rows each
 LOG2E = 1.4426950408889634
 SMEM_LIMIT = 227 * 1024
@@ -220,7 +219,7 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
     num_m_tiles = triton_cdiv(Sq, BLOCK_M)
     # the kernel reads table[b, h, token // 128] for every Q tile / key block: a table must have one
     # entry per 128-token block, or a single broadcast one (stride 0, see scales.broadcast_strides)
-    for name, t, n in (("q_scale", q_scale, num_m_tiles), ("k_scale", k_scale, triton_cdiv(Sk, SCALE_TOKENS))):
+    for name, t, n in (("q_scale", q_scale, num_m_tiles), ("k_scale", k_scale, triton_cdiv(Sk, SCALE_BLOCK))):
         if t.shape[2] not in (1, n):
             raise ValueError(f"{name} table has {t.shape[2]} blocks, expected 1 or {n}")
     has_kmean = k_mean is not None and return_lse
