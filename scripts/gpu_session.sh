@@ -52,10 +52,15 @@ run_steps() {
                 --time v3,v3-persist ;;  # one program per SM, heaviest tiles first
       persist_check) step persist_check 420 40 python3 scripts/hopper_v2_gpu.py --check v3-persist \
                 --check-timeout 300 --no-bench --sanitize ;;
-      vperm) step vperm 560 60 python3 scripts/hopper_v2_gpu.py --check v3-vperm:small --check-timeout 200 \
+      vperm) step vperm 560 60 python3 scripts/hopper_v2_gpu.py --check v3-vperm:small,v3-wide:small --check-timeout 200 \
                 --time v3,v3-vperm,v3-pvmma,v3-vperm-pvmma,v3-wide ;;  # FP8 V keys permuted: P without the shuffle
       vperm_check) step vperm_check 420 40 python3 scripts/hopper_v2_gpu.py --check v3-vperm \
                 --check-timeout 300 --no-bench --sanitize ;;
+      wide_check) step wide_check 420 40 python3 scripts/hopper_v2_gpu.py --check v3-wide \
+                --check-timeout 300 --no-bench --sanitize ;;  # 256-key FP8 blocks: the full case set
+      stalls_wide) step stalls_wide 240 120 env LEANFA_HOPPER_BLOCK_N=256 LEANFA_HOPPER_PV_IN_MMA=1 \
+                LEANFA_HOPPER_V_PERMUTED=1 python3 scripts/ncu_stalls.py --impl leanfa-hopper-fp8-kernel \
+                --out "$OUT/r/stalls_wide" ;;
       d64) step d64 420 40 python3 scripts/hopper_v2_gpu.py --check v3-d64 --check-timeout 300 --no-bench \
                 --sanitize ;;  # head dim 64 on v3 (the 128/192 cases too), then LEANFA_HOPPER_D64 can go
       fp8_varlen_probe) step fp8_varlen_probe 200 10 python3 scripts/hopper_fp8_varlen_probe.py ;;
