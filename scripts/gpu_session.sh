@@ -18,6 +18,7 @@ OUT=${OUT:-/tmp/leanfa-gpu-session}
 mkdir -p "$OUT/r"
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:-}:$PWD"
 WORKERS=${WORKERS:-8}
+WIDE="LEANFA_HOPPER_BLOCK_N=256 LEANFA_HOPPER_PV_IN_MMA=1 LEANFA_HOPPER_V_PERMUTED=1"  # the 64x256 FP8 experiment
 
 step() {  # step NAME SECONDS TAIL_LINES CMD...
   local name=$1 secs=$2 tailn=$3; shift 3
@@ -58,9 +59,16 @@ run_steps() {
                 --check-timeout 300 --no-bench --sanitize ;;
       wide_check) step wide_check 420 40 python3 scripts/hopper_v2_gpu.py --check v3-wide \
                 --check-timeout 300 --no-bench --sanitize ;;  # 256-key FP8 blocks: the full case set
-      stalls_wide) step stalls_wide 240 120 env LEANFA_HOPPER_BLOCK_N=256 LEANFA_HOPPER_PV_IN_MMA=1 \
-                LEANFA_HOPPER_V_PERMUTED=1 python3 scripts/ncu_stalls.py --impl leanfa-hopper-fp8-kernel \
+      stalls_wide) step stalls_wide 240 120 env $WIDE python3 scripts/ncu_stalls.py --impl leanfa-hopper-fp8-kernel \
                 --out "$OUT/r/stalls_wide" ;;
+      vperm_time) step vperm_time 300 60 python3 scripts/hopper_v2_gpu.py --check "" \
+                --time v3,v3-vperm,v3-pvmma,v3-wide ;;  # timings only (the checks are vperm/wide_check)
+      accuracy_wide) step accuracy_wide 150 40 env $WIDE python3 -m leanfa.cli accuracy --out "$OUT/r/accuracy_wide" ;;
+      bench_wide) step bench_wide 200 12 env $WIDE python3 -m leanfa.cli bench --quick --no-progress \
+                --sweep standard --seqlens 4k,16k --causal true --impl 'leanfa-hopper-*,cudnn-bf16,cudnn-fp8' \
+                --name bench-wide --out "$OUT/r/bench_wide" ;;
+      pytest_wide) step pytest_wide 300 12 env $WIDE python3 -m pytest -q -p no:cacheprovider -rfEs -n "$WORKERS" \
+                tests/test_hopper.py ;;  # the GPU suite (varlen, GQA, LSE, K-mean) with 256-key FP8 blocks
       d64) step d64 420 40 python3 scripts/hopper_v2_gpu.py --check v3-d64 --check-timeout 300 --no-bench \
                 --sanitize ;;  # head dim 64 on v3 (the 128/192 cases too), then LEANFA_HOPPER_D64 can go
       fp8_varlen_probe) step fp8_varlen_probe 200 10 python3 scripts/hopper_fp8_varlen_probe.py ;;
