@@ -69,8 +69,6 @@ run_steps() {
                 --name bench-wide --out "$OUT/r/bench_wide" ;;
       pytest_wide) step pytest_wide 300 12 env $WIDE python3 -m pytest -q -p no:cacheprovider -rfEs -n "$WORKERS" \
                 tests/test_hopper.py ;;  # the GPU suite (varlen, GQA, LSE, K-mean) with 256-key FP8 blocks
-      d64) step d64 420 40 python3 scripts/hopper_v2_gpu.py --check v3-d64 --check-timeout 300 --no-bench \
-                --sanitize ;;  # head dim 64 on v3 (the 128/192 cases too), then LEANFA_HOPPER_D64 can go
       fp8_varlen_probe) step fp8_varlen_probe 200 10 python3 scripts/hopper_fp8_varlen_probe.py ;;
       bench_persist) step bench_persist 200 12 env LEANFA_HOPPER_PERSISTENT=1 python3 -m leanfa.cli bench --quick \
                 --no-progress --sweep standard --seqlens 4k,16k --causal true \

@@ -209,7 +209,8 @@ def default_cases(small=False):
     if small:
         shapes = [(1, 1, 1, 4, 4), (2, 100, 100, 8, 2), (1, 129, 300, 4, 2), (1, 300, 129, 4, 4)]
     cases = []
-    dims = ((128, 128), (192, 128)) + (((64, 64), ) if os.environ.get("LEANFA_HOPPER_D64") == "1" else ())
+    v3 = os.environ.get("LEANFA_HOPPER_KERNEL", "v3") == "v3"
+    dims = ((128, 128), (192, 128)) + (((64, 64), ) if v3 else ())  # 64/64: v3 only
     for dtype in ("bf16", "fp8"):
         for dqk, dv in dims:
             for causal in (True, False):

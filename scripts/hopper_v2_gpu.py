@@ -46,13 +46,12 @@ CONFIGS = {  # name -> env
     # 64x256 S tile per warpgroup (cuDNN's FP8 shape): PV in the wgmma accumulator, permuted V
     "v3-wide": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_BLOCK_N": "256", "LEANFA_HOPPER_PV_IN_MMA": "1",
                 "LEANFA_HOPPER_V_PERMUTED": "1"},
-    "v3-d64": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_D64": "1"},  # head dim 64 (experimental until checked)
     "v3-vperm": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_V_PERMUTED": "1"},  # FP8: P without the shuffle
     "v3-vperm-pvmma": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_V_PERMUTED": "1", "LEANFA_HOPPER_PV_IN_MMA": "1"},
 }
 KNOBS = ("LEANFA_HOPPER_KERNEL", "LEANFA_HOPPER_PIPE", "LEANFA_HOPPER_RESCALE_SKIP", "LEANFA_HOPPER_PINGPONG",
          "LEANFA_HOPPER_POLY", "LEANFA_HOPPER_PV_IN_MMA", "LEANFA_HOPPER_PERSISTENT", "LEANFA_HOPPER_V_PERMUTED",
-         "LEANFA_HOPPER_D64", "LEANFA_HOPPER_BLOCK_N")
+         "LEANFA_HOPPER_BLOCK_N")
 
 
 def _set_env(cfg):

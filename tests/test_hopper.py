@@ -239,11 +239,12 @@ def test_dispatch_picks_hopper_and_rejects_what_it_cannot_run():
     q8, k8, v8 = (x.to(torch.float8_e4m3fn) for x in (q, k, v))
     ok, why = hopper.supports(_build_problem(q8, k8, v8, **kw))
     assert not ok and "transposed" in why
-    # head dim 64 runs here only with LEANFA_HOPPER_D64=1 (test_d64_experimental) until GPU-checked
+    # head dim 64 runs on v3 (test_d64); 96 nowhere
     q6, k6, v6 = _inputs(1, 128, 128, 4, 4, 64, 64)
-    if os.environ.get("LEANFA_HOPPER_D64") != "1":
-        ok, why = hopper.supports(_build_problem(q6, k6, v6, **kw))
-        assert not ok and "LEANFA_HOPPER_D64" in why
+    assert hopper.supports(_build_problem(q6, k6, v6, **kw))[0] == (hopper._launch.kernel_version() == "v3")
+    q9, k9, v9 = _inputs(1, 128, 128, 4, 4, 96, 96)
+    ok, why = hopper.supports(_build_problem(q9, k9, v9, **kw))
+    assert not ok and "96/96" in why
     # misaligned strides (head_dim contiguous, but the token stride is odd)
     big = torch.randn(1, 128, 4 * 128 + 1, device="cuda").to(torch.bfloat16)
     qm = big[..., : 4 * 128].view(1, 128, 4, 128)
@@ -258,9 +259,9 @@ def test_dispatch_picks_hopper_and_rejects_what_it_cannot_run():
 @needs_sm90
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("causal", [True, False])
-def test_d64_experimental(fp8, causal, monkeypatch):
-    """Head dim 64 on the v3 kernel (LEANFA_HOPPER_D64=1): against float64, odd lengths, GQA."""
-    monkeypatch.setenv("LEANFA_HOPPER_D64", "1")
+def test_d64(fp8, causal, monkeypatch):
+    """Head dim 64 on the v3 kernel: against float64, odd lengths, GQA."""
+    monkeypatch.setenv("LEANFA_HOPPER_KERNEL", "v3")
     q, k, v = _inputs(2, 300, 700, 8, 2, 64, 64)
     kw = {}
     if fp8:
