@@ -38,6 +38,8 @@ def profile(ncu, impl, args, out):
              "--head-dim", str(args.head_dim), "--head-dim-v", "128", "--warmup", "3", "--seed", "0"]
     cmd = [ncu, "--clock-control", "none", "--target-processes", "all", "--profile-from-start", "off",
            "--launch-count", "1", "--import-source", "no", "-f", "-o", rep]
+    if impl.startswith("leanfa-hopper"):  # the attention kernel, not a copy or quantize kernel before it
+        cmd += ["--kernel-name", "regex:attn_fwd"]
     for s in SECTIONS:
         cmd += ["--section", s]
     rc, so, se = run(cmd + child)

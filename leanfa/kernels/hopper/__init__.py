@@ -100,13 +100,21 @@ def varlen_args(problem) -> dict:
                 max_seqlen_q=problem.max_seqlen_q, max_seqlen_k=problem.max_seqlen_k)
 
 
-def run(problem):
-    """Run a problem :func:`supports` accepted; return ``(out, lse or None)``."""
+def plan(problem):
+    """The launch plan of a problem :func:`supports` accepted, with its ``(out, lse or None)``
+    (any per-call copy of an input, e.g. a permuted V, is made here: timing ``launch(plan)``
+    alone times the kernel alone)."""
     q, k, v = problem.q, problem.k, problem.v
     out, lse = allocate_outputs(problem)
-    plan = _launch.make_plan(q, k, v, out, lse, problem.q_scale, problem.k_scale, problem.v_scale,
-                             problem.k_mean, causal=problem.causal, softmax_scale=problem.softmax_scale,
-                             return_lse=problem.return_lse, **varlen_args(problem))
-    with torch.cuda.device(q.device):
-        _launch.launch(plan)
+    p = _launch.make_plan(q, k, v, out, lse, problem.q_scale, problem.k_scale, problem.v_scale,
+                          problem.k_mean, causal=problem.causal, softmax_scale=problem.softmax_scale,
+                          return_lse=problem.return_lse, **varlen_args(problem))
+    return p, out, lse
+
+
+def run(problem):
+    """Run a problem :func:`supports` accepted; return ``(out, lse or None)``."""
+    p, out, lse = plan(problem)
+    with torch.cuda.device(problem.q.device):
+        _launch.launch(p)
     return out, lse
