@@ -47,11 +47,15 @@ CONFIGS = {  # name -> env
     "v3-wide": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_BLOCK_N": "256", "LEANFA_HOPPER_PV_IN_MMA": "1",
                 "LEANFA_HOPPER_V_PERMUTED": "1"},
     "v3-vperm": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_V_PERMUTED": "1"},  # FP8: P without the shuffle
+    # timing ablations (LEANFA_HOPPER_ABLATE, wrong answers: never --check them): what each softmax part costs
+    "v3-noexp": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_ABLATE": "exp"},
+    "v3-nomax": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_ABLATE": "max"},
+    "v3-nosoftmax": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_ABLATE": "exp,max"},
     "v3-vperm-pvmma": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_V_PERMUTED": "1", "LEANFA_HOPPER_PV_IN_MMA": "1"},
 }
 KNOBS = ("LEANFA_HOPPER_KERNEL", "LEANFA_HOPPER_PIPE", "LEANFA_HOPPER_RESCALE_SKIP", "LEANFA_HOPPER_PINGPONG",
          "LEANFA_HOPPER_POLY", "LEANFA_HOPPER_PV_IN_MMA", "LEANFA_HOPPER_PERSISTENT", "LEANFA_HOPPER_V_PERMUTED",
-         "LEANFA_HOPPER_BLOCK_N")
+         "LEANFA_HOPPER_BLOCK_N", "LEANFA_HOPPER_ABLATE")
 
 
 def _set_env(cfg):

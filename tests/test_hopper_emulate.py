@@ -164,6 +164,21 @@ def test_mutation_k_scale_of_wrong_block():
                                   "_k_scales(k_scale_row, stride_ksblk, j,")
 
 
+def test_ablation_knob(monkeypatch):
+    """LEANFA_HOPPER_ABLATE (timing only): parts map to POLY = -bits, unknown parts are refused and
+    every plan that uses it warns that its answers are wrong."""
+    from leanfa.kernels.hopper import launch
+
+    monkeypatch.delenv("LEANFA_HOPPER_ABLATE", raising=False)
+    assert launch._ablation() == 0
+    monkeypatch.setenv("LEANFA_HOPPER_ABLATE", "exp, max")
+    with pytest.warns(UserWarning, match="results are wrong"):
+        assert launch._ablation() == -3
+    monkeypatch.setenv("LEANFA_HOPPER_ABLATE", "exp,softmax")
+    with pytest.raises(ValueError, match="softmax"):
+        launch._ablation()
+
+
 def test_permute_v_keys():
     """The launch's copy of a transposed FP8 V: slot s of each 16-key group holds key
     layouts.key_slot_order(s); slots past the last key are zero."""

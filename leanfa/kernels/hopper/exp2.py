@@ -63,10 +63,22 @@ def mixed_exp2_constraints():
     return MIXED_EXP2_CONSTRAINTS
 
 
+#: timing ablations (``LEANFA_HOPPER_ABLATE``, wrong results): ``POLY = -bits`` with these bits
+ABLATE_EXP = gl.constexpr(1)  # no exponential: p = x (removes the MUFU work, keeps everything else)
+ABLATE_MAX = gl.constexpr(2)  # no row max: the block max is the old one (removes the FMNMX/SHFL chain)
+ABLATE_BITS = {"exp": ABLATE_EXP.value, "max": ABLATE_MAX.value}
+
+
 @gluon.jit
 def exp2_mixed(x, POLY: gl.constexpr):
-    """``exp2(x)`` elementwise (f32), ``POLY`` of every ``PACK`` on the FMA pipe."""
-    if POLY == 0:
+    """``exp2(x)`` elementwise (f32), ``POLY`` of every ``PACK`` on the FMA pipe (``POLY < 0``: the
+    timing ablations above)."""
+    if POLY < 0:
+        if (-POLY) & ABLATE_EXP:
+            return x
+        else:
+            return gl.exp2(x)
+    elif POLY == 0:
         return gl.exp2(x)
     else:
         return gl.inline_asm_elementwise(mixed_exp2_asm(POLY), mixed_exp2_constraints(), [x], dtype=gl.float32,

@@ -11,6 +11,7 @@ base. Out-of-range boxes are zero-filled, so sequence tails and batch edges are 
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ...scales import SCALE_BLOCK, broadcast_strides
+from .exp2 import ABLATE_BITS
 from .kernel import attn_fwd_kernel
 from .kernel_pingpong import attn_fwd_pingpong_kernel
 from .kernel_ws import attn_fwd_ws_kernel
@@ -163,6 +165,21 @@ DEFAULT_VERSION = "v3"
 V3_CONSUMER_REGS = 240  # with a 24-register producer this is what the default partition gets too
 
 
+def _ablation() -> int:
+    """``LEANFA_HOPPER_ABLATE`` (e.g. ``exp,max``): parts of the v3 softmax left out to time what they
+    cost, passed to the kernel as ``POLY = -bits`` (:data:`.exp2.ABLATE_BITS`). The answers are
+    wrong: a warning says so on every plan."""
+    names = [n.strip() for n in os.environ.get("LEANFA_HOPPER_ABLATE", "").split(",") if n.strip()]
+    if not names:
+        return 0
+    unknown = sorted(set(names) - set(ABLATE_BITS))
+    if unknown:
+        raise ValueError(f"LEANFA_HOPPER_ABLATE: unknown parts {unknown} (known: {sorted(ABLATE_BITS)})")
+    warnings.warn(f"LEANFA_HOPPER_ABLATE={','.join(names)}: a timing ablation, the results are wrong",
+                  stacklevel=3)
+    return -sum({ABLATE_BITS[n] for n in names})
+
+
 @dataclass
 class Plan:
     args: tuple
@@ -264,6 +281,7 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
         poly = int(os.environ.get("LEANFA_HOPPER_POLY", "0") or 0) if is_fp8 else 0
         if not 0 <= poly <= 8:
             raise ValueError(f"LEANFA_HOPPER_POLY must be 0..8 (of every 8 exponentials), got {poly}")
+        poly = _ablation() or poly
         pingpong = _flag("LEANFA_HOPPER_PINGPONG", False)
         persistent = _flag("LEANFA_HOPPER_PERSISTENT", False)
         if persistent and pingpong:
