@@ -65,6 +65,8 @@ run_steps() {
                 --time v3,v3-vperm,v3-pvmma,v3-wide ;;  # timings only (the checks are vperm/wide_check)
       ablate) step ablate 300 60 python3 scripts/hopper_v2_gpu.py --check "" \
                 --time v3,v3-noexp,v3-nomax,v3-nosoftmax ;;  # what the exponentials and the row max cost
+      stalls_ablate) step stalls_ablate 240 60 env LEANFA_HOPPER_ABLATE=exp,max python3 scripts/ncu_stalls.py \
+                --impl leanfa-hopper-fp8-kernel --out "$OUT/r/stalls_ablate" ;;  # where it waits without the softmax math
       accuracy_wide) step accuracy_wide 150 40 env $WIDE python3 -m leanfa.cli accuracy --out "$OUT/r/accuracy_wide" ;;
       bench_wide) step bench_wide 200 12 env $WIDE python3 -m leanfa.cli bench --quick --no-progress \
                 --sweep standard --seqlens 4k,16k --causal true --impl 'leanfa-hopper-*,cudnn-bf16,cudnn-fp8' \
