@@ -63,6 +63,9 @@ run_steps() {
                 --out "$OUT/r/stalls_wide" ;;
       vperm_time) step vperm_time 300 60 python3 scripts/hopper_v2_gpu.py --check "" \
                 --time v3,v3-vperm,v3-pvmma,v3-wide ;;  # timings only (the checks are vperm/wide_check)
+      bench_d64) step bench_d64 200 16 python3 -m leanfa.cli bench --quick --no-progress --sweep standard \
+                --dims d64,d128,mla --seqlens 4k,16k --causal true --impl 'leanfa-hopper-*,cudnn-bf16,cudnn-fp8' \
+                --name bench-dims --out "$OUT/r/bench_dims" ;;  # the bench table, head dim 64 included
       ablate) step ablate 300 60 python3 scripts/hopper_v2_gpu.py --check "" \
                 --time v3,v3-noexp,v3-nomax,v3-nosoftmax ;;  # what the exponentials and the row max cost
       stalls_ablate) step stalls_ablate 240 60 env LEANFA_HOPPER_ABLATE=exp,max python3 scripts/ncu_stalls.py \

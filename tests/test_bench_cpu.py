@@ -94,6 +94,10 @@ def test_model_and_varlen_shapes():
     quick = shapes.build_cases(quick=True)
     assert {c.seqlen for c in quick if not c.varlen} == set(shapes.QUICK_SEQLENS)
     assert len(shapes.build_cases(["standard"], causal="false", seqlens=[4096])) == 2
+    d64 = shapes.build_cases(["standard"], causal="true", seqlens=[4096], dims=["d64", "mla"])
+    assert [(c.head_dim, c.head_dim_v) for c in d64] == [(64, 64), (192, 128)]
+    with pytest.raises(ValueError, match="d96"):
+        shapes.build_cases(["standard"], dims=["d96"])
     with pytest.raises(ValueError):
         shapes.build_cases(["models"], models=["gpt-5"])
 

@@ -75,6 +75,8 @@ def build_parser(command: str) -> argparse.ArgumentParser:
         p.add_argument("--causal", choices=("both", "true", "false"),
                        help="masks to run (default: both for standard, causal for models/varlen)")
         p.add_argument("--models", help="comma list of model presets for the models sweep")
+        p.add_argument("--dims", help="comma list of head dims for the standard sweep: d128, mla, d64 "
+                                      "(default d128,mla)")
         p.add_argument("--quick", action="store_true",
                        help="S = 1K, 4K, 16K only and short timing (~5 min for all sweeps on H200)")
         p.add_argument("--warmup-ms", type=float, help="warm-up per row (default 200, quick 100)")
@@ -194,7 +196,7 @@ def _cases(args):
 
     sweeps = _csv(args.sweep) or list(SWEEPS)
     return sweeps, build_cases(sweeps, quick=args.quick, seqlens=_ints(args.seqlens), causal=args.causal,
-                               models=_csv(args.models))
+                               models=_csv(args.models), dims=_csv(args.dims))
 
 
 def _dry_run(args) -> int:

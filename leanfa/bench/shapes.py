@@ -16,6 +16,8 @@ STANDARD_HEADS = 16
 STANDARD_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 #: head dims of the standard sweep: (label, Dqk, Dv)
 STANDARD_DIMS = (("d128", 128, 128), ("mla", 192, 128))
+#: head dims the standard sweep can also run (``leanfa bench --dims``)
+EXTRA_DIMS = (("d64", 64, 64), )
 
 #: model presets: name -> (q heads, kv heads, Dqk, Dv); the name is also the
 #: ``leanfa.activations`` preset that makes model-like Q/K/V for it
@@ -94,11 +96,11 @@ def flops(case: Case) -> float:
                            case.head_dim_v, case.causal)
 
 
-def standard_cases(seqlens=STANDARD_SEQLENS, causal=(True, False)) -> list[Case]:
-    """B·S = 16384 tokens, 16 heads, d128 and MLA 192/128, gaussian inputs (FA3 paper)."""
+def standard_cases(seqlens=STANDARD_SEQLENS, causal=(True, False), dims=STANDARD_DIMS) -> list[Case]:
+    """B·S = 16384 tokens, 16 heads, d128 and MLA 192/128 (``dims``), gaussian inputs (FA3 paper)."""
     out = []
     for c in causal:
-        for label, dqk, dv in STANDARD_DIMS:
+        for label, dqk, dv in dims:
             for s in seqlens:
                 out.append(Case("standard", label, "gaussian", max(1, STANDARD_TOKENS // s), s,
                                 STANDARD_HEADS, STANDARD_HEADS, dqk, dv, c))
@@ -128,13 +130,24 @@ def _causal_options(causal: str | None, default: tuple[bool, ...]) -> tuple[bool
     return {"both": (True, False), "true": (True,), "false": (False,)}[causal]
 
 
+def _standard_dims(labels) -> tuple:
+    if not labels:
+        return STANDARD_DIMS
+    known = {d[0]: d for d in STANDARD_DIMS + EXTRA_DIMS}
+    bad = [x for x in labels if x not in known]
+    if bad:
+        raise ValueError(f"unknown head dim label(s) {bad}; choose from {tuple(known)}")
+    return tuple(known[x] for x in labels)
+
+
 def build_cases(sweeps=SWEEPS, *, quick: bool = False, seqlens=None, causal: str | None = None,
-                models=None) -> list[Case]:
+                models=None, dims=None) -> list[Case]:
     """The cases of the chosen sweeps.
 
     ``seqlens`` overrides every sweep's sequence lengths (varlen keeps its batch);
     ``quick`` keeps only :data:`QUICK_SEQLENS`; ``causal`` is "both", "true" or "false"
-    (default: both for the standard sweep, causal for models and varlen, as in prefill).
+    (default: both for the standard sweep, causal for models and varlen, as in prefill); ``dims``
+    are the standard sweep's head-dim labels (default d128, mla; d64 too).
     """
     unknown = [s for s in sweeps if s not in SWEEPS]
     if unknown:
@@ -147,7 +160,7 @@ def build_cases(sweeps=SWEEPS, *, quick: bool = False, seqlens=None, causal: str
     mod_s = tuple(seqlens) if seqlens else (QUICK_SEQLENS if quick else MODEL_SEQLENS)
     cases: list[Case] = []
     if "standard" in sweeps:
-        cases += standard_cases(std_s, _causal_options(causal, (True, False)))
+        cases += standard_cases(std_s, _causal_options(causal, (True, False)), _standard_dims(dims))
     if "models" in sweeps:
         cases += model_cases(mod_s, _causal_options(causal, (True,)), models)
     if "varlen" in sweeps:
