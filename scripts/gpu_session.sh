@@ -67,7 +67,7 @@ run_steps() {
                 --dims d64,d128,mla --seqlens 4k,16k --causal true --impl 'leanfa-hopper-*,cudnn-bf16,cudnn-fp8' \
                 --name bench-dims --out "$OUT/r/bench_dims" ;;  # the bench table, head dim 64 included
       ablate) step ablate 300 60 python3 scripts/hopper_v2_gpu.py --check "" \
-                --time v3,v3-noexp,v3-nomax,v3-nosoftmax ;;  # what the exponentials and the row max cost
+                --time v3,v3-noexp,v3-nomax,v3-nosoftmax,v3-onewg ;;  # what the softmax parts cost; one warpgroup alone
       stalls_ablate) step stalls_ablate 240 60 env LEANFA_HOPPER_ABLATE=exp,max python3 scripts/ncu_stalls.py \
                 --impl leanfa-hopper-fp8-kernel --out "$OUT/r/stalls_ablate" ;;  # where it waits without the softmax math
       accuracy_wide) step accuracy_wide 150 40 env $WIDE python3 -m leanfa.cli accuracy --out "$OUT/r/accuracy_wide" ;;

@@ -51,6 +51,8 @@ CONFIGS = {  # name -> env
     "v3-noexp": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_ABLATE": "exp"},
     "v3-nomax": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_ABLATE": "max"},
     "v3-nosoftmax": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_ABLATE": "exp,max"},
+    # half the work (warpgroup 1 idle): its time over v3's = one warpgroup's block period alone / with two
+    "v3-onewg": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_ABLATE": "onewg"},
     "v3-vperm-pvmma": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_V_PERMUTED": "1", "LEANFA_HOPPER_PV_IN_MMA": "1"},
 }
 KNOBS = ("LEANFA_HOPPER_KERNEL", "LEANFA_HOPPER_PIPE", "LEANFA_HOPPER_RESCALE_SKIP", "LEANFA_HOPPER_PINGPONG",

@@ -179,6 +179,22 @@ def test_ablation_knob(monkeypatch):
         launch._ablation()
 
 
+@pytest.mark.parametrize("order", ["consumer-first", "producer-first"])
+def test_onewg_ablation_runs_one_warpgroup(order, monkeypatch):
+    """``LEANFA_HOPPER_ABLATE=onewg`` (timing only): warpgroup 1 does nothing and the barriers count
+    one consumer, so the kernel finishes in either partition order and warpgroup 0's rows (the
+    first 64 of each 128-row tile) are still right."""
+    monkeypatch.setenv("LEANFA_HOPPER_ABLATE", "onewg")
+    q, k, v = _inputs(1, 300, 300, 2, 1, 128, 128)
+    p = _problem(q, k, v, True)
+    with pytest.warns(UserWarning, match="results are wrong"):
+        o3, _, _ = emulate(p, version="v3", ws_order=order)
+    monkeypatch.delenv("LEANFA_HOPPER_ABLATE")
+    o1, _, _ = emulate(p, version="v1")
+    wg0 = (torch.arange(300) % BLOCK) < BLOCK // 2
+    assert torch.allclose(o1[:, wg0].float(), o3[:, wg0].float(), atol=1e-2, rtol=1e-2)
+
+
 def test_permute_v_keys():
     """The launch's copy of a transposed FP8 V: slot s of each 16-key group holds key
     layouts.key_slot_order(s); slots past the last key are zero."""

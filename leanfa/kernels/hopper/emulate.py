@@ -688,6 +688,8 @@ class _Strip(ast.NodeTransformer):
 
 
 _SHADOWS = {}
+#: constexpr functions that decide control flow (the others build layouts and become ``None``)
+_CONTROL_CONSTEXPR_FUNCTIONS = {"ablates"}
 
 
 def reset_shadows():
@@ -719,8 +721,8 @@ def shadow(jit_fn, source=None):
             g[name] = _FAKES[name]
         elif isinstance(val, JITFunction):
             g[name] = _LazyShadow(val)
-        elif isinstance(val, ConstexprFunction):
-            g[name] = _none
+        elif isinstance(val, ConstexprFunction):  # layouts are not modelled; control flow is
+            g[name] = val.fn if name in _CONTROL_CONSTEXPR_FUNCTIONS else _none
         elif isinstance(val, tl_constexpr):
             g[name] = val.value
     ns = {}

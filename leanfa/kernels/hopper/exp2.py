@@ -66,19 +66,24 @@ def mixed_exp2_constraints():
 #: timing ablations (``LEANFA_HOPPER_ABLATE``, wrong results): ``POLY = -bits`` with these bits
 ABLATE_EXP = gl.constexpr(1)  # no exponential: p = x (removes the MUFU work, keeps everything else)
 ABLATE_MAX = gl.constexpr(2)  # no row max: the block max is the old one (removes the FMNMX/SHFL chain)
-ABLATE_BITS = {"exp": ABLATE_EXP.value, "max": ABLATE_MAX.value}
+ABLATE_ONEWG = gl.constexpr(4)  # v3: consumer warpgroup 1 does nothing (one 64-row chain per CTA)
+ABLATE_BITS = {"exp": ABLATE_EXP.value, "max": ABLATE_MAX.value, "onewg": ABLATE_ONEWG.value}
+
+
+@gluon.constexpr_function
+def ablates(poly, bit):
+    """Whether the kernel's ``POLY`` constexpr asks for the timing ablation ``bit``."""
+    poly = getattr(poly, "value", poly)
+    return poly < 0 and bool((-poly) & getattr(bit, "value", bit))
 
 
 @gluon.jit
 def exp2_mixed(x, POLY: gl.constexpr):
     """``exp2(x)`` elementwise (f32), ``POLY`` of every ``PACK`` on the FMA pipe (``POLY < 0``: the
     timing ablations above)."""
-    if POLY < 0:
-        if (-POLY) & ABLATE_EXP:
-            return x
-        else:
-            return gl.exp2(x)
-    elif POLY == 0:
+    if ablates(POLY, ABLATE_EXP):
+        return x
+    elif POLY <= 0:
         return gl.exp2(x)
     else:
         return gl.inline_asm_elementwise(mixed_exp2_asm(POLY), mixed_exp2_constraints(), [x], dtype=gl.float32,

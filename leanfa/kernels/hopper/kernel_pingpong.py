@@ -58,6 +58,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .epilogue import kmean_lse_term, store_output
+from .exp2 import ABLATE_ONEWG, ablates
 from .layouts import PERMUTED_KEYS, a_operand_layout, p_operand, wgmma_layout
 from .masking import kv_block_range, mask_scores
 from .pipeline import (alloc_barriers, invalidate_barriers, load_q, produce_kv, qk_async, release_slot, v_tile,
@@ -95,9 +96,10 @@ def _tile(t, num_bh, num_heads, group_size, num_m_tiles, num_tiles, seqlen_q, se
 def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars,
               seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, num_bh, num_heads, group_size, num_m_tiles,
               first_tile, tile_step, num_tiles,
-              CAUSAL: gl.constexpr, V_KMAJOR: gl.constexpr, VARLEN: gl.constexpr):
+              CAUSAL: gl.constexpr, V_KMAJOR: gl.constexpr, VARLEN: gl.constexpr, CONSUMERS: gl.constexpr):
     """Per tile: both 64-row Q halves (after the consumers released the previous tile's), then the
-    tile's key blocks through the ring; ``ring`` counts key blocks over all of this program's tiles."""
+    tile's key blocks through the ring; ``ring`` counts key blocks over all of this program's tiles.
+    ``CONSUMERS`` is 2 (1 only in the ``onewg`` timing ablation: no Q half for warpgroup 1)."""
     QK_CHUNKS: gl.constexpr = k_bufs.shape[0] // v_bufs.shape[0]
     ring = 0
     qi = 0  # Q tiles loaded so far (tiles with no key block to visit load none)
@@ -109,7 +111,7 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bars, q_empty, k
         if n_end > 0:
             if qi > 0:
                 mbarrier.wait(q_empty.index(0), (qi - 1) & 1)
-            for w in gl.static_range(2):  # Q half w -> q_smem[w * QK_CHUNKS + c], barrier q_bars[w]
+            for w in gl.static_range(CONSUMERS):  # Q half w -> q_smem[w * QK_CHUNKS + c], barrier q_bars[w]
                 load_q(q_desc, tma_b, h, q_start + m_start + w * WG_ROWS, q_bars.index(w), q_smem, QK_CHUNKS,
                        w * QK_CHUNKS)
             qi += 1
@@ -352,8 +354,11 @@ def _consumer(q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bar
     counts both warpgroups), so the producer can load the next tile's. Tiles with no key block to
     visit (causal rows before the first key, varlen tiles past a sequence) load no Q. One tile per
     program runs without the loop: inside it LLVM hoists the epilogue's tile-invariant addresses
-    and ptxas spills them (AOT: 60 -> 340 B for FP8 d128)."""
-    if PERSISTENT:
+    and ptxas spills them (AOT: 60 -> 340 B for FP8 d128). With the ``onewg`` timing ablation
+    warpgroup 1 does nothing: one warpgroup's chain alone, for comparison with two."""
+    if W == 1 and ablates(POLY, ABLATE_ONEWG):
+        pass
+    elif PERSISTENT:
         ring = 0
         batch = 0
         qi = 0
@@ -412,10 +417,11 @@ def attn_fwd_pingpong_kernel(
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES * QK_CHUNKS] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     q_bars = alloc_barriers(2)
-    q_empty = alloc_barriers(1, 2)  # both consumer warpgroups are done with the tile's Q
+    CONSUMERS: gl.constexpr = 1 if ablates(POLY, ABLATE_ONEWG) else 2
+    q_empty = alloc_barriers(1, CONSUMERS)  # both consumer warpgroups are done with the tile's Q
     k_bars = alloc_barriers(STAGES)
     v_bars = alloc_barriers(STAGES)
-    empty_bars = alloc_barriers(STAGES, 2)  # one release per consumer warpgroup
+    empty_bars = alloc_barriers(STAGES, CONSUMERS)  # one release per consumer warpgroup
     turn_bars = alloc_barriers(2)
 
 
@@ -443,7 +449,7 @@ def attn_fwd_pingpong_kernel(
                        VARLEN, PERSISTENT, 1)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars,
                      seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, num_bh, num_heads, group_size, num_m_tiles,
-                     first_tile, tile_step, num_tiles, CAUSAL, V_KMAJOR, VARLEN)),
+                     first_tile, tile_step, num_tiles, CAUSAL, V_KMAJOR, VARLEN, CONSUMERS)),
     ], [WG_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
     invalidate_barriers(q_bars, 2)

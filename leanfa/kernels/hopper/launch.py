@@ -166,9 +166,10 @@ V3_CONSUMER_REGS = 240  # with a 24-register producer this is what the default p
 
 
 def _ablation() -> int:
-    """``LEANFA_HOPPER_ABLATE`` (e.g. ``exp,max``): parts of the v3 softmax left out to time what they
-    cost, passed to the kernel as ``POLY = -bits`` (:data:`.exp2.ABLATE_BITS`). The answers are
-    wrong: a warning says so on every plan."""
+    """``LEANFA_HOPPER_ABLATE`` (e.g. ``exp,max``): parts of the v3 kernel left out to time what they
+    cost (``exp``, ``max``: of the softmax; ``onewg``: consumer warpgroup 1's whole tile), passed to
+    the kernel as ``POLY = -bits`` (:data:`.exp2.ABLATE_BITS`). The answers are wrong: a warning says
+    so on every plan."""
     names = [n.strip() for n in os.environ.get("LEANFA_HOPPER_ABLATE", "").split(",") if n.strip()]
     if not names:
         return 0

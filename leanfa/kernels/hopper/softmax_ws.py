@@ -21,7 +21,7 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from .exp2 import ABLATE_MAX, exp2_mixed
+from .exp2 import ABLATE_MAX, ablates, exp2_mixed
 
 
 @gluon.jit
@@ -43,7 +43,7 @@ def online_softmax_step_lazy(s, c, m_i, l_i, P_OFFSET: gl.constexpr, RESCALE_SKI
     """One key block: ``(p, m_new, l_new, alpha)``; the caller rescales the accumulator by alpha.
     ``POLY`` of every 8 exponentials run on the FMA pipe (:func:`.exp2.exp2_mixed`)."""
     TAU: gl.constexpr = 0.8 if P_OFFSET > 0.0 else 8.0
-    if POLY < 0 and ((-POLY) & ABLATE_MAX):  # timing ablation (exp2.ABLATE_MAX): wrong results
+    if ablates(POLY, ABLATE_MAX):  # timing ablation (exp2.ABLATE_MAX): wrong results
         m_blk = m_i
     else:
         m_blk = gl.max(s, axis=1) * c
