@@ -427,7 +427,7 @@ from leanfa.kernels.hopper import kernel_pingpong as KP  # noqa: E402
     (P, "release_slot", "    gl.thread_barrier()\n", "", ""),
     # one release per slot instead of one per consumer warpgroup: the slot is refilled while the
     # other warpgroup may still have to read it
-    (KP, "attn_fwd_pingpong_kernel", "empty_bars = alloc_barriers(STAGES, 2)", "empty_bars = alloc_barriers(STAGES)",
+    (KP, "attn_fwd_pingpong_kernel", "empty_bars = alloc_barriers(STAGES, CONSUMERS)", "empty_bars = alloc_barriers(STAGES)",
      ""),
     # the producer refills without waiting for the releases
     (P, "produce_kv", "            mbarrier.wait(empty_bars.index(g % STAGES), ((g // STAGES) - 1) & 1)\n",
