@@ -196,11 +196,11 @@ def timings(cfgs):
                 prec = "fp8" if "fp8" in name else "bf16"
                 base = ent.get(f"cudnn-{prec}", (float("nan"), None))[0]
                 ref = "v3-fp8k" if name.endswith("fp8k") else f"v1-{prec}"  # kernel-only rows: against v3's
-                v1 = ent.get(ref, (float("nan"), None))[0]
+                ref_ms = ent.get(ref, (float("nan"), None))[0]
                 tf = flops / (ms * 1e-3) / 1e12 if ms == ms else float("nan")
-                rows.append((shape, name, ms, tf, base / ms, v1 / ms, clk))
+                rows.append((shape, name, ms, tf, base / ms, ref_ms / ms, clk))
                 print(f"{shape:28s} {name:16s} {ms:8.3f} ms {tf:7.1f} TFLOP/s  x{base / ms:5.2f} vs cuDNN-{prec:4s} "
-                      f"x{v1 / ms:5.2f} vs {ref.rsplit('-', 1)[0]:6s} clk={clk}", flush=True)
+                      f"x{ref_ms / ms:5.2f} vs {ref.rsplit('-', 1)[0]:6s} clk={clk}", flush=True)
             del q, k, v, q8, k8, v8, qt, kt, vt
             torch.cuda.empty_cache()
     return rows

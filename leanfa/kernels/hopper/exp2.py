@@ -73,8 +73,7 @@ ABLATE_BITS = {"exp": ABLATE_EXP.value, "max": ABLATE_MAX.value, "onewg": ABLATE
 @gluon.constexpr_function
 def ablates(poly, bit):
     """Whether the kernel's ``POLY`` constexpr asks for the timing ablation ``bit``."""
-    poly = getattr(poly, "value", poly)
-    return poly < 0 and bool((-poly) & getattr(bit, "value", bit))
+    return poly < 0 and bool((-poly) & bit)
 
 
 @gluon.jit

@@ -34,7 +34,7 @@ in by one FFMA), so no block's products sit in the FP8 wgmma accumulator for lon
 like BF16 (``acc * alpha`` fed back in) -- 64 registers fewer per thread (the room a wider S
 tile needs); run 13: the FP8 error is unchanged to 3 digits up to S = 8K, speed +0-3.5%.
 
-Experiments, off until measured: ``V_KMAJOR == PERMUTED_KEYS`` (``LEANFA_HOPPER_V_PERMUTED``: V's keys
+Experiments, off (run 24, kernel alone: +1-3% each, not worth a permuted-V format): ``V_KMAJOR == PERMUTED_KEYS`` (``LEANFA_HOPPER_V_PERMUTED``: V's keys
 permuted so that P needs no layout shuffle, :mod:`.layouts`) and 256-key blocks
 (``LEANFA_HOPPER_BLOCK_N=256``, FP8 with ``PV_IN_MMA``: a 64x256 S tile per warpgroup, each half
 with its own K scale; PV_j is retired before QK_{j+1} is issued, or ptxas serializes every wgmma).

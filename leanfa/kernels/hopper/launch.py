@@ -52,8 +52,7 @@ def permute_v_keys(v: torch.Tensor) -> torch.Tensor:
     B, S, H, Dv = v.shape
     n = -(-S // 16) * 16
     src = v.permute(0, 2, 3, 1).view(torch.uint8)  # (B, H, Dv, S); copies work on bytes
-    padded = torch.zeros(B, H, Dv, n, dtype=torch.uint8, device=v.device)
-    padded[..., :S] = src
+    padded = torch.nn.functional.pad(src, (0, n - S))  # zero keys up to a multiple of 16
     # key 16g + 8q + 2t + e goes to slot 16g + 4t + 2q + e: swap the (q, t) digits of each key
     out = padded.view(B, H, Dv, n // 16, 2, 4, 2).transpose(4, 5).reshape(B, H, Dv, n)
     return out.view(v.dtype).permute(0, 3, 1, 2)
@@ -155,10 +154,10 @@ def _flag(name: str, default: bool) -> bool:
 #: an experiment, off; see kernel_pingpong), LEANFA_HOPPER_PERSISTENT (one program per SM looping over
 #: the tiles heaviest first, see schedule.py; off: 0-4% slower at 16K and up to 15% at 4K, runs 16-17),
 #: LEANFA_HOPPER_BLOCK_N=256 (FP8 with PV_IN_MMA: 256-key blocks, cuDNN's 64x256 S tile, PV_j
-#: retired before QK_{j+1} so that the registers fit; an experiment, off until measured),
-#: LEANFA_HOPPER_V_PERMUTED (dense FP8: the launch copies V with its keys permuted within groups
-#: of 16 so that P needs no layout shuffle, see layouts.key_slot_order; an experiment, off:
-#: AOT 51 fewer instructions per block, not yet measured), LEANFA_HOPPER_RESCALE_SKIP,
+#: retired before QK_{j+1} so that the registers fit; an experiment, off: +2-3% at d128, -1% at
+#: d192 4K, run 24), LEANFA_HOPPER_V_PERMUTED (dense FP8: the launch copies V with its keys permuted
+#: within groups of 16 so that P needs no layout shuffle, see layouts.key_slot_order; an experiment,
+#: off: kernel +1-2%, run 24, less than the per-call copy costs), LEANFA_HOPPER_RESCALE_SKIP,
 #: LEANFA_HOPPER_PRODUCER_REGS.
 KERNELS = {"v1": attn_fwd_kernel, "v2": attn_fwd_ws_kernel, "v3": attn_fwd_pingpong_kernel}
 DEFAULT_VERSION = "v3"
