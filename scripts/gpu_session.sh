@@ -19,6 +19,7 @@ mkdir -p "$OUT/r"
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:-}:$PWD"
 WORKERS=${WORKERS:-8}
 WIDE="LEANFA_HOPPER_BLOCK_N=256 LEANFA_HOPPER_PV_IN_MMA=1 LEANFA_HOPPER_V_PERMUTED=1"  # the 64x256 FP8 experiment
+C3="LEANFA_HOPPER_CONSUMERS=3 LEANFA_HOPPER_BLOCK_N=64 LEANFA_HOPPER_PV_IN_MMA=1"  # a third consumer warpgroup
 
 step() {  # step NAME SECONDS TAIL_LINES CMD...
   local name=$1 secs=$2 tailn=$3; shift 3
@@ -69,6 +70,16 @@ run_steps() {
       quant_time) step quant_time 200 40 python3 scripts/quant_time.py ;;  # FP8 end-to-end: quantizer kernels, GB/s
       ablate) step ablate 300 60 python3 scripts/hopper_v2_gpu.py --check "" \
                 --time v3,v3-noexp,v3-nomax,v3-nosoftmax,v3-onewg ;;  # what the softmax parts cost; one warpgroup alone
+      c3) step c3 560 60 python3 scripts/hopper_v2_gpu.py --check v3-c3:small --check-timeout 200 \
+                --time v3,v3-pvmma,v3-bn64,v3-bn64-pvmma,v3-c3 ;;  # a third consumer warpgroup: small check + timings
+      c3_check) step c3_check 420 40 python3 scripts/hopper_v2_gpu.py --check v3-c3 \
+                --check-timeout 300 --no-bench --sanitize ;;  # the full case set + sanitizers
+      stalls_c3) step stalls_c3 240 60 env $C3 python3 scripts/ncu_stalls.py --impl leanfa-hopper-fp8-kernel \
+                --out "$OUT/r/stalls_c3" ;;
+      bench_c3) step bench_c3 200 16 env $C3 python3 -m leanfa.cli bench --quick --no-progress --sweep standard \
+                --dims d64,d128,mla --seqlens 4k,16k \
+                --causal true --impl 'leanfa-hopper-*,cudnn-bf16,cudnn-fp8' --name bench-c3 --out "$OUT/r/bench_c3" ;;
+      accuracy_c3) step accuracy_c3 150 40 env $C3 python3 -m leanfa.cli accuracy --out "$OUT/r/accuracy_c3" ;;
       stalls_ablate) step stalls_ablate 240 60 env LEANFA_HOPPER_ABLATE=exp,max python3 scripts/ncu_stalls.py \
                 --impl leanfa-hopper-fp8-kernel --out "$OUT/r/stalls_ablate" ;;  # where it waits without the softmax math
       accuracy_wide) step accuracy_wide 150 40 env $WIDE python3 -m leanfa.cli accuracy --out "$OUT/r/accuracy_wide" ;;

@@ -57,6 +57,13 @@ def variants():
         out.append(Variant(dtype, dqk, 128, True, version="v3", varlen=dtype == "bf16"))
     for knob in ("PV_IN_MMA", "PINGPONG", "PERSISTENT", "V_PERMUTED"):
         out.append(Variant("fp8", 128, 128, True, version="v3", env=((f"LEANFA_HOPPER_{knob}", 1),)))
+    three = (("LEANFA_HOPPER_CONSUMERS", 3), ("LEANFA_HOPPER_BLOCK_N", 64))  # 160 registers per consumer
+    for dtype, dqk in (("fp8", 128), ("fp8", 192), ("bf16", 128), ("bf16", 192)):
+        pv = (("LEANFA_HOPPER_PV_IN_MMA", 1),) if dtype == "fp8" else ()  # two-level FP8 PV spills at 160
+        out.append(Variant(dtype, dqk, 128, True, version="v3", env=three + pv))
+    out.append(Variant("fp8", 64, 64, False, version="v3", env=three + (("LEANFA_HOPPER_PV_IN_MMA", 1),)))
+    for dtype in ("fp8", "bf16"):  # the 64-key blocks alone, with two warpgroups
+        out.append(Variant(dtype, 128, 128, True, version="v3", env=(("LEANFA_HOPPER_BLOCK_N", 64),)))
     return out
 
 

@@ -54,10 +54,16 @@ CONFIGS = {  # name -> env
     # half the work (warpgroup 1 idle): its time over v3's = one warpgroup's block period alone / with two
     "v3-onewg": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_ABLATE": "onewg"},
     "v3-vperm-pvmma": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_V_PERMUTED": "1", "LEANFA_HOPPER_PV_IN_MMA": "1"},
+    # a third consumer warpgroup (192-row tiles): 160 registers each, so 64-key blocks and FP8 PV in
+    # the wgmma accumulator; the 64-key blocks alone (two warpgroups) separate the two changes
+    "v3-c3": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_CONSUMERS": "3", "LEANFA_HOPPER_BLOCK_N": "64",
+              "LEANFA_HOPPER_PV_IN_MMA": "1"},
+    "v3-bn64": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_BLOCK_N": "64"},
+    "v3-bn64-pvmma": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_BLOCK_N": "64", "LEANFA_HOPPER_PV_IN_MMA": "1"},
 }
 KNOBS = ("LEANFA_HOPPER_KERNEL", "LEANFA_HOPPER_PIPE", "LEANFA_HOPPER_RESCALE_SKIP", "LEANFA_HOPPER_PINGPONG",
          "LEANFA_HOPPER_POLY", "LEANFA_HOPPER_PV_IN_MMA", "LEANFA_HOPPER_PERSISTENT", "LEANFA_HOPPER_V_PERMUTED",
-         "LEANFA_HOPPER_BLOCK_N", "LEANFA_HOPPER_ABLATE")
+         "LEANFA_HOPPER_BLOCK_N", "LEANFA_HOPPER_ABLATE", "LEANFA_HOPPER_CONSUMERS")
 
 
 def _set_env(cfg):

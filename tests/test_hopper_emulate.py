@@ -393,6 +393,69 @@ def test_v3_block_n_256_scales_each_half(monkeypatch):
     _block_scaled_mutation_caught(KP._consumer_tile, "c_q * k_sc, c_q * k_hi, acc", "c_q * k_sc, c_q * k_sc, acc")
 
 
+
+#: the third consumer warpgroup's experiment: 192-row tiles, 64-key blocks (S in 32 registers), FP8 PV
+#: in the wgmma accumulator -- what fits three warpgroups at 160 registers (two-level FP8 spills)
+THREE_WGS = {"LEANFA_HOPPER_CONSUMERS": "3", "LEANFA_HOPPER_BLOCK_N": "64", "LEANFA_HOPPER_PV_IN_MMA": "1"}
+
+
+def _fp8_problem(shape, causal=True):
+    """(problem, descales) of FP8-quantized random inputs."""
+    qq = leanfa.quantize_fp8(*_inputs(*shape, 128, 128))
+    return _problem(qq.q, qq.k, qq.v, causal, **qq.descales()), qq.descales()
+
+
+@pytest.mark.parametrize("persistent", ["0", "1"])
+@pytest.mark.parametrize("order", ["consumer-first", "producer-first"])
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("shape", V2_SHAPES + [(2, 385, 385, 2, 2)])
+def test_v3_three_consumers_matches_v1(shape, fp8, order, persistent, monkeypatch):
+    """LEANFA_HOPPER_CONSUMERS=3: as accurate as v1 against float64 (not elementwise equal: 64-key
+    blocks reach the row max in other steps), whichever partition runs first, one tile per program
+    or persistent; tiles whose last 64-row boxes lie past the sequence (Sq = 1, 129, 385) included."""
+    for name, value in {**THREE_WGS, "LEANFA_HOPPER_PERSISTENT": persistent}.items():
+        monkeypatch.setenv(name, value)
+    p, kw = _fp8_problem(shape) if fp8 else (_problem(*_inputs(*shape, 128, 128), True), {})
+    o1, l1, _ = emulate(p, version="v1")
+    o3, l3, _ = emulate(p, version="v3", ws_order=order)
+    assert not torch.isnan(o3).any()
+    ref = attention_ref(p.q, p.k, p.v, causal=True, **kw)
+    if ref.norm() > 0:
+        err1, err3 = (float((o.double() - ref).norm() / ref.norm()) for o in (o1, o3))
+        assert err3 < 1.1 * err1 + 1e-3, (err1, err3)
+    else:
+        assert (o3 == 0).all()
+    assert torch.equal(torch.isinf(l1), torch.isinf(l3))
+    fin = torch.isfinite(l1)
+    if fin.any():
+        assert float((l1 - l3)[fin].abs().max()) < 2e-2
+
+
+@pytest.mark.parametrize("fn,old,new,shape", [
+    # the last tile's third box lies past the Q scale table (Sq = 200: 2 blocks, rows 256..319)
+    ("_consumer_tile", "mask=row0 < seqlen_q, other=1.0)", ")", (1, 200, 600, 2, 1)),
+    # the producer loads two Q boxes: warpgroup 2 waits for its box forever
+    ("_producer", "for w in gl.static_range(CONSUMERS):", "for w in gl.static_range(2):", (1, 300, 700, 2, 1)),
+    # a K/V slot refilled after two of the three warpgroups released it
+    ("attn_fwd_pingpong_kernel", "empty_bars = alloc_barriers(STAGES, CONSUMERS)",
+     "empty_bars = alloc_barriers(STAGES, 2)", (1, 300, 700, 2, 1)),
+    # the next tile's Q loaded after two of the three warpgroups released it (persistent)
+    ("attn_fwd_pingpong_kernel", "q_empty = alloc_barriers(1, CONSUMERS)", "q_empty = alloc_barriers(1, 2)",
+     (1, 700, 700, 2, 1)),
+])
+def test_v3_three_consumers_mutations_caught(fn, old, new, shape, monkeypatch):
+    for name, value in {**THREE_WGS, "LEANFA_HOPPER_PERSISTENT": "1" if shape[1] == 700 else "0"}.items():
+        monkeypatch.setenv(name, value)
+    reset_shadows()
+    try:
+        _mutated(getattr(KP, fn), old, new)
+        for order in ("producer-first", "consumer-first"):
+            with pytest.raises(EmulationError):
+                emulate(_fp8_problem(shape)[0], version="v3", ws_order=order)
+    finally:
+        reset_shadows()
+
+
 # the K/V ring protocol the warp-specialized kernels share (pipeline.py), mutated
 RING_MUTATIONS = [
     ("release_slot", "    gl.thread_barrier()\n", "    pass\n"),  # arrive before the partition's warps are done
@@ -473,13 +536,17 @@ VARLEN_LENS_FP8 = [([0, 1, 130, 300, 77], [16, 48, 304, 128, 77]), ([257], [129]
 
 @pytest.mark.parametrize("lens,fp8", [(x, False) for x in VARLEN_LENS] + [(x, True) for x in VARLEN_LENS_FP8])
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("persistent", ["0", "1"])
-def test_v3_varlen(lens, causal, fp8, persistent, monkeypatch):
-    """v3 on packed varlen inputs (GQA 2:1), one tile per program or persistent: every sequence
-    against the float64 reference, every output row and LSE entry written (poisoned first)."""
+@pytest.mark.parametrize("mode", ["tile per program", "persistent", "three consumers"])
+def test_v3_varlen(lens, causal, fp8, mode, monkeypatch):
+    """v3 on packed varlen inputs (GQA 2:1), one tile per program, persistent, or with three consumer
+    warpgroups: every sequence against the float64 reference, every output row and LSE entry
+    written (poisoned first)."""
     from leanfa.api import _build_problem
 
-    monkeypatch.setenv("LEANFA_HOPPER_PERSISTENT", persistent)
+    monkeypatch.setenv("LEANFA_HOPPER_PERSISTENT", "1" if mode == "persistent" else "0")
+    if mode == "three consumers":
+        for name, value in THREE_WGS.items():
+            monkeypatch.setenv(name, value)
     lq, lk = lens
     g = torch.Generator().manual_seed(len(lq))
     cu_q, cu_k = cu_seqlens(lq), cu_seqlens(lk)
@@ -543,7 +610,8 @@ def test_varlen_needs_v3(monkeypatch):
 def test_hopper_knobs(monkeypatch):
     """v3 is the default Hopper kernel; a bad knob value is an error, never a silent fallback."""
     for k in ("LEANFA_HOPPER_KERNEL", "LEANFA_HOPPER_POLY", "LEANFA_HOPPER_PINGPONG", "LEANFA_HOPPER_PV_IN_MMA",
-              "LEANFA_HOPPER_PERSISTENT", "LEANFA_HOPPER_V_PERMUTED", "LEANFA_HOPPER_BLOCK_N"):
+              "LEANFA_HOPPER_PERSISTENT", "LEANFA_HOPPER_V_PERMUTED", "LEANFA_HOPPER_BLOCK_N",
+              "LEANFA_HOPPER_CONSUMERS"):
         monkeypatch.delenv(k, raising=False)
     assert L.kernel_version() == "v3"
     q, k, v = _inputs(1, 200, 200, 2, 1, 128, 128)
@@ -577,6 +645,23 @@ def test_hopper_knobs(monkeypatch):
         emulate_mod._make_plan_cpu(L, p, torch.empty(1, 200, 2, 128, dtype=torch.bfloat16), None)
     monkeypatch.delenv("LEANFA_HOPPER_BLOCK_N")
     monkeypatch.delenv("LEANFA_HOPPER_PV_IN_MMA")
+    for name, value in THREE_WGS.items():  # three consumer warpgroups: 192-row tiles, 160 registers each
+        monkeypatch.setenv(name, value)
+    plan = emulate_mod._make_plan_cpu(L, p, torch.empty(1, 200, 2, 128, dtype=torch.bfloat16), None)
+    assert plan.constexprs["CONSUMER_WGS"] == 3 and plan.constexprs["CONSUMER_REGS"] == 160
+    assert plan.grid == (2, 2) and plan.args[1].block_shape[2] == 64  # 200 rows -> 2 tiles of 192
+    monkeypatch.setenv("LEANFA_HOPPER_PINGPONG", "1")  # the turn barriers alternate two warpgroups
+    with pytest.raises(ValueError, match="LEANFA_HOPPER_CONSUMERS=2"):
+        emulate_mod._make_plan_cpu(L, p, torch.empty(1, 200, 2, 128, dtype=torch.bfloat16), None)
+    monkeypatch.delenv("LEANFA_HOPPER_PINGPONG")
+    monkeypatch.setenv("LEANFA_HOPPER_PV_IN_MMA", "0")  # FP8's two-level PV tile does not fit 160 registers
+    with pytest.raises(ValueError, match="PV_IN_MMA=1"):
+        emulate_mod._make_plan_cpu(L, p, torch.empty(1, 200, 2, 128, dtype=torch.bfloat16), None)
+    monkeypatch.setenv("LEANFA_HOPPER_CONSUMERS", "4")
+    with pytest.raises(ValueError, match="LEANFA_HOPPER_CONSUMERS"):
+        emulate_mod._make_plan_cpu(L, p, torch.empty(1, 200, 2, 128, dtype=torch.bfloat16), None)
+    for name in THREE_WGS:
+        monkeypatch.delenv(name)
     monkeypatch.setenv("LEANFA_HOPPER_KERNEL", "v9")
     with pytest.raises(ValueError, match="LEANFA_HOPPER_KERNEL"):
         L.kernel_version()

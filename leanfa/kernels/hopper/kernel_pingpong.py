@@ -76,30 +76,32 @@ WG_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M)
 
 @gluon.jit
 def _tile(t, num_bh, num_heads, group_size, num_m_tiles, num_tiles, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k,
-          BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr):
-    """Everything about tile ``t`` both partitions need: ``(b, h, hkv, m_start, tma_b, q_start,
+          BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr, WGS: gl.constexpr):
+    """Everything about tile ``t`` (``WGS`` x 64 query rows) every partition needs: ``(b, h, hkv, m_start, tma_b, q_start,
     k_start, seqlen_q, seqlen_k, n_full, n_end)``. A ``t`` past the last tile (a persistent
     program's last round may have none) reads as the last tile with no rows and no key blocks."""
     valid = t < num_tiles
     b, h, hkv, m_start = tile_coords(gl.minimum(t, num_tiles - 1), num_bh, num_heads, group_size, num_m_tiles,
-                                     2 * WG_ROWS)
+                                     WGS * WG_ROWS)
     tma_b, q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(cu_seqlens_q, cu_seqlens_k, b, seqlen_q, seqlen_k,
                                                                   VARLEN)
     seqlen_q = gl.where(valid, seqlen_q, 0)
-    n_full, n_end = kv_block_range(m_start, seqlen_q, seqlen_k, 2 * WG_ROWS, BLOCK_N, CAUSAL)
+    n_full, n_end = kv_block_range(m_start, seqlen_q, seqlen_k, WGS * WG_ROWS, BLOCK_N, CAUSAL)
     return b, h, hkv, m_start, tma_b, q_start, k_start, seqlen_q, seqlen_k, n_full, n_end
 
 
 # ----------------------------------------------------------------------------- producer
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars,
-              seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, num_bh, num_heads, group_size, num_m_tiles,
-              first_tile, tile_step, num_tiles,
-              CAUSAL: gl.constexpr, V_KMAJOR: gl.constexpr, VARLEN: gl.constexpr, CONSUMERS: gl.constexpr):
-    """Per tile: both 64-row Q halves (after the consumers released the previous tile's), then the
-    tile's key blocks through the ring; ``ring`` counts key blocks over all of this program's tiles.
-    ``CONSUMERS`` is 2 (1 only in the ``onewg`` timing ablation: no Q half for warpgroup 1)."""
+def _producer(args, CAUSAL: gl.constexpr, V_KMAJOR: gl.constexpr, VARLEN: gl.constexpr, WGS: gl.constexpr,
+              CONSUMERS: gl.constexpr):
+    """Per tile: the ``WGS`` 64-row Q boxes (after the consumers released the previous tile's), then
+    the tile's key blocks through the ring; ``ring`` counts key blocks over all of this program's
+    tiles. ``CONSUMERS`` is ``WGS`` (1 only in the ``onewg`` timing ablation: no Q box for the idle
+    warpgroups)."""
+    (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars,
+     seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, num_bh, num_heads, group_size, num_m_tiles,
+     first_tile, tile_step, num_tiles) = args
     QK_CHUNKS: gl.constexpr = k_bufs.shape[0] // v_bufs.shape[0]
     ring = 0
     qi = 0  # Q tiles loaded so far (tiles with no key block to visit load none)
@@ -107,11 +109,11 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bars, q_empty, k
         t = round_tile(r, first_tile, tile_step)
         b, h, hkv, m_start, tma_b, q_start, k_start, sq, sk, n_full, n_end = _tile(
             t, num_bh, num_heads, group_size, num_m_tiles, num_tiles, seqlen_q, seqlen_k, cu_seqlens_q,
-            cu_seqlens_k, k_desc.block_type.shape[2], CAUSAL, VARLEN)
+            cu_seqlens_k, k_desc.block_type.shape[2], CAUSAL, VARLEN, WGS)
         if n_end > 0:
             if qi > 0:
                 mbarrier.wait(q_empty.index(0), (qi - 1) & 1)
-            for w in gl.static_range(CONSUMERS):  # Q half w -> q_smem[w * QK_CHUNKS + c], barrier q_bars[w]
+            for w in gl.static_range(CONSUMERS):  # Q box w -> q_smem[w * QK_CHUNKS + c], barrier q_bars[w]
                 load_q(q_desc, tma_b, h, q_start + m_start + w * WG_ROWS, q_bars.index(w), q_smem, QK_CHUNKS,
                        w * QK_CHUNKS)
             qi += 1
@@ -244,8 +246,9 @@ def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars
                    b, h, hkv, q_start, m_start, n_full, n_end, ring, batch,
                    HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
                    RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, RESCALE_SKIP: gl.constexpr,
-                   PINGPONG: gl.constexpr, POLY: gl.constexpr, TWO_LEVEL: gl.constexpr, W: gl.constexpr):
-    """Warpgroup ``W`` on one tile: rows ``[m_start + 64 W, + 64)`` of sequence ``b`` against its key
+                   PINGPONG: gl.constexpr, POLY: gl.constexpr, TWO_LEVEL: gl.constexpr, WGS: gl.constexpr,
+                   W: gl.constexpr):
+    """Warpgroup ``W`` (of ``WGS``) on one tile: rows ``[m_start + 64 W, + 64)`` of sequence ``b`` against its key
     blocks ``[0, n_end)``, which sit at ring positions ``ring + j``; its wgmma batches are numbered
     from ``batch``. Output row ``r`` is token ``q_start + r`` of ``out`` (and of the LSE). ``out_t``,
     ``lse_t`` and the ``*_scale_t``/``k_mean_t`` tables are ``(pointer, strides...)`` tuples."""
@@ -264,7 +267,14 @@ def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars
     p_layout: gl.constexpr = a_operand_layout(o_layout, BITS)
 
     row0 = m_start + W * WG_ROWS
-    c_q = qk_scale * gl.load(q_scale_ptr + b * stride_qsb + h * stride_qsh + (m_start // SCALE_BLOCK) * stride_qsblk)
+    # the Q scale block of this warpgroup's rows (a 64-row box never straddles one). Two
+    # warpgroups: the tile is one scale block, m_start's. Three: the tile's last boxes may lie past
+    # the sequence's end, and past the table (their rows are never stored: any scale will do).
+    if WGS > 2:
+        c_q = qk_scale * gl.load(q_scale_ptr + b * stride_qsb + h * stride_qsh + (row0 // SCALE_BLOCK) * stride_qsblk,
+                                 mask=row0 < seqlen_q, other=1.0)
+    else:
+        c_q = qk_scale * gl.load(q_scale_ptr + b * stride_qsb + h * stride_qsh + (m_start // SCALE_BLOCK) * stride_qsblk)
     k_scale_row = k_scale_ptr + b * stride_ksb + hkv * stride_ksh
     offs_m = row0 + gl.arange(0, WG_ROWS, gl.SliceLayout(1, s_layout))
     offs_n0 = gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
@@ -321,12 +331,12 @@ def _consumer_step(t, ring, batch, qi, q_smem, k_bufs, v_bufs, q_bars, q_empty, 
                    HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
                    RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, RESCALE_SKIP: gl.constexpr,
                    PINGPONG: gl.constexpr, POLY: gl.constexpr, TWO_LEVEL: gl.constexpr, VARLEN: gl.constexpr,
-                   W: gl.constexpr):
+                   WGS: gl.constexpr, W: gl.constexpr):
     """Tile ``t``; ``ring``, ``batch``, ``qi``: key blocks, wgmma batches and Q tiles of the
     program's earlier tiles (ring position, turn-barrier phase, ``q_bars`` phase). Returns them updated."""
     b, h, hkv, m_start, tma_b, q_start, k_start, sq, sk, n_full, n_end = _tile(
         t, num_bh, num_heads, group_size, num_m_tiles, num_tiles, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k,
-        k_bufs.shape[3], CAUSAL, VARLEN)
+        k_bufs.shape[3], CAUSAL, VARLEN, WGS)
     if n_end > 0:
         mbarrier.wait(q_bars.index(W), qi & 1)
     _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars,
@@ -334,7 +344,7 @@ def _consumer_step(t, ring, batch, qi, q_smem, k_bufs, v_bufs, q_bars, q_empty, 
                    sq, sk, qk_scale, sm_scale,
                    b, h, hkv, q_start, m_start, n_full, n_end, ring, batch,
                    HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY,
-                   TWO_LEVEL, W)
+                   TWO_LEVEL, WGS, W)
     if n_end > 0:
         release_slot(q_empty, 0)  # this warpgroup's QK wgmmas and K-mean term are done with its Q half
     loaded = gl.minimum(n_end, 1)  # this tile had a Q tile and a batch 0
@@ -342,21 +352,21 @@ def _consumer_step(t, ring, batch, qi, q_smem, k_bufs, v_bufs, q_bars, q_empty, 
 
 
 @gluon.jit
-def _consumer(q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars,
-              out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
-              seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k,
-              num_bh, num_heads, group_size, num_m_tiles, first_tile, tile_step, num_tiles,
-              HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
+def _consumer(args, HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
               RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, RESCALE_SKIP: gl.constexpr,
               PINGPONG: gl.constexpr, POLY: gl.constexpr, TWO_LEVEL: gl.constexpr, VARLEN: gl.constexpr,
-              PERSISTENT: gl.constexpr, W: gl.constexpr):
-    """Warpgroup ``W`` over this program's tiles; after each it hands its Q half back (``q_empty``
-    counts both warpgroups), so the producer can load the next tile's. Tiles with no key block to
+              PERSISTENT: gl.constexpr, WGS: gl.constexpr, W: gl.constexpr):
+    """Warpgroup ``W`` over this program's tiles; after each it hands its Q box back (``q_empty``
+    counts every consumer warpgroup), so the producer can load the next tile's. Tiles with no key block to
     visit (causal rows before the first key, varlen tiles past a sequence) load no Q. One tile per
     program runs without the loop: inside it LLVM hoists the epilogue's tile-invariant addresses
     and ptxas spills them (AOT: 60 -> 340 B for FP8 d128). With the ``onewg`` timing ablation
-    warpgroup 1 does nothing: one warpgroup's chain alone, for comparison with two."""
-    if W == 1 and ablates(POLY, ABLATE_ONEWG):
+    every warpgroup but 0 does nothing: one warpgroup's chain alone, for comparison."""
+    (q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars,
+     out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
+     seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k,
+     num_bh, num_heads, group_size, num_m_tiles, first_tile, tile_step, num_tiles) = args
+    if W > 0 and ablates(POLY, ABLATE_ONEWG):
         pass
     elif PERSISTENT:
         ring = 0
@@ -369,7 +379,7 @@ def _consumer(q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bar
                 seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k,
                 num_bh, num_heads, group_size, num_m_tiles, num_tiles,
                 HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL,
-                VARLEN, W)
+                VARLEN, WGS, W)
     else:
         _consumer_step(
             first_tile, 0, 0, 0, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars,
@@ -377,7 +387,7 @@ def _consumer(q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bar
             seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k,
             num_bh, num_heads, group_size, num_m_tiles, num_tiles,
             HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL,
-            VARLEN, W)
+            VARLEN, WGS, W)
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -403,6 +413,7 @@ def attn_fwd_pingpong_kernel(
     RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, VARLEN: gl.constexpr, STAGES: gl.constexpr,
     RESCALE_SKIP: gl.constexpr, PINGPONG: gl.constexpr, POLY: gl.constexpr, PV_IN_MMA: gl.constexpr,
     PERSISTENT: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    CONSUMER_WGS: gl.constexpr,  # consumer warpgroups (64 query rows each): 2, or 3 (experiment)
     num_warps: gl.constexpr,
 ):
     gl.static_assert(num_warps == WG_WARPS, "v3 launches with num_warps=4 (the first consumer warpgroup)")
@@ -413,12 +424,13 @@ def attn_fwd_pingpong_kernel(
 
     first_tile, tile_step, num_tiles = program_tiles(num_bh, num_m_tiles, PERSISTENT)
 
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2 * QK_CHUNKS] + q_desc.block_type.shape, q_desc.layout)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMER_WGS * QK_CHUNKS] + q_desc.block_type.shape,
+                                       q_desc.layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES * QK_CHUNKS] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    q_bars = alloc_barriers(2)
-    CONSUMERS: gl.constexpr = 1 if ablates(POLY, ABLATE_ONEWG) else 2
-    q_empty = alloc_barriers(1, CONSUMERS)  # both consumer warpgroups are done with the tile's Q
+    q_bars = alloc_barriers(CONSUMER_WGS)
+    CONSUMERS: gl.constexpr = 1 if ablates(POLY, ABLATE_ONEWG) else CONSUMER_WGS  # the working ones
+    q_empty = alloc_barriers(1, CONSUMERS)  # every consumer warpgroup is done with the tile's Q
     k_bars = alloc_barriers(STAGES)
     v_bars = alloc_barriers(STAGES)
     empty_bars = alloc_barriers(STAGES, CONSUMERS)  # one release per consumer warpgroup
@@ -432,27 +444,35 @@ def attn_fwd_pingpong_kernel(
     k_scale_t = (k_scale_ptr, stride_ksb, stride_ksh, stride_ksblk)
     v_scale_t = (v_scale_ptr, stride_vsb, stride_vsh, stride_vsd)
     k_mean_t = (k_mean_ptr, stride_kmb, stride_kmh, stride_kmd)
-    # the two consumers differ only in their last argument (a tuple concatenation would turn the
-    # constexprs into runtime values)
-    gl.warp_specialize([
-        (_consumer, (q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars,
-                       out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
-                       seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k,
-                       num_bh, num_heads, group_size, num_m_tiles, first_tile, tile_step, num_tiles,
-                       HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL,
-                       VARLEN, PERSISTENT, 0)),
-        (_consumer, (q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars,
-                       out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
-                       seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k,
-                       num_bh, num_heads, group_size, num_m_tiles, first_tile, tile_step, num_tiles,
-                       HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL,
-                       VARLEN, PERSISTENT, 1)),
-        (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars,
-                     seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, num_bh, num_heads, group_size, num_m_tiles,
-                     first_tile, tile_step, num_tiles, CAUSAL, V_KMAJOR, VARLEN, CONSUMERS)),
-    ], [WG_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    # every consumer warpgroup gets the same arguments but its index. The constexprs go in the
+    # argument list itself: a tuple held in a variable makes them runtime values.
+    cargs = (q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars,
+             out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
+             seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k,
+             num_bh, num_heads, group_size, num_m_tiles, first_tile, tile_step, num_tiles)
+    pargs = (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars,
+             seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, num_bh, num_heads, group_size, num_m_tiles,
+             first_tile, tile_step, num_tiles)
+    if CONSUMER_WGS == 3:
+        gl.warp_specialize([
+            (_consumer, (cargs, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY,
+                         TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, 0)),
+            (_consumer, (cargs, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY,
+                         TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, 1)),
+            (_consumer, (cargs, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY,
+                         TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, 2)),
+            (_producer, (pargs, CAUSAL, V_KMAJOR, VARLEN, CONSUMER_WGS, CONSUMERS)),
+        ], [WG_WARPS, WG_WARPS, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer, (cargs, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY,
+                         TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, 0)),
+            (_consumer, (cargs, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY,
+                         TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, 1)),
+            (_producer, (pargs, CAUSAL, V_KMAJOR, VARLEN, CONSUMER_WGS, CONSUMERS)),
+        ], [WG_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
-    invalidate_barriers(q_bars, 2)
+    invalidate_barriers(q_bars, CONSUMER_WGS)
     invalidate_barriers(q_empty, 1)
     invalidate_barriers(k_bars, STAGES)
     invalidate_barriers(v_bars, STAGES)

@@ -92,9 +92,9 @@ def qk_chunk(dqk: int) -> int:
     return dqk if dqk & (dqk - 1) == 0 else 64
 
 
-def stages_for(dqk: int, dv: int, elt: int, block_n: int = BLOCK_N) -> int:
+def stages_for(dqk: int, dv: int, elt: int, block_n: int = BLOCK_N, block_m: int = BLOCK_M) -> int:
     """Deepest K/V ring that fits shared memory (with room for layout-conversion scratch)."""
-    q_bytes = BLOCK_M * dqk * elt
+    q_bytes = block_m * dqk * elt
     stage = block_n * (dqk + dv) * elt
     scratch = 8 * 1024
     stages = 4
@@ -104,14 +104,17 @@ def stages_for(dqk: int, dv: int, elt: int, block_n: int = BLOCK_N) -> int:
 
 
 def _block_n(version: str, is_fp8: bool) -> int:
-    """Keys per block: 128, or 256 with ``LEANFA_HOPPER_BLOCK_N=256`` (v3 FP8 with PV in the wgmma
-    accumulator: cuDNN's FP8 kernel runs a 64x256 S tile per warpgroup, run 20's SASS; S then takes
-    128 registers, which leave no room for a separate fp32 PV tile)."""
+    """Keys per block: 128; 64 with ``LEANFA_HOPPER_BLOCK_N=64`` (v3: S takes 32 registers, the room
+    a third consumer warpgroup needs); or 256 with ``LEANFA_HOPPER_BLOCK_N=256`` (v3 FP8 with PV in
+    the wgmma accumulator: cuDNN's FP8 kernel runs a 64x256 S tile per warpgroup, run 20's SASS; S
+    then takes 128 registers, which leave no room for a separate fp32 PV tile)."""
     n = int(os.environ.get("LEANFA_HOPPER_BLOCK_N", "128") or 128)
     if n == BLOCK_N:
         return n
-    if n != 256:
-        raise ValueError(f"LEANFA_HOPPER_BLOCK_N must be 128 or 256, got {n}")
+    if n not in (64, 256):
+        raise ValueError(f"LEANFA_HOPPER_BLOCK_N must be 64, 128 or 256, got {n}")
+    if n == 64:
+        return n if version == "v3" else BLOCK_N
     if version != "v3" or not is_fp8:
         return BLOCK_N  # BF16's P (64 registers at 256 keys) does not fit next to S and O
     if not _flag("LEANFA_HOPPER_PV_IN_MMA", False):
@@ -120,12 +123,12 @@ def _block_n(version: str, is_fp8: bool) -> int:
     return n
 
 
-def _stages(dqk: int, dv: int, elt: int, block_n: int = BLOCK_N) -> int:
+def _stages(dqk: int, dv: int, elt: int, block_n: int = BLOCK_N, block_m: int = BLOCK_M) -> int:
     """``stages_for``, or ``LEANFA_HOPPER_STAGES`` (2-4) to measure other ring depths on the GPU.
     bf16 d128 gets 2 by default, but 3 fits (229,448 B of 232,448 B: no layout-conversion scratch is
     allocated; see scripts/hopper_compile_check.py)."""
     env = int(os.environ.get("LEANFA_HOPPER_STAGES", "0") or 0)
-    return env if env in (2, 3, 4) else stages_for(dqk, dv, elt, block_n)
+    return env if env in (2, 3, 4) else stages_for(dqk, dv, elt, block_n, block_m)
 
 
 def kernel_version() -> str:
@@ -157,11 +160,26 @@ def _flag(name: str, default: bool) -> bool:
 #: retired before QK_{j+1} so that the registers fit; an experiment, off: +2-3% at d128, -1% at
 #: d192 4K, run 24), LEANFA_HOPPER_V_PERMUTED (dense FP8: the launch copies V with its keys permuted
 #: within groups of 16 so that P needs no layout shuffle, see layouts.key_slot_order; an experiment,
-#: off: kernel +1-2%, run 24, less than the per-call copy costs), LEANFA_HOPPER_RESCALE_SKIP,
+#: off: kernel +1-2%, run 24, less than the per-call copy costs), LEANFA_HOPPER_CONSUMERS=3 (a third
+#: consumer warpgroup, 192-row tiles; needs LEANFA_HOPPER_BLOCK_N=64 and, for FP8,
+#: LEANFA_HOPPER_PV_IN_MMA=1 to fit 160 registers; an experiment, off), LEANFA_HOPPER_RESCALE_SKIP,
 #: LEANFA_HOPPER_PRODUCER_REGS.
 KERNELS = {"v1": attn_fwd_kernel, "v2": attn_fwd_ws_kernel, "v3": attn_fwd_pingpong_kernel}
 DEFAULT_VERSION = "v3"
 V3_CONSUMER_REGS = 240  # with a 24-register producer this is what the default partition gets too
+#: with three consumer warpgroups (16 warps, 128 registers each at launch): 3 x 160 + 24 <= 4 x 128
+V3_CONSUMER_REGS_3WG = 160
+
+
+def _consumer_wgs(version: str) -> int:
+    """``LEANFA_HOPPER_CONSUMERS``: consumer warpgroups of v3, 2 (default) or 3 (an experiment: a
+    192-row tile, a third independent QK -> softmax -> PV chain per SM at 160 registers each, so it
+    needs 64-key blocks and, in FP8, PV in the wgmma accumulator; run 28 timed one warpgroup alone
+    at 0.67-0.73x the pair's time: each chain is mostly latency)."""
+    n = int(os.environ.get("LEANFA_HOPPER_CONSUMERS", "2") or 2)
+    if n not in (2, 3):
+        raise ValueError(f"LEANFA_HOPPER_CONSUMERS must be 2 or 3, got {n}")
+    return n if version == "v3" else 2  # (v1 and v2 ignore the v3 knobs)
 
 
 def _ablation() -> int:
@@ -227,17 +245,22 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
         kmajor = PERMUTED_KEYS.value
     dchunk = qk_chunk(Dqk)
     block_n = _block_n(version, is_fp8)
-    q_rows = BLOCK_M // 2 if version == "v3" else BLOCK_M  # v3: one 64-row Q box per consumer warpgroup
+    wgs = _consumer_wgs(version)
+    if wgs == 3 and (block_n != 64 or (is_fp8 and not _flag("LEANFA_HOPPER_PV_IN_MMA", False))):
+        raise ValueError("LEANFA_HOPPER_CONSUMERS=3 needs LEANFA_HOPPER_BLOCK_N=64 and, for FP8, "
+                         "LEANFA_HOPPER_PV_IN_MMA=1 (at 160 registers per warpgroup anything larger spills)")
+    block_m = 64 * wgs  # query rows per tile
+    q_rows = 64 if version == "v3" else BLOCK_M  # v3: one 64-row Q box per consumer warpgroup
     q_desc = _desc(q, *_bshd_as_bhsd(q), [1, 1, q_rows, dchunk])
     k_desc = _desc(k, *_bshd_as_bhsd(k), [1, 1, block_n, dchunk])
     if kmajor:
         v_desc = _desc(v, *_v_kmajor_dims(v), [1, 1, Dv, block_n])
     else:
         v_desc = _desc(v, *_bshd_as_bhsd(v), [1, 1, block_n, Dv])
-    num_m_tiles = triton_cdiv(Sq, BLOCK_M)
+    num_m_tiles = triton_cdiv(Sq, block_m)
     # the kernel reads table[b, h, token // 128] for every Q tile / key block: a table must have one
     # entry per 128-token block, or a single broadcast one (stride 0, see scales.broadcast_strides)
-    for name, t, n in (("q_scale", q_scale, num_m_tiles), ("k_scale", k_scale, triton_cdiv(Sk, SCALE_BLOCK))):
+    for name, t, n in (("q_scale", q_scale, triton_cdiv(Sq, SCALE_BLOCK)), ("k_scale", k_scale, triton_cdiv(Sk, SCALE_BLOCK))):
         if t.shape[2] not in (1, n):
             raise ValueError(f"{name} table has {t.shape[2]} blocks, expected 1 or {n}")
     has_kmean = k_mean is not None and return_lse
@@ -267,7 +290,7 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
     constexprs = dict(
         HEAD_DQK=Dqk, HEAD_DV=Dv, CAUSAL=bool(causal), IS_FP8=is_fp8, V_KMAJOR=kmajor,
         RETURN_LSE=bool(return_lse), HAS_KMEAN=has_kmean,
-        STAGES=_stages(Dqk, Dv, q.element_size(), block_n), num_warps=NUM_WARPS,
+        STAGES=_stages(Dqk, Dv, q.element_size(), block_n, block_m), num_warps=NUM_WARPS,
     )
     if version in ("v2", "v3"):
         constexprs.update(
@@ -286,8 +309,11 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
         persistent = _flag("LEANFA_HOPPER_PERSISTENT", False)
         if persistent and pingpong:
             raise ValueError("LEANFA_HOPPER_PERSISTENT and LEANFA_HOPPER_PINGPONG cannot be combined yet")
+        if wgs != 2 and pingpong:
+            raise ValueError("LEANFA_HOPPER_PINGPONG alternates two consumer warpgroups (LEANFA_HOPPER_CONSUMERS=2)")
         constexprs.update(PINGPONG=pingpong, POLY=poly, PV_IN_MMA=_flag("LEANFA_HOPPER_PV_IN_MMA", False),
-                          PERSISTENT=persistent, CONSUMER_REGS=V3_CONSUMER_REGS, VARLEN=varlen,
+                          PERSISTENT=persistent, VARLEN=varlen, CONSUMER_WGS=wgs,
+                          CONSUMER_REGS=V3_CONSUMER_REGS if wgs == 2 else V3_CONSUMER_REGS_3WG,
                           num_warps=NUM_WARPS // 2)
     if persistent:  # one program per SM (one CTA fits an SM: > 114 KB of shared memory)
         grid = (min(B * Hq * num_m_tiles, _num_sms(q.device)), )
