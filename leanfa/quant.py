@@ -22,9 +22,11 @@
 
 All passes are Triton kernels (:mod:`leanfa.kernels.quantize`): a per-channel statistics pass
 (K mean, V amax) and a quantize pass per 128-token block that also computes the block's scale
-when ``granularity="block"``. For that default granularity the two passes cover Q, K and V in
-one launch each (the K mean and V scales are finished inside the quantize kernel); per-head
-and per-tensor scales need global maxima in between and use one launch per tensor and pass.
+when ``granularity="block"``. For that default granularity (head dims up to FUSED_MAX_DIM)
+Q, K and V share three launches: per-block K/V statistics, their reduction to the K mean and
+V scales (once per head, in a fixed order: deterministic), and one quantize pass over all
+three. Per-head and per-tensor scales need global maxima in between and use one launch per
+tensor and pass.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import torch
 import triton
 
 from .kernels.fp8 import E4M3_MAX
-from .kernels.quantize import channel_stats, kv_stats, quantize_blocks, quantize_qkv
+from .kernels.quantize import channel_stats, finish_kv_stats, kv_stats, quantize_blocks, quantize_qkv
 from .scales import SCALE_BLOCK, broadcast_strides, num_scale_blocks
 
 GRANULARITIES = ("block", "head", "tensor")
@@ -201,23 +203,32 @@ def _quantize_v(v: torch.Tensor, seqs: _Seqs, granularity: str):
     return y, descale
 
 
-#: the fused quantizer's largest head dim: one program holds a 128-token fp32 tile and three
-#: inlined branches; at d256 it spills even with 16 warps (AOT, sm90: 412 bytes), so d256 takes
-#: the per-tensor kernels. 8 warps: with 4 it spills at d128 (864 bytes).
+#: the fused quantizer's largest head dim (larger ones take the per-tensor kernels). One
+#: quantize_qkv program holds a 128-token tile (and three inlined branches); AOT sm90, 8 warps,
+#: no spills: d128 80 registers (3 programs per SM), varlen 128 (2), d192/128 244 (1: the tile
+#: is padded to 256 channels). With 4 warps d128 varlen spills (688 bytes). d256 would compile
+#: without spills now (244 registers, 64 KB shared) but is neither tested nor timed fused.
 FUSED_MAX_DIM = 192
 FUSED_WARPS = 8
+#: kv_stats: one program per 128-token block of K and V (~63 registers, 4 programs per SM)
+STATS_WARPS = 8
+#: finish_kv_stats: channels per program, and partial rows (blocks) accumulated per step
+FINISH_CHANNELS = 32
+FINISH_ROWS = 128
 
 
 def _quantize_block_fused(q, k, v, sq: _Seqs, sk: _Seqs, smooth_k: bool):
-    """``granularity="block"`` in two launches: K/V statistics, then Q, K, V together."""
+    """``granularity="block"`` in three launches: per-block K/V statistics, their reduction to
+    the K mean and V descales, then Q, K, V together."""
     dev = q.device
-    nchunks = _stats_chunks(sk.max_seqlen)
     n_kv = sk.batch * sk.heads
     dqk, dv = q.shape[-1], v.shape[-1]
     f32 = dict(dtype=torch.float32, device=dev)
-    ksum = torch.empty((n_kv, nchunks, dqk) if smooth_k else (1,), **f32)
-    vamax = torch.empty((n_kv, nchunks, dv), **f32)
     nblk_q, nblk_k = num_scale_blocks(sq.max_seqlen), num_scale_blocks(sk.max_seqlen)
+    # per-block partials; kv_stats writes only the blocks inside each sequence, the only ones
+    # finish_kv_stats reads
+    ksum = torch.empty((n_kv, nblk_k, dqk) if smooth_k else (1,), **f32)
+    vamax = torch.empty((n_kv, nblk_k, dv), **f32)
     q8 = torch.empty(q.shape, dtype=FP8_DTYPE, device=dev)
     k8 = torch.empty(k.shape, dtype=FP8_DTYPE, device=dev)
     v8 = _transposed_fp8_like(v, sk)
@@ -228,20 +239,24 @@ def _quantize_block_fused(q, k, v, sq: _Seqs, sk: _Seqs, smooth_k: bool):
     bd_qk, bd_v = triton.next_power_of_2(dqk), triton.next_power_of_2(dv)
     cu_k = sk.cu_arg(vamax)
     if n_kv:
-        kv_stats[(nchunks, n_kv)](
+        kv_stats[(nblk_k, n_kv)](
             k, v, cu_k, ksum, vamax, sk.seqlen_dense, sk.heads, *_strides(k, sk.varlen), *_strides(v, sk.varlen),
-            DQK=dqk, BLOCK_DQK=bd_qk, DV=dv, BLOCK_DV=bd_v, BLOCK_S=_stats_rows(max(dqk, dv)),
-            CHUNK=STATS_CHUNK, VARLEN=sk.varlen, WANT_KSUM=smooth_k)
+            DQK=dqk, BLOCK_DQK=bd_qk, DV=dv, BLOCK_DV=bd_v, BLOCK_S=SCALE_BLOCK, VARLEN=sk.varlen,
+            WANT_KSUM=smooth_k, num_warps=STATS_WARPS)
+        finish_kv_stats[(n_kv, triton.cdiv(max(dqk, dv), FINISH_CHANNELS))](
+            ksum, vamax, cu_k, k_mean if k_mean is not None else v_descale, v_descale,
+            sk.seqlen_dense, sk.heads, nblk_k, DQK=dqk, DV=dv, BLOCK_C=FINISH_CHANNELS, ROWS=FINISH_ROWS,
+            BLOCK_S=SCALE_BLOCK, VARLEN=sk.varlen, WANT_KSUM=smooth_k)
     programs = sq.batch * sq.heads + 2 * n_kv
     if programs:
         quantize_qkv[(max(nblk_q, nblk_k), programs)](
-            q, k, v, q8, k8, v8, sq.cu_arg(vamax), cu_k, ksum, vamax, q_descale, k_descale,
-            k_mean if k_mean is not None else vamax, v_descale,
-            sq.seqlen_dense, sk.seqlen_dense, sq.batch, sq.heads, sk.heads, nchunks, nblk_q, nblk_k,
+            q, k, v, q8, k8, v8, sq.cu_arg(vamax), cu_k, q_descale, k_descale,
+            k_mean if k_mean is not None else v_descale, v_descale,
+            sq.seqlen_dense, sk.seqlen_dense, sq.batch, sq.heads, sk.heads, nblk_q, nblk_k,
             *_strides(q, sq.varlen), *_strides(k, sk.varlen), *_strides(v, sk.varlen),
             *_strides(q8, sq.varlen), *_strides(k8, sk.varlen), *_strides(v8, sk.varlen),
-            DQK=dqk, BLOCK_DQK=bd_qk, DV=dv, BLOCK_DV=bd_v, BLOCK_S=SCALE_BLOCK, VARLEN=sq.varlen,
-            SMOOTH_K=smooth_k, EXACT_ROUND=dev.type == "cpu", num_warps=FUSED_WARPS)
+            DQK=dqk, BLOCK_DQK=bd_qk, DV=dv, BLOCK_DV=bd_v, BLOCK_S=SCALE_BLOCK, V_PAD=V_TOKEN_ALIGN,
+            VARLEN=sq.varlen, SMOOTH_K=smooth_k, EXACT_ROUND=dev.type == "cpu", num_warps=FUSED_WARPS)
     return q8, q_descale, k8, k_descale, k_mean, v8, v_descale
 
 

@@ -141,3 +141,62 @@ def test_fused_block_path_matches_per_tensor_kernels(device, varlen, smooth_k):
     kn = [-(-n // 128) for n in lens_k] if varlen else [-(-shape_k[1] // 128)] * 2
     for b, n in enumerate(kn):
         torch.testing.assert_close(fused.k_descale[b, :, :n], kd[b, :, :n], rtol=1e-5, atol=0)
+
+
+class _PoisonedStats:
+    """Stands in for ``quant.kv_stats``: fills the partial tables with NaN before each launch,
+    so a slot the kernel leaves unwritten (a block past a sequence's end) poisons any finish
+    that reads it (``torch.empty`` often hands back zeros, which would hide that)."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        def launch(k, v, cu, ksum, vamax, *args, **kwargs):
+            ksum.fill_(float("nan"))
+            vamax.fill_(float("nan"))
+            return self.kernel[grid](k, v, cu, ksum, vamax, *args, **kwargs)
+
+        return launch
+
+
+@pytest.mark.parametrize("finish_rows", [None, 2])  # the default, and a reduction over several steps
+def test_fused_statistics_match_float64(device, monkeypatch, finish_rows):
+    """The fused path's K mean and V descales, finished from per-block partials, against float64
+    references taken directly per sequence and head: packed sequences from 0 tokens to many
+    blocks (one a single token, one a block plus one token), K channel offsets and V channel
+    ranges that differ per sequence and head (a sum over another sequence's or head's blocks,
+    or a wrong length, shows), head dims that differ between K and V."""
+    from leanfa import quant
+
+    monkeypatch.setattr(quant, "kv_stats", _PoisonedStats(quant.kv_stats))
+    if finish_rows is not None:
+        monkeypatch.setattr(quant, "FINISH_ROWS", finish_rows)
+    g = torch.Generator().manual_seed(11)
+    lens = [1, 1000, 0, 129, 384]
+    hq, hkv, dqk, dv = 2, 3, 96, 64
+    total, n = sum(lens), len(lens)
+    offset = torch.randn(n, hkv, dqk, generator=g, dtype=torch.float64) * 20  # per sequence, head, channel
+    spread = torch.rand(n, hkv, dv, generator=g, dtype=torch.float64) * 50 + 0.01
+    seq = torch.repeat_interleave(torch.arange(n), torch.tensor(lens))  # sequence of each token
+    k = (torch.randn(total, hkv, dqk, generator=g, dtype=torch.float64) + offset[seq]).to(torch.bfloat16)
+    v = (torch.randn(total, hkv, dv, generator=g, dtype=torch.float64) * spread[seq]).to(torch.bfloat16)
+    v[seq == 3] = 0.0  # an all-zero sequence: descale 1
+    q = torch.randn(total, hq, dqk, generator=g).to(torch.bfloat16)
+    cu = cu_seqlens(lens, device)
+    qt = leanfa.quantize_fp8(q.to(device), k.to(device), v.to(device), cu_seqlens_q=cu, cu_seqlens_k=cu,
+                             max_seqlen_q=max(lens), max_seqlen_k=max(lens))
+
+    mean_ref = torch.zeros(n, hkv, dqk, dtype=torch.float64)
+    amax_ref = torch.zeros(n, hkv, dv, dtype=torch.float64)
+    for b in range(n):
+        if lens[b]:
+            mean_ref[b] = k[seq == b].double().mean(0)
+            amax_ref[b] = v[seq == b].double().abs().amax(0)
+    # amax is exact in float32; amax / 448 rounds once (a GPU's division may be off by an ulp)
+    vd_ref = torch.where(amax_ref > 0, amax_ref.float() / E4M3_MAX, torch.ones(()))
+    # float32 sums of up to 1000 values of magnitude <= ~80 (CPU: off by <= 2e-6); a finish over
+    # the wrong blocks, heads or length is off by far more (or NaN from a poisoned slot)
+    torch.testing.assert_close(qt.k_mean.cpu().double(), mean_ref, rtol=0, atol=1e-4)
+    torch.testing.assert_close(qt.v_descale.cpu(), vd_ref, rtol=3e-7, atol=0)
+    assert torch.all(qt.v_descale[3] == 1.0) and torch.all(qt.k_mean[2] == 0.0)

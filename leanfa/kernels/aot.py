@@ -19,18 +19,21 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from ..quant import FUSED_WARPS
+from ..quant import FINISH_CHANNELS, FINISH_ROWS, FUSED_WARPS, STATS_WARPS, V_TOKEN_ALIGN
+from ..scales import SCALE_BLOCK
 from . import portable, quantize
 
 
-def _compile(fn, types: dict, constexprs: dict, target, num_warps=4, num_stages=2):
+def _compile(fn, types: dict, constexprs: dict, target, num_warps=4, num_stages=2, divisible=()):
     sig = {name: "constexpr" if name in constexprs else types.get(name) for name in fn.arg_names}
     missing = [n for n, t in sig.items() if t is None]
     if missing:
         raise ValueError(f"no type for {missing}")
     # What a real launch infers from 16-byte aligned tensors and strides divisible by 16: it
     # decides vectorized loads, so without it the compile reports spills a launch never sees.
-    aligned = [n for n, t in sig.items() if t.startswith("*") or (n.startswith("stride_") and n[-1] in "sbh")]
+    # ``divisible`` names further integer arguments a launch always sees divisible by 16.
+    aligned = [n for n, t in sig.items() if t.startswith("*") or (n.startswith("stride_") and n[-1] in "sbh")
+               or n in divisible]
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned if n not in constexprs}
     src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()}, attrs=attrs)
     ck = triton.compile(src, target=target, options={"num_warps": num_warps, "num_stages": num_stages})
@@ -131,6 +134,30 @@ def fused_quant_variants(quick: bool = False):
         yield dims, varlen, smooth
 
 
+def fused_quant_compiles(target, dqk: int, dv: int, varlen: bool, smooth: bool):
+    """(name, compiled kernel) of each fused quantizer kernel for bf16 inputs of head dims
+    ``dqk``/``dv``, with the launch parameters :func:`leanfa.quant._quantize_block_fused` uses."""
+    dims = dict(DQK=dqk, BLOCK_DQK=triton.next_power_of_2(dqk), DV=dv, BLOCK_DV=triton.next_power_of_2(dv))
+    t = {n: "i32" for n in quantize.kv_stats.arg_names if n.startswith("stride_") or n in ("seqlen_dense", "num_heads")}
+    t.update(K="*bf16", V="*bf16", CU="*i32", KSUM="*fp32", VAMAX="*fp32")
+    yield "kv_stats", _compile(quantize.kv_stats, t, dict(**dims, BLOCK_S=SCALE_BLOCK, VARLEN=varlen, WANT_KSUM=smooth,
+                                                          stride_kd=1, stride_vd=1), target, num_warps=STATS_WARPS)
+    t = dict(KSUM="*fp32", VAMAX="*fp32", CU="*i32", KMEAN="*fp32", VS="*fp32", seqlen_dense="i32", num_heads="i32",
+             nblk="i32")
+    yield "finish_kv_stats", _compile(quantize.finish_kv_stats, t,
+                                      dict(DQK=dqk, DV=dv, BLOCK_C=FINISH_CHANNELS, ROWS=FINISH_ROWS,
+                                           BLOCK_S=SCALE_BLOCK, VARLEN=varlen, WANT_KSUM=smooth), target)
+    t = {n: "i32" for n in quantize.quantize_qkv.arg_names}
+    t.update({n: "*bf16" for n in ("Q", "K", "V")}, **{n: "*fp8e4nv" for n in ("Q8", "K8", "V8")},
+             CU_Q="*i32", CU_K="*i32", **{n: "*fp32" for n in ("QS", "KS", "KMEAN", "VS")})
+    yield "quantize_qkv", _compile(quantize.quantize_qkv, t,
+                                   dict(**dims, BLOCK_S=SCALE_BLOCK, V_PAD=V_TOKEN_ALIGN, VARLEN=varlen,
+                                        SMOOTH_K=smooth, EXACT_ROUND=False, stride_qd=1, stride_kd=1, stride_vd=1,
+                                        stride_q8d=1, stride_k8d=1, stride_v8s=1),
+                                   # V8's channel stride is its token count padded to V_TOKEN_ALIGN
+                                   target, num_warps=FUSED_WARPS, divisible=("stride_v8d",))
+
+
 def compile_all(target=GPUTarget("cuda", 90, 32), limit=None, verbose=True, quick=False):
     results = []
     fp8 = target.arch >= 89
@@ -159,20 +186,8 @@ def compile_all(target=GPUTarget("cuda", 90, 32), limit=None, verbose=True, quic
                                                        CHUNK=512, WANT_SUM=True, WANT_AMAX=True, stride_xd=1), target)
     results.append(_summary("channel_stats bf16", ck, target.arch))
     for (dqk, dv), varlen, smooth in fused_quant_variants(quick) if fp8 else ():
-        dims = dict(DQK=dqk, BLOCK_DQK=triton.next_power_of_2(dqk), DV=dv, BLOCK_DV=triton.next_power_of_2(dv))
-        t = {n: "i32" for n in quantize.kv_stats.arg_names if n.startswith("stride_") or n in ("seqlen_dense", "num_heads")}
-        t.update(K="*bf16", V="*bf16", CU="*i32", KSUM="*fp32", VAMAX="*fp32")
-        ck = _compile(quantize.kv_stats, t, dict(**dims, BLOCK_S=64 if max(dqk, dv) <= 128 else 32, CHUNK=512,
-                                                 VARLEN=varlen, WANT_KSUM=smooth, stride_kd=1, stride_vd=1), target)
-        results.append(_summary(f"kv_stats bf16 d{dqk}/{dv} varlen={varlen} ksum={smooth}", ck, target.arch))
-        t = {n: "i32" for n in quantize.quantize_qkv.arg_names}
-        t.update({n: "*bf16" for n in ("Q", "K", "V")}, **{n: "*fp8e4nv" for n in ("Q8", "K8", "V8")},
-                 CU_Q="*i32", CU_K="*i32", **{n: "*fp32" for n in ("KSUM", "VAMAX", "QS", "KS", "KMEAN", "VS")})
-        ck = _compile(quantize.quantize_qkv, t, dict(**dims, BLOCK_S=128, VARLEN=varlen, SMOOTH_K=smooth,
-                                                     EXACT_ROUND=False, stride_qd=1, stride_kd=1, stride_vd=1,
-                                                     stride_q8d=1, stride_k8d=1, stride_v8s=1), target,
-                      num_warps=FUSED_WARPS)
-        results.append(_summary(f"quantize_qkv bf16 d{dqk}/{dv} varlen={varlen} smooth_k={smooth}", ck, target.arch))
+        for name, ck in fused_quant_compiles(target, dqk, dv, varlen, smooth):
+            results.append(_summary(f"{name} bf16 d{dqk}/{dv} varlen={varlen} smooth_k={smooth}", ck, target.arch))
     if verbose:
         for name, regs, spills, smem in results:
             print(f"{name:<90} regs={regs:4d} spills={spills:4d} smem={smem}")

@@ -1,8 +1,9 @@
 """Triton kernels of the FP8 quantizer (the host side is :mod:`leanfa.quant`).
 
-Two building blocks, each a ``@triton.jit`` helper:
+Building blocks, each a ``@triton.jit`` helper:
 
 * :func:`chunk_stats` -- per-channel sum and/or max |x| over one chunk of tokens of one head;
+* :func:`tile_amax` -- max |x - mean| of a tile (in the input's own dtype when there is no mean);
 * :func:`quantize_tile` -- one block of ``BLOCK_S`` tokens of one head to e4m3, divided by its
   own block scale (computed here), a given per-head/tensor scale, or a per-channel scale,
   after an optional per-channel mean is subtracted.
@@ -11,11 +12,20 @@ They make up two families of kernels:
 
 * the general ones, one tensor per launch (:func:`channel_stats`, :func:`quantize_blocks`),
   which serve every granularity;
-* the fused ones for the default ``granularity="block"``: :func:`kv_stats` (K channel sums
-  and V channel amax in one pass) and :func:`quantize_qkv` (Q, K and V in one launch, with
-  the K mean and the V scales finished inside the kernel from the partial statistics). Two
-  launches instead of five and no PyTorch reductions in between: the quantizer's host time
-  bounds short prefills.
+* the fused ones for the default ``granularity="block"``, three launches and no PyTorch ops
+  in between (the quantizer's host time bounds short prefills):
+
+  1. :func:`kv_stats` -- one program per 128-token block of each KV head, one pass over K and
+     V: per-block K channel sums and V channel max |v|;
+  2. :func:`finish_kv_stats` -- those partials reduced once per head, in a fixed order, to the
+     K mean ``(B*Hkv, Dqk)`` and the V descales ``(B*Hkv, Dv)``;
+  3. :func:`quantize_qkv` -- every 128-token block of Q, K and V, reading the finished mean and
+     descales as one row each.
+
+  The passes are memory-bound: the statistics pass launches one program per block (not a
+  loop over a long chunk) so many loads are in flight per SM; the quantize pass keeps a Q tile
+  in bf16 until its scale is known (fewer registers, so more blocks per SM) and stores V's
+  transposed tile 16 bytes at a time along tokens (dense inputs).
 """
 
 from __future__ import annotations
@@ -49,37 +59,58 @@ def chunk_stats(base, s_begin, seqlen, stride_s, stride_d,
 
 
 @triton.jit
-def quantize_tile(xb, yb, s0, seqlen, stride_xs, stride_xd, stride_ys, stride_yd, scale_ptr, mean, ch,
+def tile_amax(x, mask, mean, SUBTRACT_MEAN: tl.constexpr):
+    """``max |x - mean|`` (float32) of a tile, 0 where ``mask`` is false; ``x`` is the tile as
+    loaded (zeros where masked), ``mean`` ``[BLOCK_D]`` float32 (used when SUBTRACT_MEAN).
+
+    Without a mean the maximum is taken in ``x``'s own dtype (exact: it is one of the values),
+    so a caller converting to float32 after this keeps only the bf16 tile live across the
+    reduction (AOT sm90, fused d128 without K smoothing: 68 registers instead of 92). With a
+    mean the float32 ``x - mean`` is needed here, and the caller's identical expression reuses
+    it. (Reducing each channel's max and min in bf16 instead, then subtracting the mean, is
+    exact too but took more registers: the two reductions run across warps.)
+    """
+    if SUBTRACT_MEAN:
+        return tl.max(tl.max(tl.abs(tl.where(mask, x.to(tl.float32) - mean[None, :], 0.0)), 1), 0)
+    return tl.max(tl.max(tl.abs(x), 1), 0).to(tl.float32)
+
+
+@triton.jit
+def quantize_tile(xb, yb, s0, seqlen, store_len, stride_xs, stride_xd, stride_ys, stride_yd, scale_ptr, mean, ch,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
                   SUBTRACT_MEAN: tl.constexpr, COMPUTE_SCALE: tl.constexpr,
                   CHANNEL_SCALE: tl.constexpr, EXACT_ROUND: tl.constexpr):
     """Quantize tokens ``[s0, s0 + BLOCK_S)`` of one head (``xb``/``yb`` point at token s0).
+    Tokens past ``seqlen`` read as 0; stores stop at ``store_len`` (>= seqlen: a padded
+    destination may take zeros past the end).
 
     ``mean``/``ch``: ``[BLOCK_D]`` per-channel mean and descale (used when SUBTRACT_MEAN /
     CHANNEL_SCALE). Otherwise the block is divided by the scale at ``scale_ptr``: computed
-    here as amax / 448 and stored when COMPUTE_SCALE, else read.
+    here as amax / 448 (:func:`tile_amax`) and stored when COMPUTE_SCALE, else read. Without
+    a mean the tile is converted to float32 only once the scale is known (fewer live registers).
     """
     offs_d = tl.arange(0, BLOCK_D)
     local = tl.arange(0, BLOCK_S)  # 32-bit offsets inside the block (the base is 64-bit)
     mask = (s0 + local[:, None] < seqlen) & (offs_d[None, :] < HEAD_DIM)
-    x = tl.load(xb + local[:, None] * stride_xs + offs_d[None, :] * stride_xd, mask=mask, other=0.0).to(tl.float32)
-    if SUBTRACT_MEAN:
-        x = tl.where(mask, x - mean[None, :], 0.0)
+    x = tl.load(xb + local[:, None] * stride_xs + offs_d[None, :] * stride_xd, mask=mask, other=0.0)
     if CHANNEL_SCALE:
-        x = x / ch[None, :]
+        descale = ch[None, :]
     else:
         if COMPUTE_SCALE:
-            amax = tl.max(tl.max(tl.abs(x), 1), 0)
+            amax = tile_amax(x, mask, mean, SUBTRACT_MEAN)
             descale = tl.where(amax > 0.0, amax / E4M3_MAX_C, 1.0)
             tl.store(scale_ptr, descale)
         else:
             descale = tl.load(scale_ptr)
-        x = x / descale
+    xf = x.to(tl.float32)
+    if SUBTRACT_MEAN:
+        xf = tl.where(mask, xf - mean[None, :], 0.0)
     tl.store(yb + local[:, None] * stride_ys + offs_d[None, :] * stride_yd,
              # clamp keeping NaN (a plain clamp maps NaN to +-448 on the GPU: a silent wrong
              # answer); the e4m3 conversion keeps NaN, so a NaN input stays NaN
-             to_e4m3(tl.clamp(x, -E4M3_MAX_C, E4M3_MAX_C, propagate_nan=tl.PropagateNan.ALL), False, EXACT_ROUND),
-             mask=mask)
+             to_e4m3(tl.clamp(xf / descale, -E4M3_MAX_C, E4M3_MAX_C, propagate_nan=tl.PropagateNan.ALL), False,
+                     EXACT_ROUND),
+             mask=(s0 + local[:, None] < store_len) & (offs_d[None, :] < HEAD_DIM))
 
 
 @triton.jit
@@ -155,7 +186,7 @@ def quantize_blocks(
         ch = tl.load(CH_SCALE + pid * HEAD_DIM + offs_d, mask=offs_d < HEAD_DIM, other=1.0)
     quantize_tile(_head_base(X, b, h, start + s0, stride_xb, stride_xs, stride_xh),
                   _head_base(Y, b, h, start + s0, stride_yb, stride_ys, stride_yh),
-                  s0, seqlen, stride_xs, stride_xd, stride_ys, stride_yd,
+                  s0, seqlen, seqlen, stride_xs, stride_xd, stride_ys, stride_yd,
                   SCALE + b * stride_sb + h * stride_sh + blk * stride_sn, mean, ch,
                   HEAD_DIM, BLOCK_D, BLOCK_S, SUBTRACT_MEAN, COMPUTE_SCALE, CHANNEL_SCALE, EXACT_ROUND)
 
@@ -169,32 +200,75 @@ def kv_stats(
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
     DQK: tl.constexpr, BLOCK_DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_S: tl.constexpr, CHUNK: tl.constexpr, VARLEN: tl.constexpr, WANT_KSUM: tl.constexpr,
+    BLOCK_S: tl.constexpr, VARLEN: tl.constexpr, WANT_KSUM: tl.constexpr,
 ):
-    """One pass over K and V per (batch, KV head, chunk): K's channel sums (for the mean, when
-    WANT_KSUM) and V's channel max |v|, as partials KSUM[pid, chunk, :] / VAMAX[pid, chunk, :]
-    that :func:`quantize_qkv` finishes. Every slot is written (zeros past a sequence's end)."""
-    chunk = tl.program_id(0)
+    """Per (block of BLOCK_S tokens, batch * KV head): the sum of each K channel over the block
+    (when WANT_KSUM) and the max |v| of each V channel, to ``KSUM[pid, blk, :]`` /
+    ``VAMAX[pid, blk, :]``; :func:`finish_kv_stats` reduces them over each sequence.
+
+    One program per block (thousands at prefill sizes, not a loop over a long chunk) with both
+    tiles loaded before either is reduced: many independent loads in flight per SM, which is
+    what a pass that only reads needs. Blocks past a sequence's end write nothing.
+    """
+    blk = tl.program_id(0)
     pid = tl.program_id(1)
     b, h, start, seqlen = _sequence_head(pid, CU, seqlen_dense, num_heads, VARLEN)
-    s_begin = chunk * CHUNK
-    slot = pid * tl.num_programs(0) + chunk
-    if WANT_KSUM:
-        ksum, _ = chunk_stats(_head_base(K, b, h, start + s_begin, stride_kb, stride_ks, stride_kh), s_begin, seqlen,
-                              stride_ks, stride_kd, DQK, BLOCK_DQK, BLOCK_S, CHUNK, True, False)
-        offs_k = tl.arange(0, BLOCK_DQK)
-        tl.store(KSUM + slot * DQK + offs_k, ksum, mask=offs_k < DQK)
-    _, vamax = chunk_stats(_head_base(V, b, h, start + s_begin, stride_vb, stride_vs, stride_vh), s_begin, seqlen,
-                           stride_vs, stride_vd, DV, BLOCK_DV, BLOCK_S, CHUNK, False, True)
+    s0 = blk * BLOCK_S
+    if s0 >= seqlen:
+        return
+    slot = pid * tl.num_programs(0) + blk
+    local = tl.arange(0, BLOCK_S)[:, None]  # 32-bit offsets inside the block (the base is 64-bit)
+    inside = s0 + local < seqlen
+    offs_k = tl.arange(0, BLOCK_DQK)
     offs_v = tl.arange(0, BLOCK_DV)
-    tl.store(VAMAX + slot * DV + offs_v, vamax, mask=offs_v < DV)
+    v = tl.load(_head_base(V, b, h, start + s0, stride_vb, stride_vs, stride_vh)
+                + local * stride_vs + offs_v[None, :] * stride_vd, mask=inside & (offs_v[None, :] < DV), other=0.0)
+    if WANT_KSUM:
+        k = tl.load(_head_base(K, b, h, start + s0, stride_kb, stride_ks, stride_kh)
+                    + local * stride_ks + offs_k[None, :] * stride_kd, mask=inside & (offs_k[None, :] < DQK), other=0.0)
+        tl.store(KSUM + slot * DQK + offs_k, tl.sum(k.to(tl.float32), 0), mask=offs_k < DQK)
+    tl.store(VAMAX + slot * DV + offs_v, tl.max(tl.abs(v.to(tl.float32)), 0), mask=offs_v < DV)
 
 
-@triton.jit(do_not_specialize=["seqlen_q_dense", "seqlen_k_dense", "batch", "heads_q", "heads_kv", "nchunks",
-                               "nblk_q", "nblk_k"])
+@triton.jit(do_not_specialize=["seqlen_dense", "num_heads", "nblk"])
+def finish_kv_stats(
+    KSUM, VAMAX, CU, KMEAN, VS, seqlen_dense, num_heads, nblk,
+    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_C: tl.constexpr, ROWS: tl.constexpr, BLOCK_S: tl.constexpr,
+    VARLEN: tl.constexpr, WANT_KSUM: tl.constexpr,
+):
+    """Per (batch * KV head, group of BLOCK_C channels): reduce :func:`kv_stats`' partials over
+    the sequence's own ``ceil(seqlen / BLOCK_S)`` blocks (``nblk`` slots per head) into
+    KMEAN ``(B*Hkv, DQK)`` = sum / max(seqlen, 1) (when WANT_KSUM) and the V descale
+    VS ``(B*Hkv, DV)`` = amax / 448 (1 for an all-zero channel).
+
+    The K sum runs in a fixed order (ROWS slots accumulated elementwise per step, then one tree
+    sum), so it is deterministic; no atomics.
+    """
+    pid = tl.program_id(0)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    _, seqlen = sequence_span(CU, pid // num_heads, seqlen_dense, VARLEN)
+    nb = tl.cdiv(seqlen, BLOCK_S)
+    rows = tl.arange(0, ROWS)
+    ksum = tl.zeros([ROWS, BLOCK_C], tl.float32)
+    vamax = tl.zeros([ROWS, BLOCK_C], tl.float32)
+    for r0 in range(0, nb, ROWS):
+        slot = (pid * nblk + r0 + rows)[:, None]
+        valid = (r0 + rows < nb)[:, None]
+        if WANT_KSUM:
+            ksum += tl.load(KSUM + slot * DQK + offs_c[None, :], mask=valid & (offs_c[None, :] < DQK), other=0.0)
+        vamax = tl.maximum(vamax, tl.load(VAMAX + slot * DV + offs_c[None, :],
+                                          mask=valid & (offs_c[None, :] < DV), other=0.0))
+    if WANT_KSUM:
+        mean = tl.sum(ksum, 0) / tl.maximum(seqlen, 1).to(tl.float32)
+        tl.store(KMEAN + pid * DQK + offs_c, mean, mask=offs_c < DQK)
+    amax = tl.max(vamax, 0)
+    tl.store(VS + pid * DV + offs_c, tl.where(amax > 0.0, amax / E4M3_MAX_C, 1.0), mask=offs_c < DV)
+
+
+@triton.jit(do_not_specialize=["seqlen_q_dense", "seqlen_k_dense", "batch", "heads_q", "heads_kv", "nblk_q", "nblk_k"])
 def quantize_qkv(
-    Q, K, V, Q8, K8, V8, CU_Q, CU_K, KSUM, VAMAX, QS, KS, KMEAN, VS,
-    seqlen_q_dense, seqlen_k_dense, batch, heads_q, heads_kv, nchunks, nblk_q, nblk_k,
+    Q, K, V, Q8, K8, V8, CU_Q, CU_K, QS, KS, KMEAN, VS,
+    seqlen_q_dense, seqlen_k_dense, batch, heads_q, heads_kv, nblk_q, nblk_k,
     stride_qb, stride_qs, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -202,13 +276,20 @@ def quantize_qkv(
     stride_k8b, stride_k8s, stride_k8h, stride_k8d,
     stride_v8b, stride_v8s, stride_v8h, stride_v8d,
     DQK: tl.constexpr, BLOCK_DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_S: tl.constexpr, VARLEN: tl.constexpr, SMOOTH_K: tl.constexpr, EXACT_ROUND: tl.constexpr,
+    BLOCK_S: tl.constexpr, V_PAD: tl.constexpr, VARLEN: tl.constexpr, SMOOTH_K: tl.constexpr,
+    EXACT_ROUND: tl.constexpr,
 ):
     """Q, K and V in one launch, ``granularity="block"``. Programs ``(blk, pid)``: pid in
-    ``[0, B*Hq)`` quantize Q (block scales to QS, contiguous ``(B, Hq, nblk_q)``), the next ``B*Hkv`` K
-    (the mean, finished from KSUM and written to KMEAN ``(B, Hkv, Dqk)`` by block 0, is
-    subtracted; block scales to KS), the last ``B*Hkv`` V (per-channel descale amax / 448 from
-    VAMAX, written to VS ``(B, Hkv, Dv)`` by block 0; V8 is the transposed storage's view)."""
+    ``[0, B*Hq)`` quantize Q (block scales to QS, contiguous ``(B, Hq, nblk_q)``), the next
+    ``B*Hkv`` K (the finished mean KMEAN ``(B*Hkv, Dqk)`` is subtracted; block scales to KS),
+    the last ``B*Hkv`` V (divided by the finished per-channel descale VS ``(B*Hkv, Dv)``; V8
+    is the transposed storage's view).
+
+    Dense V8 rows are padded to a multiple of V_PAD tokens: a V block's store may run into the
+    padding (zeros), which makes its predicate constant over V_PAD tokens, so the transposed
+    store is vectorized (16-byte stores along tokens, not one byte per thread). Packed varlen
+    sequences share V8 rows, so there the store stops at the sequence's end.
+    """
     # (the Q, K and V branches name their values apart: Triton requires a name assigned in
     # both arms of an `if` to have one type, and the head dims differ)
     blk = tl.program_id(0)
@@ -221,7 +302,7 @@ def quantize_qkv(
         if s0 < seqlen:
             quantize_tile(_head_base(Q, b, h, start + s0, stride_qb, stride_qs, stride_qh),
                           _head_base(Q8, b, h, start + s0, stride_q8b, stride_q8s, stride_q8h),
-                          s0, seqlen, stride_qs, stride_qd, stride_q8s, stride_q8d,
+                          s0, seqlen, seqlen, stride_qs, stride_qd, stride_q8s, stride_q8d,
                           QS + (pid * nblk_q + blk), tl.zeros([BLOCK_DQK], tl.float32),
                           tl.full([BLOCK_DQK], 1.0, tl.float32),
                           DQK, BLOCK_DQK, BLOCK_S, False, True, False, EXACT_ROUND)
@@ -232,28 +313,23 @@ def quantize_qkv(
             offs_dk = tl.arange(0, BLOCK_DQK)
             mean = tl.zeros([BLOCK_DQK], tl.float32)
             if SMOOTH_K:
-                for c in range(0, nchunks):
-                    mean += tl.load(KSUM + (kv * nchunks + c) * DQK + offs_dk, mask=offs_dk < DQK, other=0.0)
-                mean = mean / tl.maximum(seqlen, 1).to(tl.float32)
-                if blk == 0:
-                    tl.store(KMEAN + kv * DQK + offs_dk, mean, mask=offs_dk < DQK)
+                mean = tl.load(KMEAN + kv * DQK + offs_dk, mask=offs_dk < DQK, other=0.0)
             if s0 < seqlen:
                 quantize_tile(_head_base(K, b, h, start + s0, stride_kb, stride_ks, stride_kh),
                               _head_base(K8, b, h, start + s0, stride_k8b, stride_k8s, stride_k8h),
-                              s0, seqlen, stride_ks, stride_kd, stride_k8s, stride_k8d,
+                              s0, seqlen, seqlen, stride_ks, stride_kd, stride_k8s, stride_k8d,
                               KS + (kv * nblk_k + blk), mean, tl.full([BLOCK_DQK], 1.0, tl.float32),
                               DQK, BLOCK_DQK, BLOCK_S, SMOOTH_K, True, False, EXACT_ROUND)
         else:  # V
             offs_dv = tl.arange(0, BLOCK_DV)
-            amax = tl.zeros([BLOCK_DV], tl.float32)
-            for c in range(0, nchunks):
-                amax = tl.maximum(amax, tl.load(VAMAX + (kv * nchunks + c) * DV + offs_dv, mask=offs_dv < DV, other=0.0))
-            ch = tl.where(amax > 0.0, amax / E4M3_MAX_C, 1.0)
-            if blk == 0:
-                tl.store(VS + kv * DV + offs_dv, ch, mask=offs_dv < DV)
+            ch = tl.load(VS + kv * DV + offs_dv, mask=offs_dv < DV, other=1.0)
+            if VARLEN:
+                store_len = seqlen
+            else:
+                store_len = tl.cdiv(seqlen, V_PAD) * V_PAD
             if s0 < seqlen:
                 quantize_tile(_head_base(V, b, h, start + s0, stride_vb, stride_vs, stride_vh),
                               _head_base(V8, b, h, start + s0, stride_v8b, stride_v8s, stride_v8h),
-                              s0, seqlen, stride_vs, stride_vd, stride_v8s, stride_v8d,
+                              s0, seqlen, store_len, stride_vs, stride_vd, stride_v8s, stride_v8d,
                               VS, tl.zeros([BLOCK_DV], tl.float32), ch,
                               DV, BLOCK_DV, BLOCK_S, False, False, True, EXACT_ROUND)
