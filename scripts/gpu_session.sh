@@ -80,6 +80,10 @@ run_steps() {
                 --dims d64,d128,mla --seqlens 4k,16k \
                 --causal true --impl 'leanfa-hopper-*,cudnn-bf16,cudnn-fp8' --name bench-c3 --out "$OUT/r/bench_c3" ;;
       accuracy_c3) step accuracy_c3 150 40 env $C3 python3 -m leanfa.cli accuracy --out "$OUT/r/accuracy_c3" ;;
+      fuzz_c3) step fuzz_c3 190 14 env $C3 python3 scripts/gpu_fuzz_campaign.py --seconds 150 --seed 4 \
+                --workers "$WORKERS" ;;
+      pytest_c3) step pytest_c3 300 12 env $C3 python3 -m pytest -q -p no:cacheprovider -rfEs -n "$WORKERS" \
+                tests/test_hopper.py ;;  # the GPU suite (varlen, GQA, LSE, K-mean) with three consumer warpgroups
       stalls_ablate) step stalls_ablate 240 60 env LEANFA_HOPPER_ABLATE=exp,max python3 scripts/ncu_stalls.py \
                 --impl leanfa-hopper-fp8-kernel --out "$OUT/r/stalls_ablate" ;;  # where it waits without the softmax math
       accuracy_wide) step accuracy_wide 150 40 env $WIDE python3 -m leanfa.cli accuracy --out "$OUT/r/accuracy_wide" ;;
