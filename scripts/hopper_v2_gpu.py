@@ -241,8 +241,9 @@ def main():
         if status.get(cfg, "PASS") != "PASS":  # its small set failed: skip the full one
             continue
         if cfg:  # 90 cases: run 7 (2026-11-29) passed 89 of v2 in 170 s, the last cut by the limit
-            status[cfg] = run_child(cfg, small=size == "small",
-                                    timeout=120 if size == "small" else a.check_timeout)  # compiles dominate
+            # compiles dominate (run 29: v3-c3's small set took more than the 120 s small sets used to get,
+            # on lane 0's 4 cores)
+            status[cfg] = run_child(cfg, small=size == "small", timeout=a.check_timeout)
     ok = [c for c, s in status.items() if s == "PASS"]
     to_time = a.time.split(",") if a.time else ok
     to_time = [c for c in to_time if c == "v1" or c not in status or c in ok]  # never time a failed config
