@@ -74,6 +74,8 @@ run_steps() {
                 --time v3,v3-pvmma,v3-bn64,v3-bn64-pvmma,v3-c3 ;;  # a third consumer warpgroup: small check + timings
       c3_time) step c3_time 300 60 python3 scripts/hopper_v2_gpu.py --check "" \
                 --time v3,v3-bn64-pvmma,v3-c3 ;;  # timings only (c3_check passed in run 29)
+      c3_bn128) step c3_bn128 300 60 python3 scripts/hopper_v2_gpu.py --check "" \
+                --time v3,v3-c3,v3-c3-bn128 ;;  # FP8 three warpgroups at 128-key blocks (wgmmas serialized)
       c3_check) step c3_check 420 40 python3 scripts/hopper_v2_gpu.py --check v3-c3 \
                 --check-timeout 300 --no-bench --sanitize ;;  # the full case set + sanitizers
       stalls_c3) step stalls_c3 240 60 env $C3 python3 scripts/ncu_stalls.py --impl leanfa-hopper-fp8-kernel \

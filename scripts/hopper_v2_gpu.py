@@ -58,6 +58,8 @@ CONFIGS = {  # name -> env
     # the wgmma accumulator; the 64-key blocks alone (two warpgroups) separate the two changes
     "v3-c3": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_CONSUMERS": "3", "LEANFA_HOPPER_BLOCK_N": "64",
               "LEANFA_HOPPER_PV_IN_MMA": "1"},
+    # FP8: three warpgroups at 128-key blocks (ptxas serializes the wgmmas at 160 registers, C7512)
+    "v3-c3-bn128": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_CONSUMERS": "3", "LEANFA_HOPPER_PV_IN_MMA": "1"},
     "v3-bn64": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_BLOCK_N": "64"},
     "v3-bn64-pvmma": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_BLOCK_N": "64", "LEANFA_HOPPER_PV_IN_MMA": "1"},
 }

@@ -246,9 +246,11 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
     dchunk = qk_chunk(Dqk)
     block_n = _block_n(version, is_fp8)
     wgs = _consumer_wgs(version)
-    if wgs == 3 and (block_n != 64 or (is_fp8 and not _flag("LEANFA_HOPPER_PV_IN_MMA", False))):
-        raise ValueError("LEANFA_HOPPER_CONSUMERS=3 needs LEANFA_HOPPER_BLOCK_N=64 and, for FP8, "
-                         "LEANFA_HOPPER_PV_IN_MMA=1 (at 160 registers per warpgroup anything larger spills)")
+    pv_in_mma = is_fp8 and _flag("LEANFA_HOPPER_PV_IN_MMA", False)
+    if wgs == 3 and not (pv_in_mma and block_n <= 128 or not is_fp8 and block_n == 64):
+        # (FP8 with PV in the accumulator also compiles at 128-key blocks, with its wgmmas serialized)
+        raise ValueError("LEANFA_HOPPER_CONSUMERS=3 needs, at 160 registers per warpgroup, FP8 with "
+                         "LEANFA_HOPPER_PV_IN_MMA=1 and 64- or 128-key blocks, or BF16/FP16 with LEANFA_HOPPER_BLOCK_N=64")
     block_m = 64 * wgs  # query rows per tile
     q_rows = 64 if version == "v3" else BLOCK_M  # v3: one 64-row Q box per consumer warpgroup
     q_desc = _desc(q, *_bshd_as_bhsd(q), [1, 1, q_rows, dchunk])
