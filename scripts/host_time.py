@@ -1,0 +1,83 @@
+"""Host (CPU) time per call of the FP8 end-to-end path and its parts, against their GPU time (GPU).
+
+    python scripts/host_time.py [--shapes 4x4096,32x512,1x16384] [--profile]
+
+For each shape (causal, 16 heads, d128, bf16 inputs): the host time of one call -- the Python and
+launch work the CPU does before the call returns, measured over calls queued back to back with no
+synchronization (the GPU queue never fills: a few kernels per call) -- and the GPU time of the same
+call (``triton.testing.do_bench``, median). A call whose host time exceeds its GPU time is
+host-bound: the GPU waits for the CPU. Parts: ``quantize_fp8``, the Hopper plan alone
+(``hopper.plan``: checks, descriptors, arguments), the kernel launch alone (a plan built once),
+``flash_attn_func`` on pre-quantized inputs, ``attention(precision="fp8")``, and BF16
+``flash_attn_func``. ``--profile``: the top functions of 200 end-to-end calls under cProfile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import time
+
+import torch
+from triton.testing import do_bench
+
+import leanfa
+from leanfa.api import _build_problem
+from leanfa.kernels import hopper
+
+
+def host_ms(fn, calls: int = 200) -> float:
+    """CPU milliseconds per call of ``fn`` queued back to back (synchronized before and after only)."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) * 1e3 / calls
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="4x4096,32x512,1x16384", help="BxS, comma-separated")
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args()
+    print(f"device {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    print(f"{'shape':>12s} {'part':28s} {'host ms':>8s} {'GPU ms':>8s}")
+    for shape in args.shapes.split(","):
+        b, s = map(int, shape.split("x"))
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v = (torch.randn(b, s, 16, 128, device="cuda", generator=g).to(torch.bfloat16) for _ in range(3))
+        qq = leanfa.quantize_fp8(q, k, v)
+        kw = qq.descales()
+        problem = _build_problem(qq.q, qq.k, qq.v, varlen=False, cu_seqlens_q=None, cu_seqlens_k=None,
+                                 max_seqlen_q=None, max_seqlen_k=None, softmax_scale=None, causal=True,
+                                 return_lse=False, out_dtype=None, **kw)
+        plan, _, _ = hopper.plan(problem)
+        parts = {
+            "quantize_fp8": lambda: leanfa.quantize_fp8(q, k, v),
+            "hopper.plan (no launch)": lambda: hopper.plan(problem),
+            "launch (plan built once)": lambda: hopper._launch.launch(plan),
+            "flash_attn_func fp8": lambda: leanfa.flash_attn_func(qq.q, qq.k, qq.v, causal=True, **kw),
+            "attention(precision=fp8)": lambda: leanfa.attention(q, k, v, causal=True, precision="fp8"),
+            "flash_attn_func bf16": lambda: leanfa.flash_attn_func(q, k, v, causal=True),
+        }
+        for name, fn in parts.items():
+            gpu = do_bench(fn, return_mode="median") if name != "hopper.plan (no launch)" else float("nan")
+            print(f"{shape:>12s} {name:28s} {host_ms(fn):8.3f} {gpu:8.3f}", flush=True)
+        if args.profile:
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(200):
+                leanfa.attention(q, k, v, causal=True, precision="fp8")
+            prof.disable()
+            torch.cuda.synchronize()
+            print(f"\ncProfile, 200 x attention(precision='fp8') at {shape} (cumulative, top 30):")
+            pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
+
+
+if __name__ == "__main__":
+    main()
