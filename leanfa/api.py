@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from . import scales
+from .kernels.device import capability
 from .quant import FP8QKV, quantize_fp8
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -74,7 +75,7 @@ def check_fp8_device(device: torch.device) -> None:
     """float8_e4m3fn kernels need an sm89+ GPU (Ada, Hopper, ...): Triton rejects the type on
     older GPUs, so say so before any launch instead of failing inside the compiler."""
     if device.type == "cuda" and torch.version.hip is None:
-        cap = torch.cuda.get_device_capability(device)
+        cap = capability(device)
         if cap < (8, 9):
             raise ValueError(
                 f"FP8 (float8_e4m3fn) attention needs an NVIDIA GPU of compute capability 8.9 or "

@@ -197,10 +197,10 @@ def quantize_fp8_op(
 
 
 def _quantize_fp8_impl(q, k, v, granularity, smooth_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
-    from .quant import quantize_fp8
+    from .quant import quantize_checked
 
-    r = quantize_fp8(q, k, v, granularity, smooth_k, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                     max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    # every caller checked the arguments (quant._check) before this op
+    r = quantize_checked(q, k, v, granularity, smooth_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     k_mean = r.k_mean if r.k_mean is not None else q.new_empty((0,), dtype=torch.float32)
     # outputs must not alias each other: a 0-d "tensor" descale is a fresh tensor already
     return r.q, r.k, r.v, r.q_descale, r.k_descale, r.v_descale, k_mean

@@ -433,6 +433,27 @@ def test_v3_three_consumers_fp8_128_key_blocks(shape, monkeypatch):
     _v3_as_accurate_as_v1(*_fp8_problem(shape), "producer-first")
 
 
+@pytest.mark.parametrize("version", ["v1", "v3"])
+def test_nan_row_gives_nan_lse(version):
+    """NaN in one query row: that row's output *and* LSE are NaN (run 32 on the GPU: the Hopper
+    kernels wrote LSE -inf, reading the NaN row sum as "no key"); every other row stays finite."""
+    from leanfa.kernels.hopper import softmax as SM
+
+    q, k, v = _inputs(1, 200, 200, 2, 1, 64, 64)
+    q[0, 150, 1, 7] = float("nan")
+    p = _problem(q, k, v, True)
+    out, lse, _ = emulate(p, version=version)
+    assert torch.isnan(out[0, 150, 1]).all() and torch.isnan(lse[0, 1, 150])
+    assert int(torch.isnan(lse).sum()) == 1 and int(torch.isnan(out).any(-1).sum()) == 1
+    reset_shadows()
+    try:  # the old test of a row sum, `l > 0`, is caught
+        _mutated(SM.finish_rows, "seen = l_i != 0.0", "seen = l_i > 0.0")
+        _, lse_old, _ = emulate(p, version=version)
+        assert not torch.isnan(lse_old[0, 1, 150])
+    finally:
+        reset_shadows()
+
+
 @pytest.mark.parametrize("fn,old,new,shape", [
     # the last tile's third box lies past the Q scale table (Sq = 200: 2 blocks, rows 256..319)
     ("_consumer_tile", "mask=row0 < seqlen_q, other=1.0)", ")", (1, 200, 600, 2, 1)),

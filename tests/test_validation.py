@@ -138,8 +138,8 @@ def test_fp8_on_pre_ada_gpu_is_refused(monkeypatch):
     from leanfa.api import check_fp8_device
 
     monkeypatch.setattr(torch.version, "hip", None)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(leanfa.api, "capability", lambda device: (8, 0))  # (cached per device)
     with pytest.raises(ValueError, match="compute capability 8.9"):
         check_fp8_device(torch.device("cuda", 0))
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(leanfa.api, "capability", lambda device: (9, 0))
     check_fp8_device(torch.device("cuda", 0))  # Hopper: fine

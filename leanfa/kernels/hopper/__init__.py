@@ -22,6 +22,7 @@ import torch
 import triton
 
 from ... import _versions
+from ..device import capability
 from ..outputs import allocate_outputs
 from . import launch as _launch
 
@@ -58,7 +59,7 @@ def supports(problem) -> tuple[bool, str]:
         return False, f"the Hopper kernel needs CUDA tensors (got {q.device})"
     if torch.version.hip is not None:
         return False, "the Hopper kernel needs an NVIDIA GPU"
-    cap = torch.cuda.get_device_capability(q.device)
+    cap = capability(q.device)
     if cap != (9, 0):
         return False, f"the Hopper kernel needs an sm90 GPU (found sm{cap[0]}{cap[1]})"
     if problem.varlen and _launch.kernel_version() != "v3":

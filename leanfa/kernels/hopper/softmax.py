@@ -35,8 +35,10 @@ def online_softmax_step(s, c, m_i, l_i, P_OFFSET: gl.constexpr):
 
 @gluon.jit
 def finish_rows(m_i, l_i, P_OFFSET: gl.constexpr):
-    """Return ``(1 / l, lse)`` per row (natural-log LSE); rows with no visible key give 0 and -inf."""
-    seen = l_i > 0.0
+    """Return ``(1 / l, lse)`` per row (natural-log LSE); rows with no visible key give 0 and -inf, a
+    NaN row (NaN in its q, or in a key it sees) gives NaN for both, as the portable kernel does (run
+    32: ``l > 0`` read a NaN sum as "no key" and wrote LSE -inf next to a NaN output)."""
+    seen = l_i != 0.0
     inv_l = gl.where(seen, 1.0 / l_i, 0.0)
     lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0)) - P_OFFSET) * 0.6931471805599453,
                    float("-inf"))
