@@ -146,7 +146,7 @@ run_steps() {
                 --name bench-standard-causal --out "$OUT/r/sweep" ;;
       sweep_full) step sweep_full 330 20 python3 -m leanfa.cli bench --no-progress --sweep standard --causal false \
                 --name bench-standard-full --out "$OUT/r/sweep" ;;
-      pytest:*) step pytest_subset 200 12 python3 -m pytest -q -p no:cacheprovider -rfEs -n "$WORKERS" \
+      pytest:*) step pytest_subset 300 12 python3 -m pytest -q -p no:cacheprovider -rfEs -n "$WORKERS" \
                 $(echo "${s#pytest:}" | tr ',' ' ') ;;
       py:*) f=${s#py:}; step "$(basename "$f" .py)" 150 30 python3 "$f" ;;  # a one-off script
       models) step models 330 24 python3 -m leanfa.cli bench --no-progress --sweep models,varlen --out "$OUT/r/models" ;;
