@@ -38,6 +38,9 @@ Experiments, off (run 24, kernel alone: +1-3% each, not worth a permuted-V forma
 permuted so that P needs no layout shuffle, :mod:`.layouts`) and 256-key blocks
 (``LEANFA_HOPPER_BLOCK_N=256``, FP8 with ``PV_IN_MMA``: a 64x256 S tile per warpgroup, each half
 with its own K scale; PV_j is retired before QK_{j+1} is issued, or ptxas serializes every wgmma).
+Three consumer warpgroups (``CONSUMER_WGS = 3``, ``LEANFA_HOPPER_CONSUMERS=3``; runs 29-31): a
+192-row tile and a third independent chain per SM, at 160 registers each (64-key blocks, or FP8
+at 128 with its wgmmas serialized) -- correct (130/130 on the H200), 0.95-1.04x v3.
 
 The key loop runs blocks ``[0, n_end - 1)`` with the next block's S issued alongside their PV and
 the last block peeled off (:func:`_consumer_block`), so that every loop value has one definition
