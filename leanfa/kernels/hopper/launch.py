@@ -162,8 +162,9 @@ def _flag(name: str, default: bool) -> bool:
 #: d192 4K, run 24), LEANFA_HOPPER_V_PERMUTED (dense FP8: the launch copies V with its keys permuted
 #: within groups of 16 so that P needs no layout shuffle, see layouts.key_slot_order; an experiment,
 #: off: kernel +1-2%, run 24, less than the per-call copy costs), LEANFA_HOPPER_CONSUMERS=3 (a third
-#: consumer warpgroup, 192-row tiles; needs LEANFA_HOPPER_BLOCK_N=64 and, for FP8,
-#: LEANFA_HOPPER_PV_IN_MMA=1 to fit 160 registers; an experiment, off), LEANFA_HOPPER_RESCALE_SKIP,
+#: consumer warpgroup, 192-row tiles, 160 registers each: FP8 needs LEANFA_HOPPER_PV_IN_MMA=1 (64- or
+#: 128-key blocks), BF16/FP16 LEANFA_HOPPER_BLOCK_N=64; an experiment, off: 0.95-1.04x v3, runs 30-31),
+#: LEANFA_HOPPER_RESCALE_SKIP,
 #: LEANFA_HOPPER_PRODUCER_REGS.
 KERNELS = {"v1": attn_fwd_kernel, "v2": attn_fwd_ws_kernel, "v3": attn_fwd_pingpong_kernel}
 DEFAULT_VERSION = "v3"
@@ -174,9 +175,9 @@ V3_CONSUMER_REGS_3WG = 160
 
 def _consumer_wgs(version: str) -> int:
     """``LEANFA_HOPPER_CONSUMERS``: consumer warpgroups of v3, 2 (default) or 3 (an experiment: a
-    192-row tile, a third independent QK -> softmax -> PV chain per SM at 160 registers each, so it
-    needs 64-key blocks and, in FP8, PV in the wgmma accumulator; run 28 timed one warpgroup alone
-    at 0.67-0.73x the pair's time: each chain is mostly latency)."""
+    192-row tile, a third independent QK -> softmax -> PV chain per SM at 160 registers each, so FP8
+    needs PV in the wgmma accumulator and BF16/FP16 64-key blocks (:func:`make_plan` checks); run 28
+    timed one warpgroup alone at 0.67-0.73x the pair's time: each chain is mostly latency)."""
     n = int(os.environ.get("LEANFA_HOPPER_CONSUMERS", "2") or 2)
     if n not in (2, 3):
         raise ValueError(f"LEANFA_HOPPER_CONSUMERS must be 2 or 3, got {n}")
@@ -185,7 +186,7 @@ def _consumer_wgs(version: str) -> int:
 
 def _ablation() -> int:
     """``LEANFA_HOPPER_ABLATE`` (e.g. ``exp,max``): parts of the v3 kernel left out to time what they
-    cost (``exp``, ``max``: of the softmax; ``onewg``: consumer warpgroup 1's whole tile), passed to
+    cost (``exp``, ``max``: of the softmax; ``onewg``: every consumer warpgroup but 0), passed to
     the kernel as ``POLY = -bits`` (:data:`.exp2.ABLATE_BITS`). The answers are wrong: a warning says
     so on every plan."""
     names = [n.strip() for n in os.environ.get("LEANFA_HOPPER_ABLATE", "").split(",") if n.strip()]
@@ -254,7 +255,8 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
     dchunk = qk_chunk(Dqk)
     block_n = _block_n(version, is_fp8)
     wgs = _consumer_wgs(version)
-    pv_in_mma = is_fp8 and _flag("LEANFA_HOPPER_PV_IN_MMA", False)
+    pv_flag = _flag("LEANFA_HOPPER_PV_IN_MMA", False)
+    pv_in_mma = is_fp8 and pv_flag
     if wgs == 3 and not (pv_in_mma and block_n <= 128 or not is_fp8 and block_n == 64):
         # (FP8 with PV in the accumulator also compiles at 128-key blocks, with its wgmmas serialized)
         raise ValueError("LEANFA_HOPPER_CONSUMERS=3 needs, at 160 registers per warpgroup, FP8 with "
@@ -321,7 +323,7 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
             raise ValueError("LEANFA_HOPPER_PERSISTENT and LEANFA_HOPPER_PINGPONG cannot be combined yet")
         if wgs != 2 and pingpong:
             raise ValueError("LEANFA_HOPPER_PINGPONG alternates two consumer warpgroups (LEANFA_HOPPER_CONSUMERS=2)")
-        constexprs.update(PINGPONG=pingpong, POLY=poly, PV_IN_MMA=_flag("LEANFA_HOPPER_PV_IN_MMA", False),
+        constexprs.update(PINGPONG=pingpong, POLY=poly, PV_IN_MMA=pv_flag,
                           PERSISTENT=persistent, VARLEN=varlen, CONSUMER_WGS=wgs,
                           CONSUMER_REGS=V3_CONSUMER_REGS if wgs == 2 else V3_CONSUMER_REGS_3WG,
                           num_warps=NUM_WARPS // 2)
