@@ -69,6 +69,7 @@ from .pipeline import (alloc_barriers, invalidate_barriers, load_q, produce_kv, 
 from .schedule import program_tiles, round_tile, sequence_bounds, tile_coords
 from .softmax import finish_rows
 from .softmax_ws import fold_pv, online_softmax_step_halves, online_softmax_step_lazy
+from .trace import record_clock, record_clock_rows, record_smid, trace_row
 
 SCALE_BLOCK = gl.constexpr(128)  # tokens per Q/K scale block (leanfa.scales.SCALE_BLOCK)
 WG_WARPS = gl.constexpr(4)  # warps per consumer warpgroup
@@ -206,19 +207,21 @@ def _issue_pv(p_op, v, acc, alpha_o, TWO_LEVEL: gl.constexpr):
 
 @gluon.jit
 def _consumer_block(s, j, c, c_hi, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, q_smem, k_bufs, v_bufs,
-                    k_bars, v_bars, empty_bars, turn_bars, ring, batch, s_zero,
+                    k_bars, v_bars, empty_bars, turn_bars, ring, batch, s_zero, tr,
                     p_layout: gl.constexpr, o_layout: gl.constexpr, CAUSAL: gl.constexpr, V_KMAJOR: gl.constexpr,
                     P_OFFSET: gl.constexpr, RESCALE_SKIP: gl.constexpr, PINGPONG: gl.constexpr, POLY: gl.constexpr,
                     TWO_LEVEL: gl.constexpr, NEXT: gl.constexpr, W: gl.constexpr):
     """Key block ``j`` (ring position ``ring + j``, wgmma batch ``batch + j + 1``): softmax of its
     scores ``s``, then ``[PV_j, QK_{j+1}]`` (``NEXT``; else PV_j alone) issued together and waited
     for (256-key blocks: PV_j retired before QK_{j+1} is issued), PV folded into O and the K/V slot
-    released. Returns ``(acc, m_i, l_i, S_{j+1})``."""
+    released. Returns ``(acc, m_i, l_i, S_{j+1})``. ``tr``: this warpgroup's trace record (:mod:`.trace`),
+    or ``None``."""
     QK_CHUNKS: gl.constexpr = k_bufs.shape[0] // v_bufs.shape[0]
     STAGES: gl.constexpr = v_bufs.shape[0]
     p_op, m_i, l_i, alpha_o = _softmax_block(s, j, c, c_hi, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full,
                                              v_bufs.dtype, p_layout, o_layout, CAUSAL, P_OFFSET, RESCALE_SKIP, POLY,
                                              V_KMAJOR)
+    record_clock_rows(tr, 1 + j, 0, l_i, offs_m, WG_ROWS)
     v = v_tile(v_bufs, v_bars, ring + j, STAGES, V_KMAJOR)
     _wait_turn(turn_bars, batch + j + 1, W, PINGPONG)
     pv_acc = _issue_pv(p_op, v, acc, alpha_o, TWO_LEVEL)
@@ -227,18 +230,23 @@ def _consumer_block(s, j, c, c_hi, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seq
             # 256-key blocks: S_{j+1} (128 registers) is only written after PV_j retired, so P_j and
             # S_{j+1} are never live together (with both in flight ptxas serialized every wgmma)
             _pass_turn(turn_bars, W, PINGPONG)
+            record_clock(tr, 1 + j, 1, j)
             pv = warpgroup_mma_wait(0, deps=(pv_acc, ))
             s_acc = _issue_qk(q_smem, k_bufs, k_bars, ring + j + 1, s_zero, W, QK_CHUNKS)
             s = warpgroup_mma_wait(0, deps=(s_acc, ))
         else:
             s_acc = _issue_qk(q_smem, k_bufs, k_bars, ring + j + 1, s_zero, W, QK_CHUNKS)
             _pass_turn(turn_bars, W, PINGPONG)
+            record_clock(tr, 1 + j, 1, j)
             pv, s = warpgroup_mma_wait(0, deps=(pv_acc, s_acc))
     else:
         _pass_turn(turn_bars, W, PINGPONG)
+        record_clock(tr, 1 + j, 1, j)
         pv = warpgroup_mma_wait(0, deps=(pv_acc, ))
+    record_clock(tr, 1 + j, 2, j)
     acc = fold_pv(acc, alpha_o, pv, TWO_LEVEL)
     release_slot(empty_bars, (ring + j) % STAGES)  # one release per warpgroup (empty counts 2)
+    record_clock(tr, 1 + j, 3, j)
     return acc, m_i, l_i, s
 
 
@@ -246,7 +254,7 @@ def _consumer_block(s, j, c, c_hi, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seq
 def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars,
                    out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
                    seqlen_q, seqlen_k, qk_scale, sm_scale,
-                   b, h, hkv, q_start, m_start, n_full, n_end, ring, batch,
+                   b, h, hkv, q_start, m_start, n_full, n_end, ring, batch, tr,
                    HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
                    RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, RESCALE_SKIP: gl.constexpr,
                    PINGPONG: gl.constexpr, POLY: gl.constexpr, TWO_LEVEL: gl.constexpr, WGS: gl.constexpr,
@@ -293,6 +301,7 @@ def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars
         s_acc = _issue_qk(q_smem, k_bufs, k_bars, ring, s_zero, W, QK_CHUNKS)
         _pass_turn(turn_bars, W, PINGPONG)
         s = warpgroup_mma_wait(0, deps=(s_acc, ))
+    record_clock(tr, 0, 2, n_end)
     # Blocks [0, n_end - 1) issue the next block's S with their PV; the last one is peeled off, so
     # S has one definition per iteration (with a conditional second QK, ptxas copied all 64 S
     # registers at every block). The K scale is loaded a block ahead, off the softmax's path.
@@ -301,14 +310,14 @@ def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars
         k_sc_next, k_hi_next = _k_scales(k_scale_row, stride_ksblk, j + 1, n_end, seqlen_k, BLOCK_N)
         acc, m_i, l_i, s = _consumer_block(
             s, j, c_q * k_sc, c_q * k_hi, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, q_smem, k_bufs, v_bufs,
-            k_bars, v_bars, empty_bars, turn_bars, ring, batch, s_zero, p_layout, o_layout, CAUSAL, V_KMAJOR,
+            k_bars, v_bars, empty_bars, turn_bars, ring, batch, s_zero, tr, p_layout, o_layout, CAUSAL, V_KMAJOR,
             P_OFFSET, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, True, W)
         k_sc = k_sc_next
         k_hi = k_hi_next
     if n_end > 0:
         acc, m_i, l_i, s = _consumer_block(
             s, n_end - 1, c_q * k_sc, c_q * k_hi, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, q_smem, k_bufs,
-            v_bufs, k_bars, v_bars, empty_bars, turn_bars, ring, batch, s_zero, p_layout, o_layout, CAUSAL,
+            v_bufs, k_bars, v_bars, empty_bars, turn_bars, ring, batch, s_zero, tr, p_layout, o_layout, CAUSAL,
             V_KMAJOR, P_OFFSET, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, False, W)
 
     # Epilogue: O = acc / l * v_scale; LSE.
@@ -324,28 +333,35 @@ def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars
                 lse = lse + gl.convert_layout(corr, gl.SliceLayout(1, s_layout))
         lse_row = lse_ptr + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + q_start
         gl.store(lse_row + offs_m, lse, mask=offs_m < seqlen_q)
+    record_clock(tr, 0, 3, n_end)
 
 
 @gluon.jit
 def _consumer_step(t, ring, batch, qi, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars,
                    out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
                    seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k,
-                   num_bh, num_heads, group_size, num_m_tiles, num_tiles,
+                   num_bh, num_heads, group_size, num_m_tiles, num_tiles, trace,
                    HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
                    RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, RESCALE_SKIP: gl.constexpr,
                    PINGPONG: gl.constexpr, POLY: gl.constexpr, TWO_LEVEL: gl.constexpr, VARLEN: gl.constexpr,
                    WGS: gl.constexpr, W: gl.constexpr):
     """Tile ``t``; ``ring``, ``batch``, ``qi``: key blocks, wgmma batches and Q tiles of the
-    program's earlier tiles (ring position, turn-barrier phase, ``q_bars`` phase). Returns them updated."""
+    program's earlier tiles (ring position, turn-barrier phase, ``q_bars`` phase). Returns them updated.
+    ``trace``: the clock-trace buffer (:mod:`.trace`), or ``None``."""
     b, h, hkv, m_start, tma_b, q_start, k_start, sq, sk, n_full, n_end = _tile(
         t, num_bh, num_heads, group_size, num_m_tiles, num_tiles, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k,
         k_bufs.shape[3], CAUSAL, VARLEN, WGS)
+    tr = trace
+    if trace is not None:
+        tr = trace_row(trace, t, W, WGS)
+    record_smid(tr, t)
+    record_clock(tr, 0, 1, t)
     if n_end > 0:
         mbarrier.wait(q_bars.index(W), qi & 1)
     _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars,
                    out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
                    sq, sk, qk_scale, sm_scale,
-                   b, h, hkv, q_start, m_start, n_full, n_end, ring, batch,
+                   b, h, hkv, q_start, m_start, n_full, n_end, ring, batch, tr,
                    HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY,
                    TWO_LEVEL, WGS, W)
     if n_end > 0:
@@ -355,7 +371,7 @@ def _consumer_step(t, ring, batch, qi, q_smem, k_bufs, v_bufs, q_bars, q_empty, 
 
 
 @gluon.jit
-def _consumer(args, HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
+def _consumer(args, trace, HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
               RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, RESCALE_SKIP: gl.constexpr,
               PINGPONG: gl.constexpr, POLY: gl.constexpr, TWO_LEVEL: gl.constexpr, VARLEN: gl.constexpr,
               PERSISTENT: gl.constexpr, WGS: gl.constexpr, W: gl.constexpr):
@@ -380,7 +396,7 @@ def _consumer(args, HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.cons
                 round_tile(r, first_tile, tile_step), ring, batch, qi, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars,
                 out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
                 seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k,
-                num_bh, num_heads, group_size, num_m_tiles, num_tiles,
+                num_bh, num_heads, group_size, num_m_tiles, num_tiles, trace,
                 HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL,
                 VARLEN, WGS, W)
     else:
@@ -388,7 +404,7 @@ def _consumer(args, HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.cons
             first_tile, 0, 0, 0, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars,
             out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
             seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k,
-            num_bh, num_heads, group_size, num_m_tiles, num_tiles,
+            num_bh, num_heads, group_size, num_m_tiles, num_tiles, trace,
             HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL,
             VARLEN, WGS, W)
 
@@ -411,6 +427,7 @@ def attn_fwd_pingpong_kernel(
     num_bh,  # batch * query heads: tile t is query tile (num_m_tiles - 1 - t // num_bh) of (b, h) = t % num_bh
     cu_seqlens_q, cu_seqlens_k,  # varlen: (batch + 1) int32 token offsets (dense: unused)
     stride_lb, stride_lh,  # LSE strides of batch and head (dense (B, H, Sq); varlen (H, total_q))
+    trace,  # None, or the int32 clock-trace buffer (LEANFA_HOPPER_TRACE, see trace.py)
     HEAD_DQK: gl.constexpr, HEAD_DV: gl.constexpr,
     CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
     RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, VARLEN: gl.constexpr, STAGES: gl.constexpr,
@@ -458,19 +475,19 @@ def attn_fwd_pingpong_kernel(
              first_tile, tile_step, num_tiles)
     if CONSUMER_WGS == 3:
         gl.warp_specialize([
-            (_consumer, (cargs, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY,
+            (_consumer, (cargs, trace, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY,
                          TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, 0)),
-            (_consumer, (cargs, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY,
+            (_consumer, (cargs, trace, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY,
                          TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, 1)),
-            (_consumer, (cargs, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY,
+            (_consumer, (cargs, trace, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY,
                          TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, 2)),
             (_producer, (pargs, CAUSAL, V_KMAJOR, VARLEN, CONSUMER_WGS, CONSUMERS)),
         ], [WG_WARPS, WG_WARPS, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (cargs, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY,
+            (_consumer, (cargs, trace, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY,
                          TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, 0)),
-            (_consumer, (cargs, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY,
+            (_consumer, (cargs, trace, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY,
                          TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, 1)),
             (_producer, (pargs, CAUSAL, V_KMAJOR, VARLEN, CONSUMER_WGS, CONSUMERS)),
         ], [WG_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])

@@ -26,6 +26,7 @@ from .kernel import attn_fwd_kernel
 from .kernel_pingpong import attn_fwd_pingpong_kernel
 from .kernel_ws import attn_fwd_ws_kernel
 from .layouts import PERMUTED_KEYS
+from .trace import TRACE_BLOCKS, TRACE_EVENTS
 
 BLOCK_M = 128
 BLOCK_N = 128
@@ -164,6 +165,8 @@ def _flag(name: str, default: bool) -> bool:
 #: off: kernel +1-2%, run 24, less than the per-call copy costs), LEANFA_HOPPER_CONSUMERS=3 (a third
 #: consumer warpgroup, 192-row tiles, 160 registers each: FP8 needs LEANFA_HOPPER_PV_IN_MMA=1 (64- or
 #: 128-key blocks), BF16/FP16 LEANFA_HOPPER_BLOCK_N=64; an experiment, off: 0.95-1.04x v3, runs 30-31),
+#: LEANFA_HOPPER_TRACE=1 (v3: each consumer warpgroup records SM clocks at the phases of its key loop
+#: into ``Plan.trace``, see trace.py and scripts/hopper_trace.py; off: without it the PTX is unchanged),
 #: LEANFA_HOPPER_RESCALE_SKIP,
 #: LEANFA_HOPPER_PRODUCER_REGS.
 KERNELS = {"v1": attn_fwd_kernel, "v2": attn_fwd_ws_kernel, "v3": attn_fwd_pingpong_kernel}
@@ -206,6 +209,7 @@ class Plan:
     constexprs: dict
     grid: tuple
     version: str = "v1"
+    trace: torch.Tensor | None = None  # the clock-trace buffer the launch fills (LEANFA_HOPPER_TRACE=1, v3)
 
     @property
     def kernel(self):
@@ -292,6 +296,7 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
         Sq, Sk, Hq, Hq // Hkv, num_m_tiles,
         float(softmax_scale * LOG2E), float(softmax_scale),
     )
+    trace = None
     if version == "v3":
         args += (B * Hq, )
         if varlen:  # lse (Hq, total_q)
@@ -299,6 +304,8 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
             args += (cu_seqlens_q, cu_seqlens_k, *lse_strides)
         else:  # lse (B, Hq, Sq); the cu_seqlens pointers are unused
             args += (v_scale, v_scale, Hq * Sq, Sq)
+        trace = trace_buffer(B * Hq * num_m_tiles, wgs, q.device) if _flag("LEANFA_HOPPER_TRACE", False) else None
+        args += (trace, )
     constexprs = dict(
         HEAD_DQK=Dqk, HEAD_DV=Dv, CAUSAL=bool(causal), IS_FP8=is_fp8, V_KMAJOR=kmajor,
         RETURN_LSE=bool(return_lse), HAS_KMEAN=has_kmean,
@@ -331,7 +338,13 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
         grid = (min(B * Hq * num_m_tiles, _num_sms(q.device)), )
     else:
         grid = (B * Hq, num_m_tiles)
-    return Plan(args, constexprs, grid, version)
+    return Plan(args, constexprs, grid, version, trace)
+
+
+def trace_buffer(tiles: int, wgs: int, device) -> torch.Tensor:
+    """The int32 clock-trace buffer of ``LEANFA_HOPPER_TRACE=1`` (:mod:`.trace`): one record per tile and
+    consumer warpgroup, poisoned with -1 (a block or tile never written reads as -1)."""
+    return torch.full((tiles, wgs, 1 + TRACE_BLOCKS.value, TRACE_EVENTS.value), -1, dtype=torch.int32, device=device)
 
 
 def _num_sms(device: torch.device) -> int:

@@ -1,0 +1,113 @@
+#!/usr/bin/env python
+"""Where a v3 consumer warpgroup's key-block chain spends its SM cycles (GPU; LEANFA_HOPPER_TRACE).
+
+    python scripts/hopper_trace.py [--out DIR] [--cases fp8-d128-16k,bf16-d128-16k,...]
+
+For each case (causal, B·S = 16K, 16 heads): the kernel alone without and with the trace (median ms,
+SM clock: what the trace costs), then one traced launch read by :mod:`leanfa.bench.chain_trace` --
+median cycles per phase of the interior key blocks, how the two warpgroups' phases coincide, and
+the per-tile costs -- and a timeline PNG of one mid-sequence tile. ``--out`` keeps the summaries
+(JSON), the PNGs and the first 64 tiles' raw trace (``.npy``) per case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, HERE)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import hopper_gpu_check as H  # noqa: E402
+from leanfa.bench import chain_trace  # noqa: E402
+
+#: name -> (dtype, S, dqk, dv, extra env); every case is causal with B·S = 16K, 16 heads
+CASES = {
+    "fp8-d128-16k": ("fp8", 16384, 128, 128, {}),
+    "bf16-d128-16k": ("bf16", 16384, 128, 128, {}),
+    "fp8-d192-16k": ("fp8", 16384, 192, 128, {}),
+    "fp8-d128-4k": ("fp8", 4096, 128, 128, {}),
+    "fp8-d128-16k-onewg": ("fp8", 16384, 128, 128, {"LEANFA_HOPPER_ABLATE": "onewg"}),
+    "fp8-d128-16k-nosoftmax": ("fp8", 16384, 128, 128, {"LEANFA_HOPPER_ABLATE": "exp,max"}),
+    "fp8-d128-16k-pingpong": ("fp8", 16384, 128, 128, {"LEANFA_HOPPER_PINGPONG": "1"}),
+}
+
+
+def plan_for(q, k, v, scale, kw, env):
+    """A v3 plan built with ``env`` set (the trace buffer, if asked for, is ``plan.trace``)."""
+    from leanfa.api import _build_problem
+    from leanfa.kernels import hopper
+    old = {n: os.environ.get(n) for n in env}
+    os.environ.update(env)
+    try:
+        problem = _build_problem(q, k, v, varlen=False, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                                 max_seqlen_k=None, softmax_scale=scale, causal=True, return_lse=False,
+                                 out_dtype=None, **{n: kw.get(n) for n in ("q_descale", "k_descale", "v_descale")})
+        ok, why = hopper.supports(problem)
+        if not ok:
+            raise RuntimeError(why)
+        return hopper.plan(problem)[0]
+    finally:
+        for n, x in old.items():
+            if x is None:
+                os.environ.pop(n, None)
+            else:
+                os.environ[n] = x
+
+
+def run_case(name, out_dir):
+    from leanfa.kernels.hopper.launch import launch
+    dtype, S, dqk, dv, env = CASES[name]
+    B, Hh = 16384 // S, 16
+    q, k, v = H.make_qkv(B, S, S, Hh, Hh, dqk, dv)
+    scale = dqk ** -0.5
+    kw = {}
+    if dtype == "fp8":
+        (q, k, v), kw = H.quantize(q, k, v)
+    env = {"LEANFA_HOPPER_KERNEL": "v3", **env}
+    plain = plan_for(q, k, v, scale, kw, env)
+    traced = plan_for(q, k, v, scale, kw, {**env, "LEANFA_HOPPER_TRACE": "1"})
+    ms, clk = H.bench(lambda: launch(plain))
+    ms_t, clk_t = H.bench(lambda: launch(traced))
+    traced.trace.fill_(-1)
+    launch(traced)
+    torch.cuda.synchronize()
+    tr = traced.trace.cpu().numpy()
+    s = chain_trace.summarize(tr)
+    s.update(case=name, ms=ms, sm_clock=clk, ms_traced=ms_t, sm_clock_traced=clk_t, env=env)
+    print(f"\n{name} ({dtype} B{B} S{S} H{Hh} d{dqk}/{dv} causal, {env}): kernel {ms:.3f} ms at {clk}; "
+          f"traced {ms_t:.3f} ms at {clk_t} ({ms_t / ms - 1:+.1%})", flush=True)
+    print(chain_trace.format_summary(s), flush=True)
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+            json.dump(s, f, indent=1)
+        np.save(os.path.join(out_dir, f"{name}.npy"), tr[:64])
+        # a tile from the middle of the launch order (a long causal tile: many interior blocks)
+        tile = tr.shape[0] // 4
+        chain_trace.plot_timeline(tr, tile, os.path.join(out_dir, f"{name}-timeline.png"), (8, 16))
+    return s
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="")
+    ap.add_argument("--cases", default=",".join(CASES))
+    args = ap.parse_args()
+    print(f"device {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    for name in args.cases.split(","):
+        try:
+            run_case(name, args.out)
+        except Exception as e:  # noqa: BLE001 (one case failing must not hide the others)
+            print(f"\n{name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
