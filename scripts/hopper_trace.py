@@ -36,6 +36,10 @@ CASES = {
     "fp8-d128-16k-onewg": ("fp8", 16384, 128, 128, {"LEANFA_HOPPER_ABLATE": "onewg"}),
     "fp8-d128-16k-nosoftmax": ("fp8", 16384, 128, 128, {"LEANFA_HOPPER_ABLATE": "exp,max"}),
     "fp8-d128-16k-pingpong": ("fp8", 16384, 128, 128, {"LEANFA_HOPPER_PINGPONG": "1"}),
+    "fp8-d128-16k-tree": ("fp8", 16384, 128, 128, {"LEANFA_HOPPER_ROW_TREE": "1"}),
+    "bf16-d128-16k-tree": ("bf16", 16384, 128, 128, {"LEANFA_HOPPER_ROW_TREE": "1"}),
+    "fp8-d192-16k-tree": ("fp8", 16384, 192, 128, {"LEANFA_HOPPER_ROW_TREE": "1"}),
+    "fp8-d128-16k-onewg-tree": ("fp8", 16384, 128, 128, {"LEANFA_HOPPER_ABLATE": "onewg", "LEANFA_HOPPER_ROW_TREE": "1"}),
 }
 
 
@@ -48,7 +52,7 @@ def plan_for(q, k, v, scale, kw, env):
     try:
         problem = _build_problem(q, k, v, varlen=False, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
                                  max_seqlen_k=None, softmax_scale=scale, causal=True, return_lse=False,
-                                 out_dtype=None, **{n: kw.get(n) for n in ("q_descale", "k_descale", "v_descale")})
+                                 out_dtype=None, **{n: kw.get(n) for n in ("q_descale", "k_descale", "v_descale", "k_mean")})
         ok, why = hopper.supports(problem)
         if not ok:
             raise RuntimeError(why)

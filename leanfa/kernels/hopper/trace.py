@@ -57,9 +57,8 @@ def trace_row(trace, t, W: gl.constexpr, WGS: gl.constexpr):
 def record(row, slot, event: gl.constexpr, value):
     """Store ``value`` as ``event`` of record row ``slot`` (0: the tile; ``1 + j``: key block ``j``,
     the first ``TRACE_BLOCKS`` only)."""
-    if row is not None:
-        if slot <= TRACE_BLOCKS:
-            gl.store(row + slot * TRACE_EVENTS + event, value)
+    if row is not None:  # (a mask, not a branch: a branch splits the block ptxas schedules)
+        gl.store(row + slot * TRACE_EVENTS + event, value, mask=slot <= TRACE_BLOCKS)
 
 
 @gluon.jit
@@ -75,5 +74,5 @@ def record_clock_rows(row, slot, event: gl.constexpr, after, offs_m, ROWS: gl.co
     as the thread holding the warpgroup's first row (a multiple of ``ROWS``) read it: one store (a
     reduction to a scalar would cost a barrier)."""
     if row is not None:
-        if slot <= TRACE_BLOCKS:
-            gl.store(row + slot * TRACE_EVENTS + event + offs_m * 0, clock_after(after), mask=offs_m % ROWS == 0)
+        gl.store(row + slot * TRACE_EVENTS + event + offs_m * 0, clock_after(after),
+                 mask=(offs_m % ROWS == 0) & (slot <= TRACE_BLOCKS))
