@@ -148,13 +148,13 @@ run_steps() {
                 --name bench-standard-full --out "$OUT/r/sweep" ;;
       pytest:*) step pytest_subset 300 12 python3 -m pytest -q -p no:cacheprovider -rfEs -n "$WORKERS" \
                 $(echo "${s#pytest:}" | tr ',' ' ') ;;
-      tree_time) step tree_time 300 60 python3 scripts/hopper_v2_gpu.py --check "" \
-                --time v3,v3-tree,v3-tree-pp ;;  # the row max and sum as trees
-      tree_check) step tree_check 420 40 python3 scripts/hopper_v2_gpu.py --check v3-tree --check-timeout 300 \
-                --no-bench --sanitize ;;
-      pytest_tree) step pytest_tree 300 12 env LEANFA_HOPPER_ROW_TREE=1 python3 -m pytest -q -p no:cacheprovider -rfEs \
-                -n "$WORKERS" tests/test_hopper.py tests/test_edge_cases.py tests/test_hopper_trace.py ;;
-      trace) step trace 420 120 python3 scripts/hopper_trace.py --out "$OUT/r/trace" ;;  # cycles per phase of the key loop
+      stagger_time) step stagger_time 300 60 python3 scripts/hopper_v2_gpu.py --check "" \
+                --time v3,v3-stagger1,v3-stagger2 ;;  # warpgroup 1 started half a period late
+      stagger_check) step stagger_check 420 40 python3 scripts/hopper_v2_gpu.py --check v3-stagger1 \
+                --check-timeout 300 --no-bench --sanitize ;;
+      trace) step trace 420 120 python3 scripts/hopper_trace.py --out "$OUT/r/trace" ;;
+      trace_stagger) step trace_stagger 300 80 python3 scripts/hopper_trace.py --out "$OUT/r/trace_stagger" \
+                --cases fp8-d128-16k,fp8-d128-16k-stagger1,fp8-d128-16k-stagger2,fp8-d192-16k-stagger1,bf16-d128-16k-stagger1 ;;  # cycles per phase of the key loop
       py:*) f=${s#py:}; step "$(basename "$f" .py)" 150 30 python3 "$f" ;;  # a one-off script
       models) step models 330 24 python3 -m leanfa.cli bench --no-progress --sweep models,varlen --out "$OUT/r/models" ;;
     esac

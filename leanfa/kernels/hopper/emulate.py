@@ -689,7 +689,7 @@ class _Strip(ast.NodeTransformer):
 
 _SHADOWS = {}
 #: constexpr functions that decide control flow (the others build layouts and become ``None``)
-_CONTROL_CONSTEXPR_FUNCTIONS = {"ablates", "_levels"}
+_CONTROL_CONSTEXPR_FUNCTIONS = {"ablates"}
 
 
 def reset_shadows():

@@ -22,7 +22,6 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from .exp2 import ABLATE_MAX, ablates, exp2_mixed
-from .rows import row_max, row_sum
 
 
 @gluon.jit
@@ -40,19 +39,18 @@ def _new_row_max(m_i, m_blk, TAU: gl.constexpr, RESCALE_SKIP: gl.constexpr):
 
 @gluon.jit
 def online_softmax_step_lazy(s, c, m_i, l_i, P_OFFSET: gl.constexpr, RESCALE_SKIP: gl.constexpr,
-                             POLY: gl.constexpr = 0, ROW_TREE: gl.constexpr = False):
+                             POLY: gl.constexpr = 0):
     """One key block: ``(p, m_new, l_new, alpha)``; the caller rescales the accumulator by alpha.
-    ``POLY`` of every 8 exponentials run on the FMA pipe (:func:`.exp2.exp2_mixed`); ``ROW_TREE``:
-    the row max and sum as pairwise trees (:mod:`.rows`)."""
+    ``POLY`` of every 8 exponentials run on the FMA pipe (:func:`.exp2.exp2_mixed`)."""
     TAU: gl.constexpr = 0.8 if P_OFFSET > 0.0 else 8.0
     if ablates(POLY, ABLATE_MAX):  # timing ablation (exp2.ABLATE_MAX): wrong results
         m_blk = m_i
     else:
-        m_blk = row_max(s, ROW_TREE) * c
+        m_blk = gl.max(s, axis=1) * c
     m_new, m_sub, alpha = _new_row_max(m_i, m_blk, TAU, RESCALE_SKIP)
     neg_m = P_OFFSET - m_sub
     p = exp2_mixed(gl.fma(s, c, neg_m[:, None]), POLY)
-    l_new = l_i * alpha + row_sum(p, ROW_TREE)
+    l_new = l_i * alpha + gl.sum(p, axis=1)
     return p, m_new, l_new, alpha
 
 
