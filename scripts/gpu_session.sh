@@ -133,6 +133,8 @@ run_steps() {
       accuracy) step accuracy 150 40 python3 -m leanfa.cli accuracy --out "$OUT/r/accuracy" ;;
       profile) step profile 150 30 python3 -m leanfa.cli profile --out "$OUT/r/profile" \
                 --impl leanfa-hopper-fp8-kernel,leanfa-portable-fp8-kernel,cudnn-fp8 ;;
+      profile_hopper) step profile_hopper 200 30 python3 -m leanfa.cli profile --out "$OUT/r/profile_hopper" \
+                --impl leanfa-hopper-fp8-kernel,leanfa-hopper-bf16,cudnn-fp8,cudnn-bf16 ;;  # ncu: the Hopper kernels vs cuDNN
       fuzz_long) step fuzz_long 470 14 python3 scripts/gpu_fuzz_campaign.py --seconds 430 --seed 2 --workers "$WORKERS" ;;
       bench_host) step bench_host 300 14 python3 -m leanfa.cli bench --quick --no-progress --sweep standard \
                 --seqlens 512,4k,16k --causal true --impl 'leanfa-*,cudnn-bf16,cudnn-fp8,cudnn-fp8-e2e' \
@@ -148,13 +150,7 @@ run_steps() {
                 --name bench-standard-full --out "$OUT/r/sweep" ;;
       pytest:*) step pytest_subset 300 12 python3 -m pytest -q -p no:cacheprovider -rfEs -n "$WORKERS" \
                 $(echo "${s#pytest:}" | tr ',' ' ') ;;
-      stagger_time) step stagger_time 300 60 python3 scripts/hopper_v2_gpu.py --check "" \
-                --time v3,v3-stagger1,v3-stagger2 ;;  # warpgroup 1 started half a period late
-      stagger_check) step stagger_check 420 40 python3 scripts/hopper_v2_gpu.py --check v3-stagger1 \
-                --check-timeout 300 --no-bench --sanitize ;;
-      trace) step trace 420 120 python3 scripts/hopper_trace.py --out "$OUT/r/trace" ;;
-      trace_stagger) step trace_stagger 300 80 python3 scripts/hopper_trace.py --out "$OUT/r/trace_stagger" \
-                --cases fp8-d128-16k,fp8-d128-16k-stagger1,fp8-d128-16k-stagger2,fp8-d192-16k-stagger1,bf16-d128-16k-stagger1 ;;  # cycles per phase of the key loop
+      trace) step trace 420 120 python3 scripts/hopper_trace.py --out "$OUT/r/trace" ;;  # cycles per phase of the key loop
       py:*) f=${s#py:}; step "$(basename "$f" .py)" 150 30 python3 "$f" ;;  # a one-off script
       models) step models 330 24 python3 -m leanfa.cli bench --no-progress --sweep models,varlen --out "$OUT/r/models" ;;
     esac

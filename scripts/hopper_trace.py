@@ -36,10 +36,6 @@ CASES = {
     "fp8-d128-16k-onewg": ("fp8", 16384, 128, 128, {"LEANFA_HOPPER_ABLATE": "onewg"}),
     "fp8-d128-16k-nosoftmax": ("fp8", 16384, 128, 128, {"LEANFA_HOPPER_ABLATE": "exp,max"}),
     "fp8-d128-16k-pingpong": ("fp8", 16384, 128, 128, {"LEANFA_HOPPER_PINGPONG": "1"}),
-    "fp8-d128-16k-stagger1": ("fp8", 16384, 128, 128, {"LEANFA_HOPPER_STAGGER": "1"}),
-    "fp8-d128-16k-stagger2": ("fp8", 16384, 128, 128, {"LEANFA_HOPPER_STAGGER": "2"}),
-    "fp8-d192-16k-stagger1": ("fp8", 16384, 192, 128, {"LEANFA_HOPPER_STAGGER": "1"}),
-    "bf16-d128-16k-stagger1": ("bf16", 16384, 128, 128, {"LEANFA_HOPPER_STAGGER": "1"}),
 }
 
 
@@ -102,7 +98,7 @@ def run_case(name, out_dir):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="")
-    ap.add_argument("--cases", default=",".join(c for c in CASES if "stagger" not in c))
+    ap.add_argument("--cases", default=",".join(CASES))
     args = ap.parse_args()
     print(f"device {torch.cuda.get_device_name()}  torch {torch.__version__}")
     for name in args.cases.split(","):

@@ -60,15 +60,12 @@ CONFIGS = {  # name -> env
               "LEANFA_HOPPER_PV_IN_MMA": "1"},
     # FP8: three warpgroups at 128-key blocks (ptxas serializes the wgmmas at 160 registers, C7512)
     "v3-c3-bn128": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_CONSUMERS": "3", "LEANFA_HOPPER_PV_IN_MMA": "1"},
-    # warpgroup 1 starts after warpgroup 0's first softmax (1) or first wgmmas (2): out of lockstep
-    "v3-stagger1": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_STAGGER": "1"},
-    "v3-stagger2": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_STAGGER": "2"},
     "v3-bn64": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_BLOCK_N": "64"},
     "v3-bn64-pvmma": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_BLOCK_N": "64", "LEANFA_HOPPER_PV_IN_MMA": "1"},
 }
 KNOBS = ("LEANFA_HOPPER_KERNEL", "LEANFA_HOPPER_PIPE", "LEANFA_HOPPER_RESCALE_SKIP", "LEANFA_HOPPER_PINGPONG",
          "LEANFA_HOPPER_POLY", "LEANFA_HOPPER_PV_IN_MMA", "LEANFA_HOPPER_PERSISTENT", "LEANFA_HOPPER_V_PERMUTED",
-         "LEANFA_HOPPER_BLOCK_N", "LEANFA_HOPPER_ABLATE", "LEANFA_HOPPER_CONSUMERS", "LEANFA_HOPPER_STAGGER")
+         "LEANFA_HOPPER_BLOCK_N", "LEANFA_HOPPER_ABLATE", "LEANFA_HOPPER_CONSUMERS")
 
 
 def _set_env(cfg):

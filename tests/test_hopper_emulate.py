@@ -332,7 +332,7 @@ V2_SHAPES = [(1, 1, 1, 2, 2), (1, 129, 700, 2, 1), (1, 700, 300, 2, 2), (1, 1, 1
 
 @pytest.mark.parametrize("version,knob", [("v2", "LEANFA_HOPPER_PIPE"), ("v3", "LEANFA_HOPPER_PINGPONG"),
                                           ("v3", "LEANFA_HOPPER_PV_IN_MMA"), ("v3", "LEANFA_HOPPER_PERSISTENT"),
-                                          ("v3", "LEANFA_HOPPER_V_PERMUTED"), ("v3", "LEANFA_HOPPER_STAGGER")])
+                                          ("v3", "LEANFA_HOPPER_V_PERMUTED")])
 @pytest.mark.parametrize("order", ["consumer-first", "producer-first"])
 @pytest.mark.parametrize("flag", ["1", "0"])
 @pytest.mark.parametrize("fp8", [False, True])
@@ -341,8 +341,8 @@ def test_warp_specialized_matches_v1(shape, fp8, flag, order, version, knob, mon
     """v2 (producer warp + one consumer partition; ``flag``: QK^T of block j+1 issued before the
     softmax of block j) and v3 (producer warp + two consumer partitions; ``flag``: turn barriers,
     FP8 PV accumulated in the wgmma accumulator, persistent programs that run several tiles
-    each, FP8 V with its keys permuted so that P needs no shuffle, or warpgroup 1 started after
-    warpgroup 0's first softmax) give v1's numbers, whichever partition runs first."""
+    each, or FP8 V with its keys permuted so that P needs no shuffle) give v1's numbers, whichever
+    partition runs first."""
     for name in knob.split(","):
         monkeypatch.setenv(name, flag)
     q, k, v = _inputs(*shape, 128, 128)
@@ -531,12 +531,9 @@ from leanfa.kernels.hopper import kernel_pingpong as KP  # noqa: E402
      "LEANFA_HOPPER_PERSISTENT"),
     # S_0 read by the softmax while its wgmma may still be writing it (no wait)
     (KP, "_consumer_tile", "s = warpgroup_mma_wait(0, deps=(s_acc, ))", "s = s_acc", ""),
-    # stagger: warpgroup 1 waits for a phase warpgroup 0 never completes (a hang)
-    (KP, "_consumer_tile", "mbarrier.wait(turn_bars.index(0), 0)", "mbarrier.wait(turn_bars.index(0), 1)",
-     "LEANFA_HOPPER_STAGGER"),
 ])
 def test_v3_mutations_caught(mod, fn, old, new, knobs, monkeypatch):
-    for name in ("LEANFA_HOPPER_PINGPONG", "LEANFA_HOPPER_PERSISTENT", "LEANFA_HOPPER_STAGGER"):
+    for name in ("LEANFA_HOPPER_PINGPONG", "LEANFA_HOPPER_PERSISTENT"):
         monkeypatch.setenv(name, "1" if name in knobs else "0")
     reset_shadows()
     try:

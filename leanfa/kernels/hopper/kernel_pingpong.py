@@ -147,16 +147,6 @@ def _pass_turn(turn_bars, W: gl.constexpr, PINGPONG: gl.constexpr):
 
 
 @gluon.jit
-def _release_stagger(turn_bars, j, W: gl.constexpr):
-    """``STAGGER`` (one tile per program): warpgroup 0, done with block 0's softmax (1) or its wgmmas
-    (2), lets warpgroup 1 start its key loop. FP8's two warpgroups otherwise run in lockstep (the
-    clock trace, run 34): both compute their softmax at once and both wait for their wgmmas at once."""
-    if W == 0:
-        if j == 0:
-            mbarrier.arrive(turn_bars.index(0), count=1)
-
-
-@gluon.jit
 def _issue_qk(q_smem, k_bufs, k_bars, j, s_zero, W: gl.constexpr, QK_CHUNKS: gl.constexpr):
     """Wait for key block ``j`` and issue S = Q_W K_j^T (async)."""
     STAGES: gl.constexpr = k_bufs.shape[0] // QK_CHUNKS
@@ -219,7 +209,7 @@ def _issue_pv(p_op, v, acc, alpha_o, TWO_LEVEL: gl.constexpr):
 def _consumer_block(s, j, c, c_hi, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, q_smem, k_bufs, v_bufs,
                     k_bars, v_bars, empty_bars, turn_bars, ring, batch, s_zero, tr,
                     p_layout: gl.constexpr, o_layout: gl.constexpr, CAUSAL: gl.constexpr, V_KMAJOR: gl.constexpr,
-                    P_OFFSET: gl.constexpr, RESCALE_SKIP: gl.constexpr, PINGPONG: gl.constexpr, POLY: gl.constexpr, STAGGER: gl.constexpr,
+                    P_OFFSET: gl.constexpr, RESCALE_SKIP: gl.constexpr, PINGPONG: gl.constexpr, POLY: gl.constexpr,
                     TWO_LEVEL: gl.constexpr, NEXT: gl.constexpr, W: gl.constexpr):
     """Key block ``j`` (ring position ``ring + j``, wgmma batch ``batch + j + 1``): softmax of its
     scores ``s``, then ``[PV_j, QK_{j+1}]`` (``NEXT``; else PV_j alone) issued together and waited
@@ -232,8 +222,6 @@ def _consumer_block(s, j, c, c_hi, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seq
                                              v_bufs.dtype, p_layout, o_layout, CAUSAL, P_OFFSET, RESCALE_SKIP, POLY,
                                              V_KMAJOR)
     record_clock_rows(tr, 1 + j, 0, l_i, offs_m, WG_ROWS)
-    if STAGGER == 1:
-        _release_stagger(turn_bars, j, W)
     v = v_tile(v_bufs, v_bars, ring + j, STAGES, V_KMAJOR)
     _wait_turn(turn_bars, batch + j + 1, W, PINGPONG)
     pv_acc = _issue_pv(p_op, v, acc, alpha_o, TWO_LEVEL)
@@ -255,8 +243,6 @@ def _consumer_block(s, j, c, c_hi, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seq
         _pass_turn(turn_bars, W, PINGPONG)
         record_clock(tr, 1 + j, 1, j)
         pv = warpgroup_mma_wait(0, deps=(pv_acc, ))
-    if STAGGER == 2:
-        _release_stagger(turn_bars, j, W)
     record_clock(tr, 1 + j, 2, j)
     acc = fold_pv(acc, alpha_o, pv, TWO_LEVEL)
     release_slot(empty_bars, (ring + j) % STAGES)  # one release per warpgroup (empty counts 2)
@@ -271,7 +257,7 @@ def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars
                    b, h, hkv, q_start, m_start, n_full, n_end, ring, batch, tr,
                    HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
                    RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, RESCALE_SKIP: gl.constexpr,
-                   PINGPONG: gl.constexpr, POLY: gl.constexpr, STAGGER: gl.constexpr, TWO_LEVEL: gl.constexpr, WGS: gl.constexpr,
+                   PINGPONG: gl.constexpr, POLY: gl.constexpr, TWO_LEVEL: gl.constexpr, WGS: gl.constexpr,
                    W: gl.constexpr):
     """Warpgroup ``W`` (of ``WGS``) on one tile: rows ``[m_start + 64 W, + 64)`` of sequence ``b`` against its key
     blocks ``[0, n_end)``, which sit at ring positions ``ring + j``; its wgmma batches are numbered
@@ -320,23 +306,19 @@ def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars
     # S has one definition per iteration (with a conditional second QK, ptxas copied all 64 S
     # registers at every block). The K scale is loaded a block ahead, off the softmax's path.
     k_sc, k_hi = _k_scales(k_scale_row, stride_ksblk, 0, n_end, seqlen_k, BLOCK_N)
-    if STAGGER > 0:
-        if W == 1:
-            if n_end > 0:
-                mbarrier.wait(turn_bars.index(0), 0)  # half a period behind warpgroup 0 (see _release_stagger)
     for j in range(n_end - 1):
         k_sc_next, k_hi_next = _k_scales(k_scale_row, stride_ksblk, j + 1, n_end, seqlen_k, BLOCK_N)
         acc, m_i, l_i, s = _consumer_block(
             s, j, c_q * k_sc, c_q * k_hi, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, q_smem, k_bufs, v_bufs,
             k_bars, v_bars, empty_bars, turn_bars, ring, batch, s_zero, tr, p_layout, o_layout, CAUSAL, V_KMAJOR,
-            P_OFFSET, RESCALE_SKIP, PINGPONG, POLY, STAGGER, TWO_LEVEL, True, W)
+            P_OFFSET, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, True, W)
         k_sc = k_sc_next
         k_hi = k_hi_next
     if n_end > 0:
         acc, m_i, l_i, s = _consumer_block(
             s, n_end - 1, c_q * k_sc, c_q * k_hi, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, q_smem, k_bufs,
             v_bufs, k_bars, v_bars, empty_bars, turn_bars, ring, batch, s_zero, tr, p_layout, o_layout, CAUSAL,
-            V_KMAJOR, P_OFFSET, RESCALE_SKIP, PINGPONG, POLY, STAGGER, TWO_LEVEL, False, W)
+            V_KMAJOR, P_OFFSET, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, False, W)
 
     # Epilogue: O = acc / l * v_scale; LSE.
     inv_l, lse = finish_rows(m_i, l_i, P_OFFSET)
@@ -361,7 +343,7 @@ def _consumer_step(t, ring, batch, qi, q_smem, k_bufs, v_bufs, q_bars, q_empty, 
                    num_bh, num_heads, group_size, num_m_tiles, num_tiles, trace,
                    HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
                    RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, RESCALE_SKIP: gl.constexpr,
-                   PINGPONG: gl.constexpr, POLY: gl.constexpr, STAGGER: gl.constexpr, TWO_LEVEL: gl.constexpr, VARLEN: gl.constexpr,
+                   PINGPONG: gl.constexpr, POLY: gl.constexpr, TWO_LEVEL: gl.constexpr, VARLEN: gl.constexpr,
                    WGS: gl.constexpr, W: gl.constexpr):
     """Tile ``t``; ``ring``, ``batch``, ``qi``: key blocks, wgmma batches and Q tiles of the
     program's earlier tiles (ring position, turn-barrier phase, ``q_bars`` phase). Returns them updated.
@@ -380,7 +362,7 @@ def _consumer_step(t, ring, batch, qi, q_smem, k_bufs, v_bufs, q_bars, q_empty, 
                    out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
                    sq, sk, qk_scale, sm_scale,
                    b, h, hkv, q_start, m_start, n_full, n_end, ring, batch, tr,
-                   HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, STAGGER,
+                   HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY,
                    TWO_LEVEL, WGS, W)
     if n_end > 0:
         release_slot(q_empty, 0)  # this warpgroup's QK wgmmas and K-mean term are done with its Q half
@@ -391,7 +373,7 @@ def _consumer_step(t, ring, batch, qi, q_smem, k_bufs, v_bufs, q_bars, q_empty, 
 @gluon.jit
 def _consumer(args, trace, HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
               RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, RESCALE_SKIP: gl.constexpr,
-              PINGPONG: gl.constexpr, POLY: gl.constexpr, STAGGER: gl.constexpr, TWO_LEVEL: gl.constexpr, VARLEN: gl.constexpr,
+              PINGPONG: gl.constexpr, POLY: gl.constexpr, TWO_LEVEL: gl.constexpr, VARLEN: gl.constexpr,
               PERSISTENT: gl.constexpr, WGS: gl.constexpr, W: gl.constexpr):
     """Warpgroup ``W`` over this program's tiles; after each it hands its Q box back (``q_empty``
     counts every consumer warpgroup), so the producer can load the next tile's. Tiles with no key block to
@@ -415,7 +397,7 @@ def _consumer(args, trace, HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: 
                 out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
                 seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k,
                 num_bh, num_heads, group_size, num_m_tiles, num_tiles, trace,
-                HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, STAGGER, TWO_LEVEL,
+                HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL,
                 VARLEN, WGS, W)
     else:
         _consumer_step(
@@ -423,7 +405,7 @@ def _consumer(args, trace, HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: 
             out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
             seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k,
             num_bh, num_heads, group_size, num_m_tiles, num_tiles, trace,
-            HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, STAGGER, TWO_LEVEL,
+            HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL,
             VARLEN, WGS, W)
 
 
@@ -449,7 +431,7 @@ def attn_fwd_pingpong_kernel(
     HEAD_DQK: gl.constexpr, HEAD_DV: gl.constexpr,
     CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
     RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, VARLEN: gl.constexpr, STAGES: gl.constexpr,
-    RESCALE_SKIP: gl.constexpr, PINGPONG: gl.constexpr, POLY: gl.constexpr, STAGGER: gl.constexpr, PV_IN_MMA: gl.constexpr,
+    RESCALE_SKIP: gl.constexpr, PINGPONG: gl.constexpr, POLY: gl.constexpr, PV_IN_MMA: gl.constexpr,
     PERSISTENT: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     CONSUMER_WGS: gl.constexpr,  # consumer warpgroups (64 query rows each): 2, or 3 (experiment)
     num_warps: gl.constexpr,
@@ -493,19 +475,19 @@ def attn_fwd_pingpong_kernel(
              first_tile, tile_step, num_tiles)
     if CONSUMER_WGS == 3:
         gl.warp_specialize([
-            (_consumer, (cargs, trace, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, STAGGER,
+            (_consumer, (cargs, trace, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY,
                          TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, 0)),
-            (_consumer, (cargs, trace, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, STAGGER,
+            (_consumer, (cargs, trace, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY,
                          TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, 1)),
-            (_consumer, (cargs, trace, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, STAGGER,
+            (_consumer, (cargs, trace, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY,
                          TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, 2)),
             (_producer, (pargs, CAUSAL, V_KMAJOR, VARLEN, CONSUMER_WGS, CONSUMERS)),
         ], [WG_WARPS, WG_WARPS, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (cargs, trace, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, STAGGER,
+            (_consumer, (cargs, trace, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY,
                          TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, 0)),
-            (_consumer, (cargs, trace, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, STAGGER,
+            (_consumer, (cargs, trace, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY,
                          TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, 1)),
             (_producer, (pargs, CAUSAL, V_KMAJOR, VARLEN, CONSUMER_WGS, CONSUMERS)),
         ], [WG_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])

@@ -165,8 +165,6 @@ def _flag(name: str, default: bool) -> bool:
 #: off: kernel +1-2%, run 24, less than the per-call copy costs), LEANFA_HOPPER_CONSUMERS=3 (a third
 #: consumer warpgroup, 192-row tiles, 160 registers each: FP8 needs LEANFA_HOPPER_PV_IN_MMA=1 (64- or
 #: 128-key blocks), BF16/FP16 LEANFA_HOPPER_BLOCK_N=64; an experiment, off: 0.95-1.04x v3, runs 30-31),
-#: LEANFA_HOPPER_STAGGER=1|2 (v3: consumer warpgroup 1 starts its key loop only after warpgroup 0's
-#: first softmax (1) or first wgmmas (2), so that the two do not run in lockstep; an experiment, off),
 #: LEANFA_HOPPER_TRACE=1 (v3: each consumer warpgroup records SM clocks at the phases of its key loop
 #: into ``Plan.trace``, see trace.py and scripts/hopper_trace.py; off: without it the PTX is unchanged),
 #: LEANFA_HOPPER_RESCALE_SKIP,
@@ -330,15 +328,9 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
         persistent = _flag("LEANFA_HOPPER_PERSISTENT", False)
         if persistent and pingpong:
             raise ValueError("LEANFA_HOPPER_PERSISTENT and LEANFA_HOPPER_PINGPONG cannot be combined yet")
-        stagger = int(os.environ.get("LEANFA_HOPPER_STAGGER", "0") or 0)
-        if stagger not in (0, 1, 2):
-            raise ValueError(f"LEANFA_HOPPER_STAGGER must be 0, 1 or 2, got {stagger}")
-        if stagger and (pingpong or persistent or wgs != 2):
-            raise ValueError("LEANFA_HOPPER_STAGGER delays consumer warpgroup 1 once per program: it needs one tile per "
-                             "program, two warpgroups and no turn barriers (it uses their first barrier)")
         if wgs != 2 and pingpong:
             raise ValueError("LEANFA_HOPPER_PINGPONG alternates two consumer warpgroups (LEANFA_HOPPER_CONSUMERS=2)")
-        constexprs.update(PINGPONG=pingpong, POLY=poly, PV_IN_MMA=pv_flag, STAGGER=stagger,
+        constexprs.update(PINGPONG=pingpong, POLY=poly, PV_IN_MMA=pv_flag,
                           PERSISTENT=persistent, VARLEN=varlen, CONSUMER_WGS=wgs,
                           CONSUMER_REGS=V3_CONSUMER_REGS if wgs == 2 else V3_CONSUMER_REGS_3WG,
                           num_warps=NUM_WARPS // 2)
