@@ -150,6 +150,12 @@ run_steps() {
                 --name bench-standard-full --out "$OUT/r/sweep" ;;
       pytest:*) step pytest_subset 300 12 python3 -m pytest -q -p no:cacheprovider -rfEs -n "$WORKERS" \
                 $(echo "${s#pytest:}" | tr ',' ' ') ;;
+      persist_time) step persist_time 300 60 python3 scripts/hopper_v2_gpu.py --check "" \
+                --time v3,v3-persist ;;  # the persistent grid again, with no other lane (run 37's trace: +4.6% at 4K)
+      persist_short) for p in 0 1; do step "persist_short$p" 150 12 env LEANFA_HOPPER_PERSISTENT=$p python3 -m leanfa.cli \
+                bench --quick --no-progress --sweep standard --dims d128,mla --seqlens 1k,2k,4k --causal true \
+                --impl 'leanfa-hopper-fp8-kernel,leanfa-hopper-bf16,cudnn-fp8,cudnn-bf16' --name "persist$p" \
+                --out "$OUT/r/persist_short$p"; done ;;
       trace) step trace 420 120 python3 scripts/hopper_trace.py --out "$OUT/r/trace" ;;  # cycles per phase of the key loop
       py:*) f=${s#py:}; step "$(basename "$f" .py)" 150 30 python3 "$f" ;;  # a one-off script
       models) step models 330 24 python3 -m leanfa.cli bench --no-progress --sweep models,varlen --out "$OUT/r/models" ;;
