@@ -141,6 +141,7 @@ run_steps() {
                 --name bench-host --out "$OUT/r/bench_host" ;;
       fuzz_replay) step fuzz_replay 120 12 python3 scripts/gpu_fuzz_campaign.py \
                 --replay 1890464196 900346328 1265751251 ;;  # run 17's failures (empty varlen batches on Hopper)
+      fuzz_short) step fuzz_short 100 14 python3 scripts/gpu_fuzz_campaign.py --seconds 60 --seed 5 --workers "$WORKERS" ;;
       fuzz) step fuzz 190 14 python3 scripts/gpu_fuzz_campaign.py --seconds 150 --seed 1 --workers "$WORKERS" ;;
       sanitize) step sanitize 110 12 python3 scripts/sanitize.py --tools memcheck racecheck synccheck --timeout 30 ;;
       sweep) step sweep 560 20 python3 -m leanfa.cli bench --no-progress --sweep standard --out "$OUT/r/sweep" ;;
@@ -156,6 +157,9 @@ run_steps() {
                 bench --quick --no-progress --sweep standard --dims d128,mla --seqlens 1k,2k,4k --causal true \
                 --impl 'leanfa-hopper-fp8-kernel,leanfa-hopper-bf16,cudnn-fp8,cudnn-bf16' --name "persist$p" \
                 --out "$OUT/r/persist_short$p"; done ;;
+      bench_varlen) step bench_varlen 200 16 python3 -m leanfa.cli bench --quick --no-progress --sweep varlen \
+                --impl 'leanfa-hopper-*,leanfa-portable-fp8-kernel,cudnn-bf16,cudnn-fp8' --name bench-varlen \
+                --out "$OUT/r/bench_varlen" ;;  # the uneven prefill batch: FP8 varlen now on the Hopper kernel
       trace) step trace 420 120 python3 scripts/hopper_trace.py --out "$OUT/r/trace" ;;  # cycles per phase of the key loop
       py:*) f=${s#py:}; step "$(basename "$f" .py)" 150 30 python3 "$f" ;;  # a one-off script
       models) step models 330 24 python3 -m leanfa.cli bench --no-progress --sweep models,varlen --out "$OUT/r/models" ;;

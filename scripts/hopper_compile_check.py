@@ -55,6 +55,8 @@ def variants():
         out.append(Variant(dtype, 64, 64, causal, version="v3"))
     for dtype, dqk in (("fp8", 128), ("bf16", 128), ("bf16", 192)):
         out.append(Variant(dtype, dqk, 128, True, version="v3", varlen=dtype == "bf16"))
+    out.append(Variant("fp8", 128, 128, True, version="v3", varlen=True))  # V re-packed, its starts from a table
+    out.append(Variant("fp8", 192, 128, False, version="v3", varlen=True))
     for dtype in ("fp8", "bf16"):  # the clock trace (scripts/hopper_trace.py)
         out.append(Variant(dtype, 128, 128, True, version="v3", env=(("LEANFA_HOPPER_TRACE", 1),)))
     for knob in ("PV_IN_MMA", "PINGPONG", "PERSISTENT", "V_PERMUTED"):

@@ -551,10 +551,10 @@ VARLEN_LENS = [  # (q lengths, k lengths): empty and length-1 sequences, Sq < Sk
     ([0, 1, 130, 300, 77], [5, 1, 300, 130, 77]),  # tiles straddling the next sequence's tokens
     ([257], [129]),
 ]
-# FP8 V is stored transposed (tokens innermost): a sequence's boxes start at cu_seqlens_k[b] + 128 j,
-# which TMA accepts only on 16-byte boundaries, so FP8 varlen runs here with key lengths that keep
-# every sequence start aligned (the unaligned case is test_v3_fp8_varlen_unaligned_is_flagged)
-VARLEN_LENS_FP8 = [([0, 1, 130, 300, 77], [16, 48, 304, 128, 77]), ([257], [129])]
+# FP8 V is stored transposed (tokens innermost): a sequence's boxes would start at cu_seqlens_k[b] + 128 j,
+# which TMA accepts only on 16-byte boundaries; the plan re-packs V so that every sequence starts on one
+# (launch.align_varlen_v). Both kinds of lengths: starts that are aligned already, and that are not.
+VARLEN_LENS_FP8 = [([0, 1, 130, 300, 77], [16, 48, 304, 128, 77])] + VARLEN_LENS
 
 
 @pytest.mark.parametrize("lens,fp8", [(x, False) for x in VARLEN_LENS] + [(x, True) for x in VARLEN_LENS_FP8])
@@ -602,9 +602,9 @@ def test_v3_varlen(lens, causal, fp8, mode, monkeypatch):
     assert float((lse.double() - ref_lse)[fin].abs().max()) < 2e-2
 
 
-def test_v3_fp8_varlen_unaligned_is_flagged():
+def test_v3_fp8_varlen_unaligned_is_flagged(monkeypatch):
     """What crashed the H200 in run 15: FP8 varlen with a sequence starting at an unaligned token.
-    The emulator refuses the TMA box (and hopper.supports sends FP8 varlen to the portable kernel)."""
+    Without the plan's re-packed V (launch.align_varlen_v) the emulator refuses the TMA box."""
     from leanfa.api import _build_problem
 
     cu = torch.tensor([0, 5, 300], dtype=torch.int32)
@@ -613,8 +613,31 @@ def test_v3_fp8_varlen_unaligned_is_flagged():
     qq = leanfa.quantize_fp8(q, k[:, :1], v[:, :1], **kw)
     p = _build_problem(qq.q, qq.k, qq.v, varlen=True, **kw, softmax_scale=None, causal=True, return_lse=False,
                        out_dtype=None, **qq.descales())
+    out, _, _ = emulate(p, version="v3")  # re-packed: runs
+    assert not torch.isnan(out).any()
+    monkeypatch.setattr(L, "align_varlen_v", lambda v, cu_k: (v, cu_k))  # V as packed, K's starts
     with pytest.raises(EmulationError, match="16 bytes"):
         emulate(p, version="v3")
+
+
+@pytest.mark.parametrize("lens", [[5, 295], [0, 16, 1, 17, 130], [128]])
+def test_align_varlen_v(lens):
+    """Every sequence's V tokens land at its 16-aligned start, in order; the gaps are zeros."""
+    cu = cu_seqlens(lens)
+    total, H, D = int(cu[-1]), 2, 32
+    store = torch.randint(1, 100, (H, D, total + 3), dtype=torch.uint8)  # tokens innermost, padded rows
+    v = store.view(torch.float8_e4m3fn).permute(2, 0, 1)[:total]
+    out, cu_v = L.align_varlen_v(v, cu)
+    got = out.view(torch.uint8).permute(1, 2, 0)  # (H, D, room)
+    assert out.shape[1:] == (H, D) and out.stride(0) == 1 and out.shape[0] % 16 == 0
+    assert cu_v.dtype == torch.int32 and int(cu_v[0]) == 0
+    covered = torch.zeros(out.shape[0], dtype=torch.bool)
+    for b, n in enumerate(lens):
+        start = int(cu_v[b])
+        assert start % 16 == 0 and start >= (int(cu_v[b - 1]) + lens[b - 1] if b else 0)
+        assert torch.equal(got[:, :, start:start + n], store[:, :, int(cu[b]):int(cu[b]) + n])
+        covered[start:start + n] = True
+    assert (got[:, :, ~covered] == 0).all()
 
 
 def test_varlen_needs_v3(monkeypatch):

@@ -16,8 +16,6 @@ not; anything it rejects runs on the portable kernel instead -- never a wrong an
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 
@@ -33,13 +31,11 @@ from . import launch as _launch
 #: tests/test_hopper_emulate.py). The fix passed 90/90 cases on the H200 (run 3), so it is on.
 #: v3 (the default since 107077e) passed the same 90 cases in runs 10 and 11.
 VALIDATED = True
-#: H200 run 15: FP8 varlen died with "illegal instruction" (every case; BF16 varlen passed 8/8).
-#: FP8 V is stored transposed, tokens innermost, so a box of sequence b starts at token
-#: cu_seqlens_k[b] + 128 j -- not 16-byte aligned in general, which TMA does not accept (run 16,
-#: scripts/hopper_fp8_varlen_probe.py: lengths that are multiples of 16 pass, others crash). Until
-#: the quantizer aligns each sequence's V start, FP8 varlen runs on the portable kernel.
-#: LEANFA_HOPPER_FP8_VARLEN=1 forces it (for that probe only).
-FP8_VARLEN = os.environ.get("LEANFA_HOPPER_FP8_VARLEN", "0") == "1"
+#: FP8 varlen: H200 run 15 died with "illegal instruction" -- FP8 V is stored transposed, tokens
+#: innermost, so a box of sequence b started at token cu_seqlens_k[b] + 128 j, not 16-byte aligned
+#: in general, which TMA refuses (run 16: lengths that are multiples of 16 passed). The plan now
+#: re-packs V with every sequence on a multiple of 16 tokens (launch.align_varlen_v: one copy of V
+#: per call, device ops only) and the kernel reads V's sequence starts from that table.
 HEAD_DIMS = ((128, 128), (192, 128))
 #: Head dims only the v3 kernel runs: 64/64 needed no kernel change and passed the 130-case H200
 #: check (the 90 cases plus 40 at 64/64: BF16 and FP8, causal and not, odd lengths, GQA) and
@@ -66,9 +62,6 @@ def supports(problem) -> tuple[bool, str]:
         return False, f"varlen needs the v3 Hopper kernel (LEANFA_HOPPER_KERNEL={_launch.kernel_version()})"
     if q.numel() == 0 or k.numel() == 0:  # a TMA descriptor cannot have a zero-sized dim
         return False, "empty inputs (no query or no key token; GPU fuzz, run 17): nothing for TMA to load"
-    if problem.varlen and problem.is_fp8 and not FP8_VARLEN:
-        return False, ("FP8 varlen is not run by the Hopper kernel: its transposed V puts the tokens innermost, "
-                       "and a sequence starting at an arbitrary token is not a valid TMA box start")
     dims = (problem.head_dim_qk, problem.head_dim_v)
     v3_only = dims in V3_HEAD_DIMS and _launch.kernel_version() == "v3"
     if dims not in HEAD_DIMS and not v3_only:

@@ -97,12 +97,13 @@ def _tile(t, num_bh, num_heads, group_size, num_m_tiles, num_tiles, seqlen_q, se
 # ----------------------------------------------------------------------------- producer
 
 @gluon.jit
-def _producer(args, CAUSAL: gl.constexpr, V_KMAJOR: gl.constexpr, VARLEN: gl.constexpr, WGS: gl.constexpr,
-              CONSUMERS: gl.constexpr):
+def _producer(args, cu_seqlens_v, CAUSAL: gl.constexpr, V_KMAJOR: gl.constexpr, VARLEN: gl.constexpr,
+              WGS: gl.constexpr, CONSUMERS: gl.constexpr):
     """Per tile: the ``WGS`` 64-row Q boxes (after the consumers released the previous tile's), then
     the tile's key blocks through the ring; ``ring`` counts key blocks over all of this program's
     tiles. ``CONSUMERS`` is ``WGS`` (1 only in the ``onewg`` timing ablation: no Q box for the idle
-    warpgroups)."""
+    warpgroups). ``cu_seqlens_v``: ``None``, or (FP8 varlen) each sequence's first token in V's
+    descriptor, a multiple of 16 (:func:`.launch.align_varlen_v`)."""
     (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars,
      seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, num_bh, num_heads, group_size, num_m_tiles,
      first_tile, tile_step, num_tiles) = args
@@ -121,8 +122,12 @@ def _producer(args, CAUSAL: gl.constexpr, V_KMAJOR: gl.constexpr, VARLEN: gl.con
                 load_q(q_desc, tma_b, h, q_start + m_start + w * WG_ROWS, q_bars.index(w), q_smem, QK_CHUNKS,
                        w * QK_CHUNKS)
             qi += 1
+        if cu_seqlens_v is None:
+            v_start = None
+        else:
+            v_start = gl.load(cu_seqlens_v + b)
         produce_kv(k_desc, v_desc, tma_b, hkv, n_end, k_bufs, v_bufs, k_bars, v_bars, empty_bars, V_KMAJOR, k_start,
-                   ring)
+                   ring, v_start)
         ring += n_end
 
 
@@ -428,6 +433,7 @@ def attn_fwd_pingpong_kernel(
     cu_seqlens_q, cu_seqlens_k,  # varlen: (batch + 1) int32 token offsets (dense: unused)
     stride_lb, stride_lh,  # LSE strides of batch and head (dense (B, H, Sq); varlen (H, total_q))
     trace,  # None, or the int32 clock-trace buffer (LEANFA_HOPPER_TRACE, see trace.py)
+    cu_seqlens_v,  # None, or (FP8 varlen) each sequence's first token in V, 16-aligned (launch.align_varlen_v)
     HEAD_DQK: gl.constexpr, HEAD_DV: gl.constexpr,
     CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
     RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, VARLEN: gl.constexpr, STAGES: gl.constexpr,
@@ -481,7 +487,7 @@ def attn_fwd_pingpong_kernel(
                          TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, 1)),
             (_consumer, (cargs, trace, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY,
                          TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, 2)),
-            (_producer, (pargs, CAUSAL, V_KMAJOR, VARLEN, CONSUMER_WGS, CONSUMERS)),
+            (_producer, (pargs, cu_seqlens_v, CAUSAL, V_KMAJOR, VARLEN, CONSUMER_WGS, CONSUMERS)),
         ], [WG_WARPS, WG_WARPS, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
@@ -489,7 +495,7 @@ def attn_fwd_pingpong_kernel(
                          TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, 0)),
             (_consumer, (cargs, trace, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY,
                          TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, 1)),
-            (_producer, (pargs, CAUSAL, V_KMAJOR, VARLEN, CONSUMER_WGS, CONSUMERS)),
+            (_producer, (pargs, cu_seqlens_v, CAUSAL, V_KMAJOR, VARLEN, CONSUMER_WGS, CONSUMERS)),
         ], [WG_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
     invalidate_barriers(q_bars, CONSUMER_WGS)

@@ -60,6 +60,32 @@ def permute_v_keys(v: torch.Tensor) -> torch.Tensor:
     return out.view(v.dtype).permute(0, 3, 1, 2)
 
 
+#: tokens per 16 bytes of FP8: a TMA box must start on a 16-byte boundary of its innermost dimension
+V_ALIGN_TOKENS = 16
+
+
+def align_varlen_v(v: torch.Tensor, cu_seqlens_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A copy of a packed, transposed-storage FP8 V ``(total, H, Dv)`` (tokens innermost) in which every
+    sequence starts on a multiple of ``V_ALIGN_TOKENS`` tokens, and those starts ``cu_seqlens_v`` (int32,
+    ``batch + 1``). A TMA box of key block ``j`` of sequence ``b`` starts at token ``start_b + 128 j``;
+    with ``start_b = cu_seqlens_k[b]`` that is any byte offset, which TMA refuses ("illegal instruction",
+    H200 run 15). Device ops only (no host sync on the lengths): the gaps are zeros, so the keys past a
+    sequence's end that its last box reads are finite (their P is 0)."""
+    total, H, Dv = v.shape
+    batch = cu_seqlens_k.shape[0] - 1
+    cu = cu_seqlens_k.to(torch.int64)
+    padded = (cu[1:] - cu[:-1] + V_ALIGN_TOKENS - 1) // V_ALIGN_TOKENS * V_ALIGN_TOKENS
+    cu_v = torch.nn.functional.pad(padded.cumsum(0), (1, 0))
+    tokens = torch.arange(total, device=v.device)
+    seq = torch.searchsorted(cu[1:], tokens, right=True)  # the sequence of each packed token
+    dest = tokens - cu[seq] + cu_v[seq]
+    # room for the worst case (every sequence padded by 15), a multiple of 16 tokens: TMA strides
+    room = -(-(total + (V_ALIGN_TOKENS - 1) * batch) // V_ALIGN_TOKENS) * V_ALIGN_TOKENS
+    out = torch.zeros((H, Dv, max(room, V_ALIGN_TOKENS)), dtype=torch.uint8, device=v.device)
+    out.index_copy_(2, dest, v.permute(1, 2, 0).view(torch.uint8))
+    return out.view(v.dtype).permute(2, 0, 1), cu_v.to(torch.int32)
+
+
 def _bshd_as_bhsd(t: torch.Tensor):
     """Shape and strides of a (B, S, H, D) tensor as stored [B, H, S, D] (D innermost)."""
     B, S, H, D = t.shape
@@ -246,6 +272,9 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
     varlen = cu_seqlens_q is not None
     if varlen and version != "v3":
         raise ValueError(f"varlen inputs need the v3 Hopper kernel (LEANFA_HOPPER_KERNEL={version})")
+    cu_seqlens_v = None
+    if varlen and q.dtype == torch.float8_e4m3fn and v_is_kmajor(as_bshd(v)):
+        v, cu_seqlens_v = align_varlen_v(v, cu_seqlens_k)
     q, k, v = as_bshd(q), as_bshd(k), as_bshd(v)
     B, Sq, Hq, Dqk = q.shape
     Sk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
@@ -305,7 +334,7 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
         else:  # lse (B, Hq, Sq); the cu_seqlens pointers are unused
             args += (v_scale, v_scale, Hq * Sq, Sq)
         trace = trace_buffer(B * Hq * num_m_tiles, wgs, q.device) if _flag("LEANFA_HOPPER_TRACE", False) else None
-        args += (trace, )
+        args += (trace, cu_seqlens_v)
     constexprs = dict(
         HEAD_DQK=Dqk, HEAD_DV=Dv, CAUSAL=bool(causal), IS_FP8=is_fp8, V_KMAJOR=kmajor,
         RETURN_LSE=bool(return_lse), HAS_KMEAN=has_kmean,

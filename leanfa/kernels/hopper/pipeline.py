@@ -47,11 +47,14 @@ def load_q(q_desc, b, h, m_start, bar, q_smem, QK_CHUNKS: gl.constexpr, FIRST: g
 
 @gluon.jit
 def load_kv(k_desc, v_desc, b, hkv, block, k_bufs, v_bufs, k_bars, v_bars,
-            STAGES: gl.constexpr, V_KMAJOR: gl.constexpr, QK_CHUNKS: gl.constexpr, k_start=0, ring_index=None):
+            STAGES: gl.constexpr, V_KMAJOR: gl.constexpr, QK_CHUNKS: gl.constexpr, k_start=0, ring_index=None,
+            v_start=None):
     """Issue the TMA loads of key block ``block`` into its ring slot (K: ``QK_CHUNKS`` boxes).
     ``k_start``: the sequence's first token in the descriptor (varlen: its ``cu_seqlens_k`` entry);
     ``ring_index``: the block's position in the ring when it differs from ``block`` (a persistent
-    program's ring runs on across its tiles)."""
+    program's ring runs on across its tiles); ``v_start``: the sequence's first token in V's
+    descriptor when it differs from K's (FP8 varlen: V re-packed with every sequence on a multiple
+    of 16 tokens, :func:`.launch.align_varlen_v`)."""
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
     DCHUNK: gl.constexpr = k_desc.block_type.shape[3]
     if ring_index is None:
@@ -59,6 +62,10 @@ def load_kv(k_desc, v_desc, b, hkv, block, k_bufs, v_bufs, k_bars, v_bars,
     else:
         slot = ring_index % STAGES
     n0 = k_start + block * BLOCK_N
+    if v_start is None:
+        v0 = n0
+    else:
+        v0 = v_start + block * BLOCK_N
     kb = k_bars.index(slot)
     mbarrier.expect(kb, QK_CHUNKS * k_desc.block_type.nbytes)
     for c in gl.static_range(QK_CHUNKS):
@@ -66,9 +73,9 @@ def load_kv(k_desc, v_desc, b, hkv, block, k_bufs, v_bufs, k_bars, v_bars,
     vb = v_bars.index(slot)
     mbarrier.expect(vb, v_desc.block_type.nbytes)
     if V_KMAJOR:
-        tma.async_copy_global_to_shared(v_desc, [b, hkv, 0, n0], vb, v_bufs.index(slot))
+        tma.async_copy_global_to_shared(v_desc, [b, hkv, 0, v0], vb, v_bufs.index(slot))
     else:
-        tma.async_copy_global_to_shared(v_desc, [b, hkv, n0, 0], vb, v_bufs.index(slot))
+        tma.async_copy_global_to_shared(v_desc, [b, hkv, v0, 0], vb, v_bufs.index(slot))
 
 
 @gluon.jit
@@ -106,7 +113,7 @@ def qk_async(q_smem, Q_FIRST: gl.constexpr, k_bufs, slot, s_zero, QK_CHUNKS: gl.
 
 @gluon.jit
 def produce_kv(k_desc, v_desc, b, hkv, n_end, k_bufs, v_bufs, k_bars, v_bars, empty_bars, V_KMAJOR: gl.constexpr,
-               k_start=0, ring_base=0):
+               k_start=0, ring_base=0, v_start=None):
     """The producer warp's loop: key blocks ``[0, n_end)`` into the ring, block ``j`` at ring
     position ``g = ring_base + j``. Position ``g >= STAGES`` reuses the slot of ``g - STAGES``, so
     it waits for that one's release: phase ``g // STAGES - 1`` of ``empty[g % STAGES]``."""
@@ -116,7 +123,8 @@ def produce_kv(k_desc, v_desc, b, hkv, n_end, k_bufs, v_bufs, k_bars, v_bars, em
         g = ring_base + j
         if g >= STAGES:
             mbarrier.wait(empty_bars.index(g % STAGES), ((g // STAGES) - 1) & 1)
-        load_kv(k_desc, v_desc, b, hkv, j, k_bufs, v_bufs, k_bars, v_bars, STAGES, V_KMAJOR, QK_CHUNKS, k_start, g)
+        load_kv(k_desc, v_desc, b, hkv, j, k_bufs, v_bufs, k_bars, v_bars, STAGES, V_KMAJOR, QK_CHUNKS, k_start, g,
+                v_start)
 
 
 @gluon.jit
