@@ -97,7 +97,6 @@ run_steps() {
                 --name bench-wide --out "$OUT/r/bench_wide" ;;
       pytest_wide) step pytest_wide 300 12 env $WIDE python3 -m pytest -q -p no:cacheprovider -rfEs -n "$WORKERS" \
                 tests/test_hopper.py ;;  # the GPU suite (varlen, GQA, LSE, K-mean) with 256-key FP8 blocks
-      fp8_varlen_probe) step fp8_varlen_probe 200 10 python3 scripts/hopper_fp8_varlen_probe.py ;;
       bench_persist) step bench_persist 200 12 env LEANFA_HOPPER_PERSISTENT=1 python3 -m leanfa.cli bench --quick \
                 --no-progress --sweep standard --seqlens 4k,16k --causal true \
                 --impl 'leanfa-hopper-*,cudnn-bf16,cudnn-fp8' --name bench-persist --out "$OUT/r/bench_persist" ;;

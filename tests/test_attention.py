@@ -69,9 +69,12 @@ def test_fp8_raw_descales(device):
     kd = torch.tensor(0.05, device=device)
     vd = torch.tensor([0.03, 0.02, 0.05, 0.01], device=device).reshape(b, hkv)
     grp = lambda d: d.repeat_interleave(2, dim=1)[:, None, :, None]  # noqa: E731
-    q8 = (q / grp(qd)).to(FP8)
-    k8 = (k / kd).to(FP8)
-    v8 = (v / vd[:, None, :, None]).to(FP8)
+    # saturate as a quantizer would: the cast gives NaN past e4m3's 448, and v / 0.01 passes it for
+    # any |v| > 4.48 (~8% of fresh draws at this size: the GPU run 39 failure)
+    e4m3 = lambda x: x.clamp(-448.0, 448.0).to(FP8)  # noqa: E731
+    q8 = e4m3(q / grp(qd))
+    k8 = e4m3(k / kd)
+    v8 = e4m3(v / vd[:, None, :, None])
     out = leanfa.flash_attn_func(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, causal=True)
     ref = attention_ref(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, causal=True)
     assert rel_l2(out, ref) < 4e-2  # only P is rounded to e4m3 here

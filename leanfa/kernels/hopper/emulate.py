@@ -417,7 +417,7 @@ class _TMA:
         if list(result.shape) != desc.block_shape:
             M.err(f"TMA box {desc.block_shape} into a buffer of shape {result.shape}")
         if (coords[-1] * desc.dtype.itemsize) % 16:
-            # H200 run 16 (scripts/hopper_fp8_varlen_probe.py): a box whose start along the innermost,
+            # H200 run 16 (a probe of FP8 varlen, since removed): a box whose start along the innermost,
             # contiguous dimension is not 16-byte aligned kills the kernel ("illegal instruction")
             M.err(f"TMA {desc.name}{coords}: the box starts {coords[-1]} elements into the contiguous dimension, "
                   f"not a multiple of 16 bytes")
