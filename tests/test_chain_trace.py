@@ -5,24 +5,27 @@ import pytest
 
 from leanfa.bench import chain_trace as ct
 
-PHASE_LEN = (500, 100, 400, 50)  # softmax, issue, mma_wait, release
+PHASE_LEN = (500, 60, 40, 400, 50)  # softmax, v_wait, issue, mma_wait, release
+PHASE_LEN_4 = (500, 100, 400, 50)  # the four-event traces of runs 34-39: softmax, issue, mma_wait, release
 PERIOD = sum(PHASE_LEN)
+assert PERIOD == sum(PHASE_LEN_4)
 
 
-def synthetic(tiles=3, wgs=2, blocks=10, slots=16, base=1000, offset=0, fill=300, epilogue=200, gap=0, sm_of=None):
-    """Every block takes PHASE_LEN; warpgroup w starts ``w * offset`` cycles later; tiles on one SM
+def synthetic(tiles=3, wgs=2, blocks=10, slots=16, base=1000, offset=0, fill=300, epilogue=200, gap=0, sm_of=None,
+              phase_len=PHASE_LEN):
+    """Every block takes ``phase_len``; warpgroup w starts ``w * offset`` cycles later; tiles on one SM
     follow each other ``gap`` cycles apart."""
-    tr = np.full((tiles, wgs, 1 + slots, 4), -1, dtype=np.int64)
+    tr = np.full((tiles, wgs, 1 + slots, len(phase_len)), -1, dtype=np.int64)
     t = base
     for i in range(tiles):
         end = t
         for w in range(wgs):
             q = t + w * offset
             s0 = q + fill
-            tr[i, w, 0] = [0 if sm_of is None else sm_of(i), q, s0, 0]
+            tr[i, w, 0, :4] = [0 if sm_of is None else sm_of(i), q, s0, 0]
             clk = s0
             for j in range(blocks):
-                for e, d in enumerate(PHASE_LEN):
+                for e, d in enumerate(phase_len):
                     clk += d
                     tr[i, w, 1 + j, e] = clk
             tr[i, w, 0, 3] = clk + epilogue
@@ -31,20 +34,24 @@ def synthetic(tiles=3, wgs=2, blocks=10, slots=16, base=1000, offset=0, fill=300
     return (tr & 0xFFFFFFFF).astype(np.uint32).view(np.int32)  # as the kernel stores them (wrapping)
 
 
-def test_phases_recovered_exactly_across_the_clock_wrap():
-    tr = synthetic(base=(1 << 32) - 3 * PERIOD)  # the 32-bit clock wraps inside the first tile
+@pytest.mark.parametrize("phase_len,names", [(PHASE_LEN, ct.PHASES), (PHASE_LEN_4, ct.PHASES_4)])
+def test_phases_recovered_exactly_across_the_clock_wrap(phase_len, names):
+    tr = synthetic(base=(1 << 32) - 3 * PERIOD, phase_len=phase_len)  # the 32-bit clock wraps in tile 0
+    assert ct.phases(tr) == names
     cycles, valid = ct.block_phases(tr)
     assert valid[:, :, :10].all() and not valid[:, :, 10:].any()
-    assert (cycles[valid] == np.array(PHASE_LEN)).all()
+    assert (cycles[valid] == np.array(phase_len)).all()
     s = ct.summarize(tr)
     assert s["blocks"] == 3 * 2 * 8  # first and last block of each tile and warpgroup left out
     for row in s["per_wg"]:
-        assert [row[p] for p in ct.PHASES] == list(PHASE_LEN) and row["period"] == PERIOD
+        assert [row[p] for p in names] == list(phase_len) and row["period"] == PERIOD
+    assert ct.tile_costs(tr)["epilogue"] == 200
 
 
 def _brute_joint(tr):
     """Joint phase shares by walking every cycle (independent of the reader's interval merge)."""
-    counts = np.zeros((4, 4))
+    n_ph = tr.shape[-1]
+    counts = np.zeros((n_ph, n_ph))
     raw = tr.astype(np.int64) & 0xFFFFFFFF
     for t in range(raw.shape[0]):
         spans = []
@@ -53,7 +60,7 @@ def _brute_joint(tr):
             spans.append(b)
         lo, hi = max(s[0] for s in spans), min(s[-1] for s in spans)
         for c in range(lo, hi):
-            st = [(np.searchsorted(s, c + 0.5) - 1) % 4 for s in spans]
+            st = [(np.searchsorted(s, c + 0.5) - 1) % n_ph for s in spans]
             counts[st[0], st[1]] += 1
     return counts / counts.sum()
 
@@ -81,7 +88,7 @@ def test_tile_costs():
 
 
 def test_unwritten_trace_gives_nothing():
-    tr = np.full((2, 2, 5, 4), -1, dtype=np.int32)
+    tr = np.full((2, 2, 5, 5), -1, dtype=np.int32)
     s = ct.summarize(tr)
     assert s["blocks"] == 0 and s["per_wg"] == [] and s["joint"] == {} and s["tile"] == {}
 

@@ -1,12 +1,14 @@
 """Read the v3 kernel's SM-clock trace (``LEANFA_HOPPER_TRACE=1``, :mod:`leanfa.kernels.hopper.trace`).
 
-The buffer is ``[tiles, warpgroups, 1 + blocks, 4]`` int32 (-1 where nothing was written). Per key
-block a warpgroup's chain is cut into four phases, each ending at one recorded clock:
+The buffer is ``[tiles, warpgroups, 1 + blocks, events]`` int32 (-1 where nothing was written). Per
+key block a warpgroup's chain is cut into phases, each ending at one recorded clock (five events
+since the eighth session's last change; runs 34-39 recorded four, without ``v_wait``):
 
 * ``softmax``: from the previous block's slot release (block 0: S_0 ready) to the row sum -- the
-  scores' mask, scale, row max, exponentials and row sum, and the previous block's PV fold, which
-  ptxas schedules into it;
-* ``issue``: P's conversion and layout change, the wait for V (and the next K), the wgmma issue;
+  scores' mask, scale, row max, exponentials and row sum, P's conversion (ptxas puts the clock
+  read after it), and the previous block's PV fold, which ptxas schedules into it;
+* ``v_wait``: the barrier over the warpgroup's warps and the wait for V's ring slot;
+* ``issue``: PV's issue, the wait for the next K, QK's issue (four events: all of ``v_wait`` too);
 * ``mma_wait``: until ``[PV_j, QK_{j+1}]`` retired -- the matrix work, behind any of the other
   warpgroup's wgmmas the tensor pipe runs first;
 * ``release``: the barrier over the warpgroup's warps and the slot's arrive.
@@ -20,8 +22,15 @@ from __future__ import annotations
 
 import numpy as np
 
-PHASES = ("softmax", "issue", "mma_wait", "release")
+PHASES = ("softmax", "v_wait", "issue", "mma_wait", "release")
+PHASES_4 = ("softmax", "issue", "mma_wait", "release")  # the four-event traces of runs 34-39
 WRAP = 1 << 32
+
+
+def phases(trace: np.ndarray) -> tuple[str, ...]:
+    """The phase names of a trace, by its number of events per block."""
+    n = np.asarray(trace).shape[-1]
+    return {len(PHASES): PHASES, len(PHASES_4): PHASES_4}[n]
 
 
 def _clock(x: np.ndarray) -> np.ndarray:
@@ -35,12 +44,12 @@ def _since(later: np.ndarray, earlier: np.ndarray) -> np.ndarray:
 
 
 def block_phases(trace: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(cycles [tiles, wgs, blocks, 4], valid [tiles, wgs, blocks])``: each block's four phase
+    """``(cycles [tiles, wgs, blocks, phases], valid [tiles, wgs, blocks])``: each block's phase
     lengths; ``valid`` where the block and the clock it starts from were both recorded."""
     raw = np.asarray(trace)
     hdr, ev = raw[:, :, 0, :], raw[:, :, 1:, :]
     recorded = (ev != -1).all(axis=-1)
-    start_raw = np.concatenate([hdr[:, :, None, 2], ev[:, :, :-1, 3]], axis=2)
+    start_raw = np.concatenate([hdr[:, :, None, 2], ev[:, :, :-1, -1]], axis=2)
     start_ok = np.concatenate([hdr[:, :, None, 2] != -1, recorded[:, :, :-1]], axis=2)
     c, start = _clock(ev), _clock(start_raw)
     bounds = np.concatenate([start[..., None], c], axis=-1)
@@ -63,7 +72,9 @@ def joint_phases(trace: np.ndarray, tiles=None) -> dict:
     if raw.shape[1] < 2:
         return {}
     tiles = range(raw.shape[0]) if tiles is None else tiles
-    acc = np.zeros((4, 4))
+    names = phases(raw)
+    n_ph = len(names)
+    acc = np.zeros((n_ph, n_ph))
     for t in tiles:
         seqs = []
         for w in (0, 1):
@@ -81,12 +92,12 @@ def joint_phases(trace: np.ndarray, tiles=None) -> dict:
             continue
         cuts = np.unique(np.concatenate([s[(s > lo) & (s < hi)] for s in seqs] + [[lo, hi]]))
         mids = (cuts[:-1] + cuts[1:]) / 2
-        states = [(np.searchsorted(s, mids, side="right") - 1) % 4 for s in seqs]
+        states = [(np.searchsorted(s, mids, side="right") - 1) % n_ph for s in seqs]
         np.add.at(acc, (states[0], states[1]), np.diff(cuts))
     total = acc.sum()
     if total == 0:
         return {}
-    return {f"{PHASES[a]}/{PHASES[b]}": acc[a, b] / total for a in range(4) for b in range(4)}
+    return {f"{names[a]}/{names[b]}": acc[a, b] / total for a in range(n_ph) for b in range(n_ph)}
 
 
 def tile_costs(trace: np.ndarray) -> dict:
@@ -103,7 +114,7 @@ def tile_costs(trace: np.ndarray) -> dict:
     n = rec.sum(axis=-1)
     has = (n > 0) & (hdr[..., 3] != -1)  # (a tile of more than the recorded blocks counts the rest here)
     if has.any():
-        last = np.take_along_axis(_clock(ev[..., 3]), np.maximum(n - 1, 0)[..., None], axis=-1)[..., 0]
+        last = np.take_along_axis(_clock(ev[..., -1]), np.maximum(n - 1, 0)[..., None], axis=-1)[..., 0]
         out["epilogue"] = float(np.median(_since(_clock(hdr[..., 3]), last)[has]))
     gaps = []
     full = (hdr[:, :, 0] != -1).all(axis=1) & (hdr[:, :, 1] != -1).all(axis=1) & (hdr[:, :, 3] != -1).all(axis=1)
@@ -126,13 +137,14 @@ def summarize(trace: np.ndarray, overlap_tiles: int = 256) -> dict:
     costs."""
     cycles, valid = block_phases(trace)
     inner = interior(valid)
-    out = {"blocks": int(inner.sum()), "per_wg": []}
+    names = phases(trace)
+    out = {"blocks": int(inner.sum()), "phases": list(names), "per_wg": []}
     for w in range(cycles.shape[1]):
         sel = inner[:, w]
         if not sel.any():
             continue
         c = cycles[:, w][sel]
-        row = {p: float(np.median(c[:, i])) for i, p in enumerate(PHASES)}
+        row = {p: float(np.median(c[:, i])) for i, p in enumerate(names)}
         row["period"] = float(np.median(c.sum(axis=1)))
         row["blocks"] = int(sel.sum())
         out["per_wg"].append(row)
@@ -143,10 +155,11 @@ def summarize(trace: np.ndarray, overlap_tiles: int = 256) -> dict:
 
 
 def format_summary(s: dict) -> str:
+    names = tuple(s.get("phases", PHASES)) + ("period", )
     lines = [f"  interior blocks: {s['blocks']}"]
-    lines.append("  wg  " + " ".join(f"{p:>9s}" for p in PHASES + ("period", )) + "   (median cycles per block)")
+    lines.append("  wg  " + " ".join(f"{p:>9s}" for p in names) + "   (median cycles per block)")
     for w, r in enumerate(s["per_wg"]):
-        lines.append(f"  {w:2d}  " + " ".join(f"{r[p]:9.0f}" for p in PHASES + ("period", )))
+        lines.append(f"  {w:2d}  " + " ".join(f"{r[p]:9.0f}" for p in names))
     if s["joint"]:
         top = sorted(s["joint"].items(), key=lambda kv: -kv[1])
         lines.append("  both warpgroups at once (wg0/wg1, share of the loop's time): "
@@ -166,25 +179,26 @@ def plot_timeline(trace: np.ndarray, tile: int, path: str, blocks: tuple[int, in
     import matplotlib.pyplot as plt
 
     raw = np.asarray(trace)
-    colors = dict(zip(PHASES, ("tab:orange", "tab:gray", "tab:blue", "tab:green")))
+    names = phases(raw)
+    colors = dict(zip(PHASES, ("tab:orange", "tab:red", "tab:gray", "tab:blue", "tab:green")))
     fig, ax = plt.subplots(figsize=(12, 1.2 + 0.6 * raw.shape[1]))
     t0 = None
     for w in range(raw.shape[1]):
         hdr, ev = raw[tile, w, 0], raw[tile, w, 1:]
         lo, hi = blocks
-        starts = [hdr[2]] + list(ev[:, 3])
+        starts = [hdr[2]] + list(ev[:, -1])
         for j in range(lo, min(hi, ev.shape[0])):
             if (ev[j] == -1).any() or starts[j] == -1:
                 break
             b = np.concatenate([[starts[j]], ev[j]]).astype(np.int64) & (WRAP - 1)
             t0 = b[0] if t0 is None else t0
             x = b[0] - t0 + np.concatenate([[0], np.cumsum(_since(b[1:], b[:-1]))])
-            for i, p in enumerate(PHASES):
+            for i, p in enumerate(names):
                 ax.broken_barh([(x[i], x[i + 1] - x[i])], (w - 0.4, 0.8), color=colors[p],
                                label=p if (w, j) == (0, lo) else None)
     ax.set_yticks(range(raw.shape[1]), [f"warpgroup {w}" for w in range(raw.shape[1])])
     ax.set_xlabel("SM clock cycles")
-    ax.legend(loc="upper right", ncol=4, fontsize=8)
+    ax.legend(loc="upper right", ncol=len(names), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -228,6 +228,7 @@ def _consumer_block(s, j, c, c_hi, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seq
                                              V_KMAJOR)
     record_clock_rows(tr, 1 + j, 0, l_i, offs_m, WG_ROWS)
     v = v_tile(v_bufs, v_bars, ring + j, STAGES, V_KMAJOR)
+    record_clock(tr, 1 + j, 1, j)
     _wait_turn(turn_bars, batch + j + 1, W, PINGPONG)
     pv_acc = _issue_pv(p_op, v, acc, alpha_o, TWO_LEVEL)
     if NEXT:
@@ -235,23 +236,23 @@ def _consumer_block(s, j, c, c_hi, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seq
             # 256-key blocks: S_{j+1} (128 registers) is only written after PV_j retired, so P_j and
             # S_{j+1} are never live together (with both in flight ptxas serialized every wgmma)
             _pass_turn(turn_bars, W, PINGPONG)
-            record_clock(tr, 1 + j, 1, j)
+            record_clock(tr, 1 + j, 2, j)
             pv = warpgroup_mma_wait(0, deps=(pv_acc, ))
             s_acc = _issue_qk(q_smem, k_bufs, k_bars, ring + j + 1, s_zero, W, QK_CHUNKS)
             s = warpgroup_mma_wait(0, deps=(s_acc, ))
         else:
             s_acc = _issue_qk(q_smem, k_bufs, k_bars, ring + j + 1, s_zero, W, QK_CHUNKS)
             _pass_turn(turn_bars, W, PINGPONG)
-            record_clock(tr, 1 + j, 1, j)
+            record_clock(tr, 1 + j, 2, j)
             pv, s = warpgroup_mma_wait(0, deps=(pv_acc, s_acc))
     else:
         _pass_turn(turn_bars, W, PINGPONG)
-        record_clock(tr, 1 + j, 1, j)
+        record_clock(tr, 1 + j, 2, j)
         pv = warpgroup_mma_wait(0, deps=(pv_acc, ))
-    record_clock(tr, 1 + j, 2, j)
+    record_clock(tr, 1 + j, 3, j)
     acc = fold_pv(acc, alpha_o, pv, TWO_LEVEL)
     release_slot(empty_bars, (ring + j) % STAGES)  # one release per warpgroup (empty counts 2)
-    record_clock(tr, 1 + j, 3, j)
+    record_clock(tr, 1 + j, 4, j)
     return acc, m_i, l_i, s
 
 

@@ -4,13 +4,14 @@ Each consumer warpgroup of each program writes ``%clock`` (the SM's cycle counte
 so two warpgroups of a CTA share a time base) at fixed points of its chain, into an int32 buffer
 ``[programs, warpgroups, 1 + TRACE_BLOCKS, TRACE_EVENTS]``:
 
-* row 0, the tile: ``[smid, before the Q wait, S_0 ready, output stored]``;
+* row 0, the tile: ``[smid, before the Q wait, S_0 ready, output stored, -]``;
 * row ``1 + j``, key block ``j`` (the first ``TRACE_BLOCKS``): ``[row sum done (the exponentials),
-  wgmmas issued, wgmmas waited for, PV folded and the slot released]``.
+  V ready, wgmmas issued, wgmmas waited for, the slot released]``.
 
-So a block's softmax is ``e0 - (previous e3)``, its issue (P's conversion and layout change, the
-V wait, the wgmma issue) ``e1 - e0``, the matrix work as this warpgroup waits for it ``e2 - e1``,
-the fold ``e3 - e2``. :mod:`leanfa.bench.chain_trace` reads the buffer. With the trace off the
+So a block's softmax is ``e0 - (previous e4)``, its wait for V ``e1 - e0``, the issue of PV, the wait
+for the next K and the issue of QK ``e2 - e1``, the matrix work as this warpgroup waits for it
+``e3 - e2``, the release ``e4 - e3``. :mod:`leanfa.bench.chain_trace` reads the buffer (runs 34–39
+recorded four events per block, without "V ready"). With the trace off the
 pointer is ``None`` (a constexpr): the kernel is the same PTX as before the trace existed.
 
 The clock reads are ``volatile`` inline PTX: LLVM keeps them in order with the other volatile
@@ -25,10 +26,10 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-TRACE_EVENTS = gl.constexpr(4)
+TRACE_EVENTS = gl.constexpr(5)
 TRACE_BLOCKS = gl.constexpr(128)  # key blocks recorded per tile (S = 16K at 128-key blocks)
 
-EVENT_NAMES = ("rowsum", "issued", "waited", "folded")
+EVENT_NAMES = ("rowsum", "v_ready", "issued", "waited", "released")
 HEADER_NAMES = ("smid", "q_wait", "s0_ready", "stored")
 
 
