@@ -39,6 +39,9 @@ CASES = {
     # one program per SM walking the tiles (off: 0-15% slower, runs 16-17): where does a tile's time go?
     "fp8-d128-4k-persist": ("fp8", 4096, 128, 128, {"LEANFA_HOPPER_PERSISTENT": "1"}),
     "fp8-d128-16k-persist": ("fp8", 16384, 128, 128, {"LEANFA_HOPPER_PERSISTENT": "1"}),
+    # run 38: persistent BF16 d128 at S = 1K ran 0.58x the one-tile grid (FP8: 0.98x); where does it lose?
+    "bf16-d128-1k": ("bf16", 1024, 128, 128, {}),
+    "bf16-d128-1k-persist": ("bf16", 1024, 128, 128, {"LEANFA_HOPPER_PERSISTENT": "1"}),
 }
 
 
