@@ -620,6 +620,52 @@ def test_v3_fp8_varlen_unaligned_is_flagged(monkeypatch):
         emulate(p, version="v3")
 
 
+@pytest.mark.parametrize("varlen", [False, True])
+def test_v3_fp8_token_major_v(varlen):
+    """FP8 V token-major (FA3's layout) instead of quantize_fp8's transposed one: the plan copies it
+    into the transposed layout (launch.transpose_fp8_v; varlen: align_varlen_v) and the kernel gives
+    the same output as with the transposed V, bitwise."""
+    from leanfa.api import _build_problem
+
+    lens = [130, 7, 300]
+    if varlen:
+        cu = cu_seqlens(lens)
+        q, k, v = (torch.randn(int(cu[-1]), 2, 128).to(torch.bfloat16) for _ in range(3))
+        k, v = k[:, :1], v[:, :1]
+        kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens), max_seqlen_k=max(lens))
+    else:
+        q, k, v = _inputs(2, 200, 333, 2, 1, 128, 128)
+        kw = {}
+    qq = leanfa.quantize_fp8(q, k, v, **kw)
+    token_major = qq.v.contiguous()
+    assert not L.v_is_kmajor(L.as_bshd(token_major)) and L.v_is_kmajor(L.as_bshd(qq.v))
+    outs = []
+    for vv in (qq.v, token_major):
+        p = _build_problem(qq.q, qq.k, vv, varlen=varlen, **(kw or dict(cu_seqlens_q=None, cu_seqlens_k=None,
+                           max_seqlen_q=None, max_seqlen_k=None)), softmax_scale=None, causal=True,
+                           return_lse=False, out_dtype=None, **qq.descales())
+        outs.append(emulate(p, version="v3")[0])
+    assert not torch.isnan(outs[0]).any()
+    assert torch.equal(outs[0], outs[1])
+    ref = attention_ref(p.q, p.k, p.v, causal=True, q_descale=p.q_scale, k_descale=p.k_scale, v_descale=p.v_scale,
+                        k_mean=p.k_mean, **{n: kw[n] for n in ("cu_seqlens_q", "cu_seqlens_k") if n in kw})
+    assert float((outs[1].double() - ref).norm() / ref.norm()) < 3e-2  # FP8 inputs as given: P's rounding
+
+
+def test_transpose_fp8_v():
+    """Token-major FP8 V copied into the transposed layout: same values, token rows padded to 16
+    (zeros), innermost stride 1."""
+    store = torch.randint(1, 100, (2, 37, 3, 64), dtype=torch.uint8)
+    v = store.view(torch.float8_e4m3fn)
+    out = L.transpose_fp8_v(v)
+    assert out.shape == v.shape and out.stride(1) == 1 and L.v_is_kmajor(out)
+    assert torch.equal(out.view(torch.uint8), store)
+    full = out.permute(0, 2, 3, 1)  # (B, H, D, S) view of the storage
+    assert full.stride(2) % 16 == 0 and full.stride(2) >= 37
+    padded = torch.as_strided(out.view(torch.uint8), (2, 3, 64, 48), (full.stride(0), full.stride(1), full.stride(2), 1))
+    assert (padded[..., 37:] == 0).all()
+
+
 @pytest.mark.parametrize("lens", [[5, 295], [0, 16, 1, 17, 130], [128]])
 def test_align_varlen_v(lens):
     """Every sequence's V tokens land at its 16-aligned start, in order; the gaps are zeros."""

@@ -72,11 +72,13 @@ def supports(problem) -> tuple[bool, str]:
     if problem.out_dtype not in OUT_DTYPES:
         return False, f"out_dtype {problem.out_dtype} is not supported by the Hopper kernel"
     kmajor = _launch.v_is_kmajor(v)
-    if problem.is_fp8 and not kmajor:
-        return False, ("FP8 V must be stored transposed (v.stride(1) == 1, as quantize_fp8 writes it): "
-                       "FP8 wgmma needs a K-major B operand")
+    # FP8 V in any layout but the transposed one quantize_fp8 writes (e.g. token-major, FA3 style; and
+    # every FP8 varlen V) is copied by the plan into that layout, 16-byte aligned (launch.transpose_fp8_v,
+    # align_varlen_v): only the copy's layout reaches TMA
+    repacked = problem.is_fp8 and (problem.varlen or not kmajor)
     views = [("q", q, *_launch._bshd_as_bhsd(q)), ("k", k, *_launch._bshd_as_bhsd(k))]
-    views.append(("v", v, *(_launch._v_kmajor_dims(v) if kmajor else _launch._bshd_as_bhsd(v))))
+    if not repacked:
+        views.append(("v", v, *(_launch._v_kmajor_dims(v) if kmajor else _launch._bshd_as_bhsd(v))))
     for name, t, shape, strides in views:
         why = _launch.tma_layout_problem(name, t, shape, strides)
         if why:

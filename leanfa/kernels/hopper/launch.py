@@ -86,6 +86,19 @@ def align_varlen_v(v: torch.Tensor, cu_seqlens_k: torch.Tensor) -> tuple[torch.T
     return out.view(v.dtype).permute(2, 0, 1), cu_v.to(torch.int32)
 
 
+def transpose_fp8_v(v: torch.Tensor) -> torch.Tensor:
+    """A transposed-storage copy ``(B, H, Dv, S)`` (token rows padded to ``V_ALIGN_TOKENS``, zeros), viewed
+    as ``(B, S, H, Dv)``, of an FP8 V in any other layout (e.g. token-major, as FA3's FP8 API takes it):
+    the FP8 wgmma reads V K-major, which is the layout :func:`leanfa.quantize_fp8` writes. One pass over
+    V per call, in place of the portable kernel."""
+    B, S, H, Dv = v.shape
+    room = -(-max(S, 1) // V_ALIGN_TOKENS) * V_ALIGN_TOKENS
+    out = torch.empty((B, H, Dv, room), dtype=torch.uint8, device=v.device)
+    out[..., S:].zero_()
+    out[..., :S].copy_(v.permute(0, 2, 3, 1).view(torch.uint8))
+    return out.view(v.dtype).permute(0, 3, 1, 2)[:, :S]
+
+
 def _bshd_as_bhsd(t: torch.Tensor):
     """Shape and strides of a (B, S, H, D) tensor as stored [B, H, S, D] (D innermost)."""
     B, S, H, D = t.shape
@@ -273,8 +286,11 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
     if varlen and version != "v3":
         raise ValueError(f"varlen inputs need the v3 Hopper kernel (LEANFA_HOPPER_KERNEL={version})")
     cu_seqlens_v = None
-    if varlen and q.dtype == torch.float8_e4m3fn and v_is_kmajor(as_bshd(v)):
-        v, cu_seqlens_v = align_varlen_v(v, cu_seqlens_k)
+    if q.dtype == torch.float8_e4m3fn:  # the FP8 wgmma reads V K-major (tokens innermost), 16-byte aligned
+        if varlen:
+            v, cu_seqlens_v = align_varlen_v(v, cu_seqlens_k)  # (from either layout)
+        elif not v_is_kmajor(v):
+            v = transpose_fp8_v(v)
     q, k, v = as_bshd(q), as_bshd(k), as_bshd(v)
     B, Sq, Hq, Dqk = q.shape
     Sk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
