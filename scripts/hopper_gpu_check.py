@@ -135,6 +135,20 @@ def make_qkv(B, Sq, Sk, Hq, Hkv, dqk, dv, layout="bshd", seed=0):
     return q, k, v
 
 
+def _with_lse_check(ok, err, msg, lse_k, ref_lse):
+    """``(ok, err, lse_err, message)`` of a case, with its LSE checked against the reference's
+    (the same -inf pattern, finite entries within LSE_TOL); ``ref_lse`` None: no LSE asked for."""
+    lse_err = float("nan")
+    if ref_lse is not None:
+        fin = torch.isfinite(ref_lse)
+        same_inf = bool(torch.equal(torch.isinf(lse_k), ~fin))
+        lse_err = float((lse_k.double() - ref_lse)[fin].abs().max()) if bool(fin.any()) else 0.0
+        if not same_inf:
+            msg.append("LSE -inf pattern differs")
+        ok = ok and same_inf and lse_err < LSE_TOL
+    return ok, err, lse_err, "; ".join(msg)
+
+
 def run_case(dtype, B, Sq, Sk, Hq, Hkv, dqk, dv, causal, lse, layout="bshd", descale="block", repeat=False):
     q, k, v = make_qkv(B, Sq, Sk, Hq, Hkv, dqk, dv, layout)
     scale = dqk ** -0.5
@@ -167,15 +181,7 @@ def run_case(dtype, B, Sq, Sk, Hq, Hkv, dqk, dv, causal, lse, layout="bshd", des
     if racy:
         msg.append("NOT DETERMINISTIC (race?)")
         ok = False
-    lse_err = float("nan")
-    if lse:
-        fin = torch.isfinite(ref_lse)
-        same_inf = bool(torch.equal(torch.isinf(lse_k), ~fin))
-        lse_err = float((lse_k.double() - ref_lse)[fin].abs().max()) if bool(fin.any()) else 0.0
-        if not same_inf:
-            msg.append("LSE -inf pattern differs")
-        ok = ok and same_inf and lse_err < LSE_TOL
-    return ok, err, lse_err, "; ".join(msg)
+    return _with_lse_check(ok, err, msg, lse_k, ref_lse if lse else None)
 
 
 def run_varlen_case(dtype, lens_q, lens_k, Hq, Hkv, dqk, dv, causal, lse):
@@ -204,15 +210,7 @@ def run_varlen_case(dtype, lens_q, lens_k, Hq, Hkv, dqk, dv, causal, lse):
             errs.append(float((out[rows].double() - r).norm() / r.norm()))
     err = max(errs, default=0.0)
     ok, msg = not nan and err < TOL[dtype], ["NaN in out"] if nan else []
-    lse_err = float("nan")
-    if lse:
-        fin = torch.isfinite(ref_lse)
-        same_inf = bool(torch.equal(torch.isinf(lse_k), ~fin))
-        lse_err = float((lse_k.double() - ref_lse)[fin].abs().max()) if bool(fin.any()) else 0.0
-        if not same_inf:
-            msg.append("LSE -inf pattern differs")
-        ok = ok and same_inf and lse_err < LSE_TOL
-    return ok, err, lse_err, "; ".join(msg)
+    return _with_lse_check(ok, err, msg, lse_k, ref_lse if lse else None)
 
 
 def _case_name(c):
