@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import sys
+from unittest import mock
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
@@ -49,9 +50,7 @@ def plan_for(q, k, v, scale, kw, env):
     """A v3 plan built with ``env`` set (the trace buffer, if asked for, is ``plan.trace``)."""
     from leanfa.api import _build_problem
     from leanfa.kernels import hopper
-    old = {n: os.environ.get(n) for n in env}
-    os.environ.update(env)
-    try:
+    with mock.patch.dict(os.environ, env):
         problem = _build_problem(q, k, v, varlen=False, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
                                  max_seqlen_k=None, softmax_scale=scale, causal=True, return_lse=False,
                                  out_dtype=None, **{n: kw.get(n) for n in ("q_descale", "k_descale", "v_descale", "k_mean")})
@@ -59,12 +58,6 @@ def plan_for(q, k, v, scale, kw, env):
         if not ok:
             raise RuntimeError(why)
         return hopper.plan(problem)[0]
-    finally:
-        for n, x in old.items():
-            if x is None:
-                os.environ.pop(n, None)
-            else:
-                os.environ[n] = x
 
 
 def run_case(name, out_dir):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from unittest import mock
 
 import torch
 import triton
@@ -72,17 +73,9 @@ def _fake_problem(v: Variant):
         varlen = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=156, max_seqlen_k=156)
         qs, ks, vs = ones.expand(2, H, 2), ones.expand(2, H, 2), ones.expand(2, H, v.dv)
         km = torch.zeros(2, H, v.dqk, dtype=torch.float32) if v.k_mean else None
-    old = {k: os.environ.get(k) for k, _ in v.env}
-    os.environ.update({k: str(x) for k, x in v.env})
-    try:
+    with mock.patch.dict(os.environ, {k: str(x) for k, x in v.env}):  # restored on exit
         return L.make_plan(q, k, v_, out, lse if v.return_lse else None, qs, ks, vs, km, causal=v.causal,
                            softmax_scale=v.dqk ** -0.5, return_lse=v.return_lse, version=v.version, **varlen)
-    finally:
-        for k_, x in old.items():
-            if x is None:
-                os.environ.pop(k_, None)
-            else:
-                os.environ[k_] = x
 
 
 def _signature(fn, args, constexprs):

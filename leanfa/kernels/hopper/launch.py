@@ -20,6 +20,7 @@ import torch
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ...quant import V_TOKEN_ALIGN  # 16 FP8 tokens = 16 bytes: where a TMA box may start
 from ...scales import SCALE_BLOCK, broadcast_strides
 from .exp2 import ABLATE_BITS
 from .kernel import attn_fwd_kernel
@@ -60,13 +61,9 @@ def permute_v_keys(v: torch.Tensor) -> torch.Tensor:
     return out.view(v.dtype).permute(0, 3, 1, 2)
 
 
-#: tokens per 16 bytes of FP8: a TMA box must start on a 16-byte boundary of its innermost dimension
-V_ALIGN_TOKENS = 16
-
-
 def align_varlen_v(v: torch.Tensor, cu_seqlens_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A copy of a packed, transposed-storage FP8 V ``(total, H, Dv)`` (tokens innermost) in which every
-    sequence starts on a multiple of ``V_ALIGN_TOKENS`` tokens, and those starts ``cu_seqlens_v`` (int32,
+    sequence starts on a multiple of ``V_TOKEN_ALIGN`` tokens, and those starts ``cu_seqlens_v`` (int32,
     ``batch + 1``). A TMA box of key block ``j`` of sequence ``b`` starts at token ``start_b + 128 j``;
     with ``start_b = cu_seqlens_k[b]`` that is any byte offset, which TMA refuses ("illegal instruction",
     H200 run 15). Device ops only (no host sync on the lengths): the gaps are zeros, so the keys past a
@@ -74,25 +71,25 @@ def align_varlen_v(v: torch.Tensor, cu_seqlens_k: torch.Tensor) -> tuple[torch.T
     total, H, Dv = v.shape
     batch = cu_seqlens_k.shape[0] - 1
     cu = cu_seqlens_k.to(torch.int64)
-    padded = (cu[1:] - cu[:-1] + V_ALIGN_TOKENS - 1) // V_ALIGN_TOKENS * V_ALIGN_TOKENS
+    padded = (cu[1:] - cu[:-1] + V_TOKEN_ALIGN - 1) // V_TOKEN_ALIGN * V_TOKEN_ALIGN
     cu_v = torch.nn.functional.pad(padded.cumsum(0), (1, 0))
     tokens = torch.arange(total, device=v.device)
     seq = torch.searchsorted(cu[1:], tokens, right=True)  # the sequence of each packed token
     dest = tokens - cu[seq] + cu_v[seq]
     # room for the worst case (every sequence padded by 15), a multiple of 16 tokens: TMA strides
-    room = -(-(total + (V_ALIGN_TOKENS - 1) * batch) // V_ALIGN_TOKENS) * V_ALIGN_TOKENS
-    out = torch.zeros((H, Dv, max(room, V_ALIGN_TOKENS)), dtype=torch.uint8, device=v.device)
+    room = -(-(total + (V_TOKEN_ALIGN - 1) * batch) // V_TOKEN_ALIGN) * V_TOKEN_ALIGN
+    out = torch.zeros((H, Dv, max(room, V_TOKEN_ALIGN)), dtype=torch.uint8, device=v.device)
     out.index_copy_(2, dest, v.permute(1, 2, 0).view(torch.uint8))
     return out.view(v.dtype).permute(2, 0, 1), cu_v.to(torch.int32)
 
 
 def transpose_fp8_v(v: torch.Tensor) -> torch.Tensor:
-    """A transposed-storage copy ``(B, H, Dv, S)`` (token rows padded to ``V_ALIGN_TOKENS``, zeros), viewed
+    """A transposed-storage copy ``(B, H, Dv, S)`` (token rows padded to ``V_TOKEN_ALIGN``, zeros), viewed
     as ``(B, S, H, Dv)``, of an FP8 V in any other layout (e.g. token-major, as FA3's FP8 API takes it):
     the FP8 wgmma reads V K-major, which is the layout :func:`leanfa.quantize_fp8` writes. One pass over
     V per call, in place of the portable kernel."""
     B, S, H, Dv = v.shape
-    room = -(-max(S, 1) // V_ALIGN_TOKENS) * V_ALIGN_TOKENS
+    room = -(-max(S, 1) // V_TOKEN_ALIGN) * V_TOKEN_ALIGN
     out = torch.empty((B, H, Dv, room), dtype=torch.uint8, device=v.device)
     out[..., S:].zero_()
     out[..., :S].copy_(v.permute(0, 2, 3, 1).view(torch.uint8))
