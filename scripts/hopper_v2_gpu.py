@@ -82,7 +82,10 @@ def child_correctness(cfg, small, sanitize):
     import hopper_gpu_check as H
     cases = H.default_cases(small=small)
     if sanitize:  # compute-sanitizer is ~100x slower: a handful of small shapes, both dtypes/dims
-        cases = [c for c in cases if (c["Sq"], c["Sk"]) in ((100, 100), (129, 300))]  # 16: dtypes x dims x mask
+        # 16 dense (dtypes x dims x mask) and FP8 varlen (its V re-pack) causal and not; run 40 crashed here
+        # on the varlen cases, which have no Sq/Sk
+        cases = [c for c in cases if (c.get("Sq"), c.get("Sk")) in ((100, 100), (129, 300))
+                 or ("lens_q" in c and c["dtype"] == "fp8")]
     rows = H.correctness(cases)
     npass = sum(r[1] == "PASS" for r in rows)
     for name, st, err, lerr, msg in rows:
@@ -271,7 +274,10 @@ def main():
         print(f"{r[0]:28s} {r[1]:16s} {r[2]:8.3f} ms {r[3]:7.1f} TFLOP/s  x{r[4]:5.2f} vs cuDNN  x{r[5]:5.2f} vs {ref}"
               f"  clk={r[6]}")
     print(f"total {time.time() - t0:.0f}s")
-    return 0 if all(s == "PASS" for s in status.values()) else 1
+    # racecheck always reports the warp-specialize dispatch's hazards (perf-notes: the kernel's def and
+    # last line), so only memcheck and synccheck decide the exit status
+    gate = list(status.values()) + [s for t, s in san.items() if t != "racecheck"]
+    return 0 if all(s == "PASS" for s in gate) else 1
 
 
 if __name__ == "__main__":
