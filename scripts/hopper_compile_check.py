@@ -53,13 +53,16 @@ def variants():
                        env=(("LEANFA_HOPPER_BLOCK_N", 256), ("LEANFA_HOPPER_PV_IN_MMA", 1), ("LEANFA_HOPPER_V_PERMUTED", 1))))
     for dtype, causal in (("fp8", True), ("fp8", False), ("bf16", True), ("bf16", False)):  # head dim 64
         out.append(Variant(dtype, 64, 64, causal, version="v3"))
+    for dtype, causal in (("fp8", True), ("fp8", False), ("bf16", True), ("bf16", False)):  # head dim 256
+        out.append(Variant(dtype, 256, 256, causal, version="v3", return_lse=causal))
+    out.append(Variant("fp8", 256, 256, True, version="v3", varlen=True))
     for dtype, dqk in (("fp8", 128), ("bf16", 128), ("bf16", 192)):
         out.append(Variant(dtype, dqk, 128, True, version="v3", varlen=dtype == "bf16"))
     out.append(Variant("fp8", 128, 128, True, version="v3", varlen=True))  # V re-packed, its starts from a table
     out.append(Variant("fp8", 192, 128, False, version="v3", varlen=True))
     for dtype in ("fp8", "bf16"):  # the clock trace (scripts/hopper_trace.py)
         out.append(Variant(dtype, 128, 128, True, version="v3", env=(("LEANFA_HOPPER_TRACE", 1),)))
-    for knob in ("PV_IN_MMA", "PINGPONG", "PERSISTENT", "V_PERMUTED"):
+    for knob in ("PV_IN_MMA", "PINGPONG", "PERSISTENT", "V_PERMUTED", "K_FIRST"):
         out.append(Variant("fp8", 128, 128, True, version="v3", env=((f"LEANFA_HOPPER_{knob}", 1),)))
     three = (("LEANFA_HOPPER_CONSUMERS", 3), ("LEANFA_HOPPER_BLOCK_N", 64))  # 160 registers per consumer
     for dtype, dqk in (("fp8", 128), ("fp8", 192), ("bf16", 128), ("bf16", 192)):

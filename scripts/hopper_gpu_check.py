@@ -244,6 +244,13 @@ def correctness(cases):
     return rows
 
 
+def _dims_from_env():
+    """``LEANFA_CHECK_DIMS`` (e.g. ``256/256``, comma-separated): check only these head dims (their grid
+    and varlen cases), e.g. a new head dim in a step of its own; unset: every dims of the kernel."""
+    spec = os.environ.get("LEANFA_CHECK_DIMS", "").strip()
+    return tuple(tuple(int(x) for x in d.split("/")) for d in spec.split(",")) if spec else None
+
+
 def default_cases(small=False):
     shapes = [  # B, Sq, Sk, Hq, Hkv
         (1, 1, 1, 4, 4), (2, 100, 100, 8, 2), (1, 128, 128, 4, 4), (2, 1000, 1000, 8, 8),
@@ -254,13 +261,18 @@ def default_cases(small=False):
         shapes = [(1, 1, 1, 4, 4), (2, 100, 100, 8, 2), (1, 129, 300, 4, 2), (1, 300, 129, 4, 4)]
     cases = []
     v3 = os.environ.get("LEANFA_HOPPER_KERNEL", "v3") == "v3"
-    dims = ((128, 128), (192, 128)) + (((64, 64), ) if v3 else ())  # 64/64: v3 only
+    only = _dims_from_env()
+    # 64/64: v3 only; 256/256 (v3) has its own step (gpu_session.sh d256_check: LEANFA_CHECK_DIMS=256/256),
+    # since with it the full set would outrun the check's time limit
+    dims = only or ((128, 128), (192, 128)) + (((64, 64), ) if v3 else ())
     for dtype in ("bf16", "fp8"):
         for dqk, dv in dims:
             for causal in (True, False):
                 for i, (B, Sq, Sk, Hq, Hkv) in enumerate(shapes):
                     cases.append(dict(dtype=dtype, B=B, Sq=Sq, Sk=Sk, Hq=Hq, Hkv=Hkv, dqk=dqk, dv=dv,
                                       causal=causal, lse=(i % 2 == 0)))
+    if only:
+        return cases + _varlen_cases(small, only)
     cases.append(dict(dtype="bf16", B=2, Sq=1000, Sk=1000, Hq=4, Hkv=4, dqk=128, dv=128, causal=True,
                       lse=True, layout="packed"))
     cases.append(dict(dtype="bf16", B=2, Sq=1000, Sk=1000, Hq=8, Hkv=2, dqk=128, dv=128, causal=True,
@@ -275,19 +287,20 @@ def default_cases(small=False):
         for dqk in (128, 192):
             cases.append(dict(dtype=dtype, B=1, Sq=4096, Sk=4096, Hq=8, Hkv=2, dqk=dqk, dv=128, causal=False,
                               lse=False, repeat=True))
-    # packed varlen (FP8: V re-packed by the plan to 16-token sequence starts); these lengths start
-    # most sequences off a 16-token boundary, include an empty one, and tiles that straddle the next
-    varlen = [([1, 130, 0, 300, 77], [5, 130, 3, 300, 77]), ([700, 129], [1300, 517])]
-    if small:
-        varlen = varlen[:1]
-    for dtype in ("bf16", "fp8"):
-        for lens_q, lens_k in varlen:
-            for causal in (True, False):
-                cases.append(dict(dtype=dtype, lens_q=lens_q, lens_k=lens_k, Hq=4, Hkv=2, dqk=128, dv=128,
-                                  causal=causal, lse=True))
+    cases += _varlen_cases(small, ((128, 128), ))
     if small:
         cases = [c for c in cases if not c.get("repeat")]
     return cases
+
+
+def _varlen_cases(small, dims):
+    """Packed varlen (FP8: V re-packed by the plan to 16-token sequence starts); these lengths start
+    most sequences off a 16-token boundary, include an empty one, and tiles that straddle the next."""
+    varlen = [([1, 130, 0, 300, 77], [5, 130, 3, 300, 77]), ([700, 129], [1300, 517])]
+    if small:
+        varlen = varlen[:1]
+    return [dict(dtype=dtype, lens_q=lens_q, lens_k=lens_k, Hq=4, Hkv=2, dqk=dqk, dv=dv, causal=causal, lse=True)
+            for dtype in ("bf16", "fp8") for dqk, dv in dims for lens_q, lens_k in varlen for causal in (True, False)]
 
 
 def compact_table(rows):

@@ -81,11 +81,20 @@ SHAPES = [  # B, Sq, Sk, Hq, Hkv -- the shapes of the 2026-11-29 H200 failures, 
 ]
 
 
+DIMS = [(128, 128), (192, 128), (64, 64), (256, 256)]
+
+
+def _skip_v3_only(dims, version):
+    if dims == (256, 256) and version != "v3":
+        pytest.skip("head dim 256 runs on v3 only")
+
+
 @pytest.mark.parametrize("version", ["v1", "v3"])
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("dims", [(128, 128), (192, 128), (64, 64)])
+@pytest.mark.parametrize("dims", DIMS)
 @pytest.mark.parametrize("causal", [True, False])
 def test_bf16_emulated_matches_reference(shape, dims, causal, version):
+    _skip_v3_only(dims, version)
     reset_shadows()
     p = _problem(*_inputs(*shape, *dims), causal)
     rep = _check(p, 1e-2, version=version)
@@ -94,9 +103,11 @@ def test_bf16_emulated_matches_reference(shape, dims, causal, version):
 
 def _check_schedule(p, rep):
     """Each tile reads exactly the key blocks some real row of it can see, in order, once each
-    (once per consumer partition: v3 has two, each reading every block of the tile)."""
+    (once per consumer partition: v3 has two, each reading every block of the tile). Head dim 256
+    reads 64-key blocks (``launch.wide_head``)."""
     B, Sq, Hq, dqk = p.q.shape
     Sk = p.k.shape[1]
+    block_n = 64 if L.wide_head(p.v.shape[-1]) else BLOCK
     chunks = 1 if dqk & (dqk - 1) == 0 else dqk // 64  # K boxes per key block (launch.qk_chunk)
     n_tiles = -(-Sq // BLOCK)
     assert len(rep.schedule) == B * Hq * n_tiles
@@ -107,19 +118,20 @@ def _check_schedule(p, rep):
         vis = torch.ones(len(rows), Sk, dtype=torch.bool)
         if p.causal:
             vis = keys[None, :] <= rows[:, None] + (Sk - Sq)
-        want = sorted({int(j) // BLOCK for j in keys[vis.any(0)]})
+        want = sorted({int(j) // block_n for j in keys[vis.any(0)]})
         assert per_part or not want, (pid_bh, pid1, want)
         for reads in per_part.values():
-            got = [c[2] // BLOCK for c in reads]
+            got = [c[2] // block_n for c in reads]
             assert got == [j for j in want for _ in range(chunks)], (pid_bh, pid1, got, want)
             assert all(c[1] == (pid_bh % Hq) // (Hq // p.k.shape[2]) for c in reads)  # the right KV head
 
 
 @pytest.mark.parametrize("shape", [(1, 300, 700, 2, 1), (1, 700, 300, 2, 2), (1, 1, 600, 2, 1)])
-@pytest.mark.parametrize("dims", [(128, 128), (192, 128), (64, 64)])
+@pytest.mark.parametrize("dims", DIMS)
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("version", ["v1", "v3"])
 def test_fp8_emulated_matches_reference(shape, dims, causal, version):
+    _skip_v3_only(dims, version)
     reset_shadows()
     q, k, v = _inputs(*shape, *dims)
     qq = leanfa.quantize_fp8(q, k, v)
@@ -332,7 +344,7 @@ V2_SHAPES = [(1, 1, 1, 2, 2), (1, 129, 700, 2, 1), (1, 700, 300, 2, 2), (1, 1, 1
 
 @pytest.mark.parametrize("version,knob", [("v2", "LEANFA_HOPPER_PIPE"), ("v3", "LEANFA_HOPPER_PINGPONG"),
                                           ("v3", "LEANFA_HOPPER_PV_IN_MMA"), ("v3", "LEANFA_HOPPER_PERSISTENT"),
-                                          ("v3", "LEANFA_HOPPER_V_PERMUTED")])
+                                          ("v3", "LEANFA_HOPPER_V_PERMUTED"), ("v3", "LEANFA_HOPPER_K_FIRST")])
 @pytest.mark.parametrize("order", ["consumer-first", "producer-first"])
 @pytest.mark.parametrize("flag", ["1", "0"])
 @pytest.mark.parametrize("fp8", [False, True])
@@ -341,8 +353,8 @@ def test_warp_specialized_matches_v1(shape, fp8, flag, order, version, knob, mon
     """v2 (producer warp + one consumer partition; ``flag``: QK^T of block j+1 issued before the
     softmax of block j) and v3 (producer warp + two consumer partitions; ``flag``: turn barriers,
     FP8 PV accumulated in the wgmma accumulator, persistent programs that run several tiles
-    each, or FP8 V with its keys permuted so that P needs no shuffle) give v1's numbers, whichever
-    partition runs first."""
+    each, FP8 V with its keys permuted so that P needs no shuffle, or the next K waited for before V)
+    give v1's numbers, whichever partition runs first."""
     for name in knob.split(","):
         monkeypatch.setenv(name, flag)
     q, k, v = _inputs(*shape, 128, 128)
@@ -531,9 +543,12 @@ from leanfa.kernels.hopper import kernel_pingpong as KP  # noqa: E402
      "LEANFA_HOPPER_PERSISTENT"),
     # S_0 read by the softmax while its wgmma may still be writing it (no wait)
     (KP, "_consumer_tile", "s = warpgroup_mma_wait(0, deps=(s_acc, ))", "s = s_acc", ""),
+    # K_FIRST: the wait is for this block's K, not the next one's, whose slot QK_{j+1} then reads
+    (KP, "_consumer_block", "k_slot = wait_k(k_bars, ring + j + 1, STAGES)",
+     "k_slot = (ring + j + 1) % STAGES + 0 * wait_k(k_bars, ring + j, STAGES)", "LEANFA_HOPPER_K_FIRST"),
 ])
 def test_v3_mutations_caught(mod, fn, old, new, knobs, monkeypatch):
-    for name in ("LEANFA_HOPPER_PINGPONG", "LEANFA_HOPPER_PERSISTENT"):
+    for name in ("LEANFA_HOPPER_PINGPONG", "LEANFA_HOPPER_PERSISTENT", "LEANFA_HOPPER_K_FIRST"):
         monkeypatch.setenv(name, "1" if name in knobs else "0")
     reset_shadows()
     try:
@@ -559,11 +574,11 @@ VARLEN_LENS_FP8 = [([0, 1, 130, 300, 77], [16, 48, 304, 128, 77])] + VARLEN_LENS
 
 @pytest.mark.parametrize("lens,fp8", [(x, False) for x in VARLEN_LENS] + [(x, True) for x in VARLEN_LENS_FP8])
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("mode", ["tile per program", "persistent", "three consumers"])
+@pytest.mark.parametrize("mode", ["tile per program", "persistent", "three consumers", "head dim 256"])
 def test_v3_varlen(lens, causal, fp8, mode, monkeypatch):
-    """v3 on packed varlen inputs (GQA 2:1), one tile per program, persistent, or with three consumer
-    warpgroups: every sequence against the float64 reference, every output row and LSE entry
-    written (poisoned first)."""
+    """v3 on packed varlen inputs (GQA 2:1), one tile per program, persistent, with three consumer
+    warpgroups, or at head dim 256 (64-key blocks): every sequence against the float64 reference, every
+    output row and LSE entry written (poisoned first)."""
     from leanfa.api import _build_problem
 
     monkeypatch.setenv("LEANFA_HOPPER_PERSISTENT", "1" if mode == "persistent" else "0")
@@ -573,9 +588,10 @@ def test_v3_varlen(lens, causal, fp8, mode, monkeypatch):
     lq, lk = lens
     g = torch.Generator().manual_seed(len(lq))
     cu_q, cu_k = cu_seqlens(lq), cu_seqlens(lk)
-    q = torch.randn(int(cu_q[-1]), 2, 128, generator=g).to(torch.bfloat16)
-    k = (torch.randn(int(cu_k[-1]), 1, 128, generator=g) + 1).to(torch.bfloat16)
-    v = torch.randn(int(cu_k[-1]), 1, 128, generator=g).to(torch.bfloat16)
+    d = 256 if mode == "head dim 256" else 128
+    q = torch.randn(int(cu_q[-1]), 2, d, generator=g).to(torch.bfloat16)
+    k = (torch.randn(int(cu_k[-1]), 1, d, generator=g) + 1).to(torch.bfloat16)
+    v = torch.randn(int(cu_k[-1]), 1, d, generator=g).to(torch.bfloat16)
     cu = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lq), max_seqlen_k=max(lk))
     kw = dict(q_descale=None, k_descale=None, v_descale=None, k_mean=None)
     if fp8:
@@ -698,6 +714,37 @@ def test_varlen_needs_v3(monkeypatch):
 
 
 # ----------------------------------------------------------------------------- knobs
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_head_dim_256_plan(fp8, monkeypatch):
+    """Head dim 256: 64-key blocks and (FP8) PV in the wgmma accumulator, the only build that fits the
+    registers (launch.wide_head); asking for anything else is an error, not a spilling kernel."""
+    for k in ("LEANFA_HOPPER_KERNEL", "LEANFA_HOPPER_PV_IN_MMA", "LEANFA_HOPPER_BLOCK_N", "LEANFA_HOPPER_CONSUMERS",
+              "LEANFA_HOPPER_STAGES"):
+        monkeypatch.delenv(k, raising=False)
+    q, k, v = _inputs(1, 200, 200, 2, 1, 256, 256)
+    kw = {}
+    if fp8:
+        qq = leanfa.quantize_fp8(q, k, v)
+        q, k, v, kw = qq.q, qq.k, qq.v, qq.descales()
+    p = _problem(q, k, v, True, **kw)
+    out = torch.empty(1, 200, 2, 256, dtype=torch.bfloat16)
+    plan = emulate_mod._make_plan_cpu(L, p, out, None)
+    assert plan.args[1].block_shape[2:] == [64, 256]  # K boxes: 64 keys of 256 dims
+    assert plan.constexprs["PV_IN_MMA"] is True
+    # the deepest ring that fits 227 KB: BF16 Q 64 KB + 2 x 64 KB; FP8 Q 32 KB + 4 x 32 KB
+    assert plan.constexprs["STAGES"] == (4 if fp8 else 2)
+    monkeypatch.setenv("LEANFA_HOPPER_BLOCK_N", "128")
+    with pytest.raises(ValueError, match="64-key blocks"):
+        emulate_mod._make_plan_cpu(L, p, out, None)
+    monkeypatch.delenv("LEANFA_HOPPER_BLOCK_N")
+    monkeypatch.setenv("LEANFA_HOPPER_CONSUMERS", "3")
+    with pytest.raises(ValueError, match="two consumer warpgroups"):
+        emulate_mod._make_plan_cpu(L, p, out, None)
+    monkeypatch.delenv("LEANFA_HOPPER_CONSUMERS")
+    with pytest.raises(ValueError, match="two consumer warpgroups"):
+        emulate_mod._make_plan_cpu(L, p, out, None, version="v1")
+
 
 def test_hopper_knobs(monkeypatch):
     """v3 is the default Hopper kernel; a bad knob value is an error, never a silent fallback."""

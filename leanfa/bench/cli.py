@@ -75,7 +75,7 @@ def build_parser(command: str) -> argparse.ArgumentParser:
         p.add_argument("--causal", choices=("both", "true", "false"),
                        help="masks to run (default: both for standard, causal for models/varlen)")
         p.add_argument("--models", help="comma list of model presets for the models sweep")
-        p.add_argument("--dims", help="comma list of head dims for the standard sweep: d128, mla, d64 "
+        p.add_argument("--dims", help="comma list of head dims for the standard sweep: d128, mla, d64, d256 "
                                       "(default d128,mla)")
         p.add_argument("--quick", action="store_true",
                        help="S = 1K, 4K, 16K only and short timing (~5 min for all sweeps on H200)")

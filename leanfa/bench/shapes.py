@@ -17,7 +17,7 @@ STANDARD_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 #: head dims of the standard sweep: (label, Dqk, Dv)
 STANDARD_DIMS = (("d128", 128, 128), ("mla", 192, 128))
 #: head dims the standard sweep can also run (``leanfa bench --dims``)
-EXTRA_DIMS = (("d64", 64, 64), )
+EXTRA_DIMS = (("d64", 64, 64), ("d256", 256, 256))
 
 #: model presets: name -> (q heads, kv heads, Dqk, Dv); the name is also the
 #: ``leanfa.activations`` preset that makes model-like Q/K/V for it
@@ -147,7 +147,7 @@ def build_cases(sweeps=SWEEPS, *, quick: bool = False, seqlens=None, causal: str
     ``seqlens`` overrides every sweep's sequence lengths (varlen keeps its batch);
     ``quick`` keeps only :data:`QUICK_SEQLENS`; ``causal`` is "both", "true" or "false"
     (default: both for the standard sweep, causal for models and varlen, as in prefill); ``dims``
-    are the standard sweep's head-dim labels (default d128, mla; d64 too).
+    are the standard sweep's head-dim labels (default d128, mla; d64 and d256 too).
     """
     unknown = [s for s in sweeps if s not in SWEEPS]
     if unknown:

@@ -40,7 +40,9 @@ HEAD_DIMS = ((128, 128), (192, 128))
 #: Head dims only the v3 kernel runs: 64/64 needed no kernel change and passed the 130-case H200
 #: check (the 90 cases plus 40 at 64/64: BF16 and FP8, causal and not, odd lengths, GQA) and
 #: memcheck on its 24 small cases, 0 errors (run 22, b9e966e).
-V3_HEAD_DIMS = ((64, 64),)
+#: 256/256 (Gemma-class heads) runs 64-key blocks with FP8 PV in the wgmma accumulator
+#: (launch.wide_head): the same kernel, 0 B spills in the sm90 AOT compile.
+V3_HEAD_DIMS = ((64, 64), (256, 256))
 IN_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -66,7 +68,7 @@ def supports(problem) -> tuple[bool, str]:
     v3_only = dims in V3_HEAD_DIMS and _launch.kernel_version() == "v3"
     if dims not in HEAD_DIMS and not v3_only:
         return False, (f"head dims {dims[0]}/{dims[1]} are not implemented in the Hopper kernel "
-                       f"({_launch.kernel_version()}: 128/128, 192/128; v3 also 64/64)")
+                       f"({_launch.kernel_version()}: 128/128, 192/128; v3 also 64/64 and 256/256)")
     if q.dtype not in IN_DTYPES:
         return False, f"dtype {q.dtype} is not supported by the Hopper kernel"
     if problem.out_dtype not in OUT_DTYPES:

@@ -141,12 +141,25 @@ def stages_for(dqk: int, dv: int, elt: int, block_n: int = BLOCK_N, block_m: int
     return stages
 
 
-def _block_n(version: str, is_fp8: bool) -> int:
-    """Keys per block: 128; 64 with ``LEANFA_HOPPER_BLOCK_N=64`` (v3: S takes 32 registers, the room
-    a third consumer warpgroup needs); or 256 with ``LEANFA_HOPPER_BLOCK_N=256`` (v3 FP8 with PV in
-    the wgmma accumulator: cuDNN's FP8 kernel runs a 64x256 S tile per warpgroup, run 20's SASS; S
-    then takes 128 registers, which leave no room for a separate fp32 PV tile)."""
-    n = int(os.environ.get("LEANFA_HOPPER_BLOCK_N", "128") or 128)
+def wide_head(dv: int) -> bool:
+    """Head dim 256 (v3 only): O alone takes 128 registers per thread (64 x 256 fp32 over a warpgroup),
+    so the key blocks are 64 keys (S in 32 registers) and FP8 PV accumulates in O itself
+    (``PV_IN_MMA``: no second 128-register fp32 PV tile). AOT sm90: 0 B spills for FP8 and BF16;
+    at 128-key blocks FP8 spills 52-80 B and BF16's wgmmas are serialized (C7512)."""
+    return dv > 128
+
+
+def _block_n(version: str, is_fp8: bool, dv: int = 128) -> int:
+    """Keys per block: 128 (64 at head dim 256, :func:`wide_head`); 64 with ``LEANFA_HOPPER_BLOCK_N=64``
+    (v3: S takes 32 registers, the room a third consumer warpgroup needs); or 256 with
+    ``LEANFA_HOPPER_BLOCK_N=256`` (v3 FP8 with PV in the wgmma accumulator: cuDNN's FP8 kernel runs a
+    64x256 S tile per warpgroup, run 20's SASS; S then takes 128 registers, which leave no room for a
+    separate fp32 PV tile)."""
+    default = 64 if wide_head(dv) else BLOCK_N
+    n = int(os.environ.get("LEANFA_HOPPER_BLOCK_N", "") or default)
+    if wide_head(dv) and n != 64:
+        raise ValueError(f"head dim {dv} runs 64-key blocks only (LEANFA_HOPPER_BLOCK_N={n}): O takes 128 "
+                         "registers per thread, and at 128 keys S and P no longer fit next to it")
     if n == BLOCK_N:
         return n
     if n not in (64, 256):
@@ -201,6 +214,8 @@ def _flag(name: str, default: bool) -> bool:
 #: off: kernel +1-2%, run 24, less than the per-call copy costs), LEANFA_HOPPER_CONSUMERS=3 (a third
 #: consumer warpgroup, 192-row tiles, 160 registers each: FP8 needs LEANFA_HOPPER_PV_IN_MMA=1 (64- or
 #: 128-key blocks), BF16/FP16 LEANFA_HOPPER_BLOCK_N=64; an experiment, off: 0.95-1.04x v3, runs 30-31),
+#: LEANFA_HOPPER_K_FIRST=1 (v3: wait for the next K right before V, one BAR.SYNC fewer per key block;
+#: an experiment, off until timed),
 #: LEANFA_HOPPER_TRACE=1 (v3: each consumer warpgroup records SM clocks at the phases of its key loop
 #: into ``Plan.trace``, see trace.py and scripts/hopper_trace.py; off: without it the PTX is unchanged),
 #: LEANFA_HOPPER_RESCALE_SKIP,
@@ -299,10 +314,13 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
         v = permute_v_keys(v)
         kmajor = PERMUTED_KEYS.value
     dchunk = qk_chunk(Dqk)
-    block_n = _block_n(version, is_fp8)
+    block_n = _block_n(version, is_fp8, Dv)
     wgs = _consumer_wgs(version)
-    pv_flag = _flag("LEANFA_HOPPER_PV_IN_MMA", False)
+    pv_flag = _flag("LEANFA_HOPPER_PV_IN_MMA", False) or wide_head(Dv)
     pv_in_mma = is_fp8 and pv_flag
+    if wide_head(Dv) and (version != "v3" or wgs != 2):
+        raise ValueError(f"head dim {Dv} runs on the v3 kernel with two consumer warpgroups only (its O takes "
+                         "128 of a warpgroup's registers per thread)")
     if wgs == 3 and not (pv_in_mma and block_n <= 128 or not is_fp8 and block_n == 64):
         # (FP8 with PV in the accumulator also compiles at 128-key blocks, with its wgmmas serialized)
         raise ValueError("LEANFA_HOPPER_CONSUMERS=3 needs, at 160 registers per warpgroup, FP8 with "
@@ -373,7 +391,7 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
         if wgs != 2 and pingpong:
             raise ValueError("LEANFA_HOPPER_PINGPONG alternates two consumer warpgroups (LEANFA_HOPPER_CONSUMERS=2)")
         constexprs.update(PINGPONG=pingpong, POLY=poly, PV_IN_MMA=pv_flag,
-                          PERSISTENT=persistent, VARLEN=varlen, CONSUMER_WGS=wgs,
+                          PERSISTENT=persistent, K_FIRST=_flag("LEANFA_HOPPER_K_FIRST", False), VARLEN=varlen, CONSUMER_WGS=wgs,
                           CONSUMER_REGS=V3_CONSUMER_REGS if wgs == 2 else V3_CONSUMER_REGS_3WG,
                           num_warps=NUM_WARPS // 2)
     if persistent:  # one program per SM (one CTA fits an SM: > 114 KB of shared memory)
