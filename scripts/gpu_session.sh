@@ -67,12 +67,13 @@ run_steps() {
       bench_d64) step bench_d64 200 16 python3 -m leanfa.cli bench --quick --no-progress --sweep standard \
                 --dims d64,d128,mla --seqlens 4k,16k --causal true --impl 'leanfa-hopper-*,cudnn-bf16,cudnn-fp8' \
                 --name bench-dims --out "$OUT/r/bench_dims" ;;  # the bench table, head dim 64 included
-      kfirst_time) step kfirst_time 300 60 python3 scripts/hopper_v2_gpu.py --check "" \
-                --time v3,v3-kfirst ;;  # the next K waited for before V: one BAR.SYNC fewer per key block
       bench_d256) step bench_d256 200 16 python3 -m leanfa.cli bench --quick --no-progress --sweep standard \
                 --dims d256,d128 --seqlens 4k,16k --causal true \
                 --impl 'leanfa-hopper-fp8,leanfa-hopper-fp8-kernel,leanfa-hopper-bf16,leanfa-portable-fp8-kernel,leanfa-portable-bf16,cudnn-*,sdpa-*' \
                 --name bench-d256 --out "$OUT/r/bench_d256" ;;  # head dim 256 on Hopper against cuDNN
+      bench_d256_bn128) step bench_d256_bn128 150 12 env LEANFA_HOPPER_BLOCK_N=128 python3 -m leanfa.cli bench --quick \
+                --no-progress --sweep standard --dims d256 --seqlens 4k,16k --causal true \
+                --impl 'leanfa-hopper-fp8-kernel,cudnn-fp8' --name bench-d256-bn128 --out "$OUT/r/bench_d256_bn128" ;;
       host_time) step host_time 200 20 python3 scripts/host_time.py --profile ;;  # CPU time per call vs GPU time
       quant_time) step quant_time 200 40 python3 scripts/quant_time.py ;;  # FP8 end-to-end: quantizer kernels, GB/s
       ablate) step ablate 300 60 python3 scripts/hopper_v2_gpu.py --check "" \

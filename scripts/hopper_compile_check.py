@@ -62,7 +62,7 @@ def variants():
     out.append(Variant("fp8", 192, 128, False, version="v3", varlen=True))
     for dtype in ("fp8", "bf16"):  # the clock trace (scripts/hopper_trace.py)
         out.append(Variant(dtype, 128, 128, True, version="v3", env=(("LEANFA_HOPPER_TRACE", 1),)))
-    for knob in ("PV_IN_MMA", "PINGPONG", "PERSISTENT", "V_PERMUTED", "K_FIRST"):
+    for knob in ("PV_IN_MMA", "PINGPONG", "PERSISTENT", "V_PERMUTED"):
         out.append(Variant("fp8", 128, 128, True, version="v3", env=((f"LEANFA_HOPPER_{knob}", 1),)))
     three = (("LEANFA_HOPPER_CONSUMERS", 3), ("LEANFA_HOPPER_BLOCK_N", 64))  # 160 registers per consumer
     for dtype, dqk in (("fp8", 128), ("fp8", 192), ("bf16", 128), ("bf16", 192)):

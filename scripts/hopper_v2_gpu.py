@@ -60,7 +60,6 @@ CONFIGS = {  # name -> env
               "LEANFA_HOPPER_PV_IN_MMA": "1"},
     # FP8: three warpgroups at 128-key blocks (ptxas serializes the wgmmas at 160 registers, C7512)
     "v3-c3-bn128": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_CONSUMERS": "3", "LEANFA_HOPPER_PV_IN_MMA": "1"},
-    "v3-kfirst": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_K_FIRST": "1"},  # K_{j+1} waited before V_j
     "v3-bn64": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_BLOCK_N": "64"},
     "v3-bn64-pvmma": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_BLOCK_N": "64", "LEANFA_HOPPER_PV_IN_MMA": "1"},
 }

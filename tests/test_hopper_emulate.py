@@ -344,7 +344,7 @@ V2_SHAPES = [(1, 1, 1, 2, 2), (1, 129, 700, 2, 1), (1, 700, 300, 2, 2), (1, 1, 1
 
 @pytest.mark.parametrize("version,knob", [("v2", "LEANFA_HOPPER_PIPE"), ("v3", "LEANFA_HOPPER_PINGPONG"),
                                           ("v3", "LEANFA_HOPPER_PV_IN_MMA"), ("v3", "LEANFA_HOPPER_PERSISTENT"),
-                                          ("v3", "LEANFA_HOPPER_V_PERMUTED"), ("v3", "LEANFA_HOPPER_K_FIRST")])
+                                          ("v3", "LEANFA_HOPPER_V_PERMUTED")])
 @pytest.mark.parametrize("order", ["consumer-first", "producer-first"])
 @pytest.mark.parametrize("flag", ["1", "0"])
 @pytest.mark.parametrize("fp8", [False, True])
@@ -353,8 +353,8 @@ def test_warp_specialized_matches_v1(shape, fp8, flag, order, version, knob, mon
     """v2 (producer warp + one consumer partition; ``flag``: QK^T of block j+1 issued before the
     softmax of block j) and v3 (producer warp + two consumer partitions; ``flag``: turn barriers,
     FP8 PV accumulated in the wgmma accumulator, persistent programs that run several tiles
-    each, FP8 V with its keys permuted so that P needs no shuffle, or the next K waited for before V)
-    give v1's numbers, whichever partition runs first."""
+    each, or FP8 V with its keys permuted so that P needs no shuffle) give v1's numbers, whichever
+    partition runs first."""
     for name in knob.split(","):
         monkeypatch.setenv(name, flag)
     q, k, v = _inputs(*shape, 128, 128)
@@ -543,12 +543,9 @@ from leanfa.kernels.hopper import kernel_pingpong as KP  # noqa: E402
      "LEANFA_HOPPER_PERSISTENT"),
     # S_0 read by the softmax while its wgmma may still be writing it (no wait)
     (KP, "_consumer_tile", "s = warpgroup_mma_wait(0, deps=(s_acc, ))", "s = s_acc", ""),
-    # K_FIRST: the wait is for this block's K, not the next one's, whose slot QK_{j+1} then reads
-    (KP, "_consumer_block", "k_slot = wait_k(k_bars, ring + j + 1, STAGES)",
-     "k_slot = (ring + j + 1) % STAGES + 0 * wait_k(k_bars, ring + j, STAGES)", "LEANFA_HOPPER_K_FIRST"),
 ])
 def test_v3_mutations_caught(mod, fn, old, new, knobs, monkeypatch):
-    for name in ("LEANFA_HOPPER_PINGPONG", "LEANFA_HOPPER_PERSISTENT", "LEANFA_HOPPER_K_FIRST"):
+    for name in ("LEANFA_HOPPER_PINGPONG", "LEANFA_HOPPER_PERSISTENT"):
         monkeypatch.setenv(name, "1" if name in knobs else "0")
     reset_shadows()
     try:
@@ -734,7 +731,13 @@ def test_head_dim_256_plan(fp8, monkeypatch):
     assert plan.constexprs["PV_IN_MMA"] is True
     # the deepest ring that fits 227 KB: BF16 Q 64 KB + 2 x 64 KB; FP8 Q 32 KB + 4 x 32 KB
     assert plan.constexprs["STAGES"] == (4 if fp8 else 2)
-    monkeypatch.setenv("LEANFA_HOPPER_BLOCK_N", "128")
+    monkeypatch.setenv("LEANFA_HOPPER_BLOCK_N", "128")  # an FP8 experiment only
+    if fp8:
+        assert emulate_mod._make_plan_cpu(L, p, out, None).args[1].block_shape[2] == 128
+    else:
+        with pytest.raises(ValueError, match="64-key blocks"):
+            emulate_mod._make_plan_cpu(L, p, out, None)
+    monkeypatch.setenv("LEANFA_HOPPER_BLOCK_N", "256")
     with pytest.raises(ValueError, match="64-key blocks"):
         emulate_mod._make_plan_cpu(L, p, out, None)
     monkeypatch.delenv("LEANFA_HOPPER_BLOCK_N")

@@ -215,29 +215,24 @@ def _consumer_block(s, j, c, c_hi, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seq
                     k_bars, v_bars, empty_bars, turn_bars, ring, batch, s_zero, tr,
                     p_layout: gl.constexpr, o_layout: gl.constexpr, CAUSAL: gl.constexpr, V_KMAJOR: gl.constexpr,
                     P_OFFSET: gl.constexpr, RESCALE_SKIP: gl.constexpr, PINGPONG: gl.constexpr, POLY: gl.constexpr,
-                    TWO_LEVEL: gl.constexpr, K_FIRST: gl.constexpr, NEXT: gl.constexpr, W: gl.constexpr):
+                    TWO_LEVEL: gl.constexpr, NEXT: gl.constexpr, W: gl.constexpr):
     """Key block ``j`` (ring position ``ring + j``, wgmma batch ``batch + j + 1``): softmax of its
     scores ``s``, then ``[PV_j, QK_{j+1}]`` (``NEXT``; else PV_j alone) issued together and waited
     for (256-key blocks: PV_j retired before QK_{j+1} is issued), PV folded into O and the K/V slot
     released. Returns ``(acc, m_i, l_i, S_{j+1})``. ``tr``: this warpgroup's trace record (:mod:`.trace`),
-    or ``None``. ``K_FIRST`` (experiment): wait for K_{j+1} right before V_j, not between PV_j's and
-    QK_{j+1}'s issue -- two waits in a row, so Triton's barrier analysis puts one ``BAR.SYNC`` fewer
-    in the block (AOT: two per key block instead of three)."""
+    or ``None``."""
     QK_CHUNKS: gl.constexpr = k_bufs.shape[0] // v_bufs.shape[0]
     STAGES: gl.constexpr = v_bufs.shape[0]
-    WIDE_S: gl.constexpr = s.shape[1] > SCALE_BLOCK
     p_op, m_i, l_i, alpha_o = _softmax_block(s, j, c, c_hi, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full,
                                              v_bufs.dtype, p_layout, o_layout, CAUSAL, P_OFFSET, RESCALE_SKIP, POLY,
                                              V_KMAJOR)
     record_clock_rows(tr, 1 + j, 0, l_i, offs_m, WG_ROWS)
-    if K_FIRST and NEXT and not WIDE_S:
-        k_slot = wait_k(k_bars, ring + j + 1, STAGES)
     v = v_tile(v_bufs, v_bars, ring + j, STAGES, V_KMAJOR)
     record_clock(tr, 1 + j, 1, j)
     _wait_turn(turn_bars, batch + j + 1, W, PINGPONG)
     pv_acc = _issue_pv(p_op, v, acc, alpha_o, TWO_LEVEL)
     if NEXT:
-        if WIDE_S:
+        if s.shape[1] > SCALE_BLOCK:
             # 256-key blocks: S_{j+1} (128 registers) is only written after PV_j retired, so P_j and
             # S_{j+1} are never live together (with both in flight ptxas serialized every wgmma)
             _pass_turn(turn_bars, W, PINGPONG)
@@ -246,10 +241,7 @@ def _consumer_block(s, j, c, c_hi, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seq
             s_acc = _issue_qk(q_smem, k_bufs, k_bars, ring + j + 1, s_zero, W, QK_CHUNKS)
             s = warpgroup_mma_wait(0, deps=(s_acc, ))
         else:
-            if K_FIRST:
-                s_acc = qk_async(q_smem, W * QK_CHUNKS, k_bufs, k_slot, s_zero, QK_CHUNKS)
-            else:
-                s_acc = _issue_qk(q_smem, k_bufs, k_bars, ring + j + 1, s_zero, W, QK_CHUNKS)
+            s_acc = _issue_qk(q_smem, k_bufs, k_bars, ring + j + 1, s_zero, W, QK_CHUNKS)
             _pass_turn(turn_bars, W, PINGPONG)
             record_clock(tr, 1 + j, 2, j)
             pv, s = warpgroup_mma_wait(0, deps=(pv_acc, s_acc))
@@ -271,8 +263,8 @@ def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars
                    b, h, hkv, q_start, m_start, n_full, n_end, ring, batch, tr,
                    HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
                    RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, RESCALE_SKIP: gl.constexpr,
-                   PINGPONG: gl.constexpr, POLY: gl.constexpr, TWO_LEVEL: gl.constexpr, K_FIRST: gl.constexpr,
-                   WGS: gl.constexpr, W: gl.constexpr):
+                   PINGPONG: gl.constexpr, POLY: gl.constexpr, TWO_LEVEL: gl.constexpr, WGS: gl.constexpr,
+                   W: gl.constexpr):
     """Warpgroup ``W`` (of ``WGS``) on one tile: rows ``[m_start + 64 W, + 64)`` of sequence ``b`` against its key
     blocks ``[0, n_end)``, which sit at ring positions ``ring + j``; its wgmma batches are numbered
     from ``batch``. Output row ``r`` is token ``q_start + r`` of ``out`` (and of the LSE). ``out_t``,
@@ -325,14 +317,14 @@ def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars
         acc, m_i, l_i, s = _consumer_block(
             s, j, c_q * k_sc, c_q * k_hi, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, q_smem, k_bufs, v_bufs,
             k_bars, v_bars, empty_bars, turn_bars, ring, batch, s_zero, tr, p_layout, o_layout, CAUSAL, V_KMAJOR,
-            P_OFFSET, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, K_FIRST, True, W)
+            P_OFFSET, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, True, W)
         k_sc = k_sc_next
         k_hi = k_hi_next
     if n_end > 0:
         acc, m_i, l_i, s = _consumer_block(
             s, n_end - 1, c_q * k_sc, c_q * k_hi, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, q_smem, k_bufs,
             v_bufs, k_bars, v_bars, empty_bars, turn_bars, ring, batch, s_zero, tr, p_layout, o_layout, CAUSAL,
-            V_KMAJOR, P_OFFSET, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, K_FIRST, False, W)
+            V_KMAJOR, P_OFFSET, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, False, W)
 
     # Epilogue: O = acc / l * v_scale; LSE.
     inv_l, lse = finish_rows(m_i, l_i, P_OFFSET)
@@ -357,7 +349,7 @@ def _consumer_step(t, ring, batch, qi, q_smem, k_bufs, v_bufs, q_bars, q_empty, 
                    num_bh, num_heads, group_size, num_m_tiles, num_tiles, trace,
                    HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
                    RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, RESCALE_SKIP: gl.constexpr,
-                   PINGPONG: gl.constexpr, POLY: gl.constexpr, TWO_LEVEL: gl.constexpr, K_FIRST: gl.constexpr, VARLEN: gl.constexpr,
+                   PINGPONG: gl.constexpr, POLY: gl.constexpr, TWO_LEVEL: gl.constexpr, VARLEN: gl.constexpr,
                    WGS: gl.constexpr, W: gl.constexpr):
     """Tile ``t``; ``ring``, ``batch``, ``qi``: key blocks, wgmma batches and Q tiles of the
     program's earlier tiles (ring position, turn-barrier phase, ``q_bars`` phase). Returns them updated.
@@ -377,7 +369,7 @@ def _consumer_step(t, ring, batch, qi, q_smem, k_bufs, v_bufs, q_bars, q_empty, 
                    sq, sk, qk_scale, sm_scale,
                    b, h, hkv, q_start, m_start, n_full, n_end, ring, batch, tr,
                    HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY,
-                   TWO_LEVEL, K_FIRST, WGS, W)
+                   TWO_LEVEL, WGS, W)
     if n_end > 0:
         release_slot(q_empty, 0)  # this warpgroup's QK wgmmas and K-mean term are done with its Q half
     loaded = gl.minimum(n_end, 1)  # this tile had a Q tile and a batch 0
@@ -387,7 +379,7 @@ def _consumer_step(t, ring, batch, qi, q_smem, k_bufs, v_bufs, q_bars, q_empty, 
 @gluon.jit
 def _consumer(args, trace, HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
               RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, RESCALE_SKIP: gl.constexpr,
-              PINGPONG: gl.constexpr, POLY: gl.constexpr, TWO_LEVEL: gl.constexpr, K_FIRST: gl.constexpr, VARLEN: gl.constexpr,
+              PINGPONG: gl.constexpr, POLY: gl.constexpr, TWO_LEVEL: gl.constexpr, VARLEN: gl.constexpr,
               PERSISTENT: gl.constexpr, WGS: gl.constexpr, W: gl.constexpr):
     """Warpgroup ``W`` over this program's tiles; after each it hands its Q box back (``q_empty``
     counts every consumer warpgroup), so the producer can load the next tile's. Tiles with no key block to
@@ -412,7 +404,7 @@ def _consumer(args, trace, HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: 
                 seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k,
                 num_bh, num_heads, group_size, num_m_tiles, num_tiles, trace,
                 HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL,
-                K_FIRST, VARLEN, WGS, W)
+                VARLEN, WGS, W)
     else:
         _consumer_step(
             first_tile, 0, 0, 0, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars,
@@ -420,7 +412,7 @@ def _consumer(args, trace, HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: 
             seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k,
             num_bh, num_heads, group_size, num_m_tiles, num_tiles, trace,
             HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL,
-            K_FIRST, VARLEN, WGS, W)
+            VARLEN, WGS, W)
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -447,7 +439,7 @@ def attn_fwd_pingpong_kernel(
     CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
     RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, VARLEN: gl.constexpr, STAGES: gl.constexpr,
     RESCALE_SKIP: gl.constexpr, PINGPONG: gl.constexpr, POLY: gl.constexpr, PV_IN_MMA: gl.constexpr,
-    PERSISTENT: gl.constexpr, K_FIRST: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    PERSISTENT: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     CONSUMER_WGS: gl.constexpr,  # consumer warpgroups (64 query rows each): 2, or 3 (experiment)
     num_warps: gl.constexpr,
 ):
@@ -491,19 +483,19 @@ def attn_fwd_pingpong_kernel(
     if CONSUMER_WGS == 3:
         gl.warp_specialize([
             (_consumer, (cargs, trace, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY,
-                         TWO_LEVEL, K_FIRST, VARLEN, PERSISTENT, CONSUMER_WGS, 0)),
+                         TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, 0)),
             (_consumer, (cargs, trace, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY,
-                         TWO_LEVEL, K_FIRST, VARLEN, PERSISTENT, CONSUMER_WGS, 1)),
+                         TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, 1)),
             (_consumer, (cargs, trace, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY,
-                         TWO_LEVEL, K_FIRST, VARLEN, PERSISTENT, CONSUMER_WGS, 2)),
+                         TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, 2)),
             (_producer, (pargs, cu_seqlens_v, CAUSAL, V_KMAJOR, VARLEN, CONSUMER_WGS, CONSUMERS)),
         ], [WG_WARPS, WG_WARPS, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (cargs, trace, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY,
-                         TWO_LEVEL, K_FIRST, VARLEN, PERSISTENT, CONSUMER_WGS, 0)),
+                         TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, 0)),
             (_consumer, (cargs, trace, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY,
-                         TWO_LEVEL, K_FIRST, VARLEN, PERSISTENT, CONSUMER_WGS, 1)),
+                         TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, 1)),
             (_producer, (pargs, cu_seqlens_v, CAUSAL, V_KMAJOR, VARLEN, CONSUMER_WGS, CONSUMERS)),
         ], [WG_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
 

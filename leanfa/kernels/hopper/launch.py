@@ -157,9 +157,10 @@ def _block_n(version: str, is_fp8: bool, dv: int = 128) -> int:
     separate fp32 PV tile)."""
     default = 64 if wide_head(dv) else BLOCK_N
     n = int(os.environ.get("LEANFA_HOPPER_BLOCK_N", "") or default)
-    if wide_head(dv) and n != 64:
-        raise ValueError(f"head dim {dv} runs 64-key blocks only (LEANFA_HOPPER_BLOCK_N={n}): O takes 128 "
-                         "registers per thread, and at 128 keys S and P no longer fit next to it")
+    if wide_head(dv) and not (n == 64 or n == BLOCK_N and is_fp8):
+        # (FP8 at 128 keys is an experiment: S 64 + O 128 + P 16 registers, AOT 52-80 B of spills)
+        raise ValueError(f"head dim {dv} runs 64-key blocks (FP8 also 128) only (LEANFA_HOPPER_BLOCK_N={n}): O "
+                         "takes 128 registers per thread, and S and P must fit next to it")
     if n == BLOCK_N:
         return n
     if n not in (64, 256):
@@ -214,8 +215,6 @@ def _flag(name: str, default: bool) -> bool:
 #: off: kernel +1-2%, run 24, less than the per-call copy costs), LEANFA_HOPPER_CONSUMERS=3 (a third
 #: consumer warpgroup, 192-row tiles, 160 registers each: FP8 needs LEANFA_HOPPER_PV_IN_MMA=1 (64- or
 #: 128-key blocks), BF16/FP16 LEANFA_HOPPER_BLOCK_N=64; an experiment, off: 0.95-1.04x v3, runs 30-31),
-#: LEANFA_HOPPER_K_FIRST=1 (v3: wait for the next K right before V, one BAR.SYNC fewer per key block;
-#: an experiment, off until timed),
 #: LEANFA_HOPPER_TRACE=1 (v3: each consumer warpgroup records SM clocks at the phases of its key loop
 #: into ``Plan.trace``, see trace.py and scripts/hopper_trace.py; off: without it the PTX is unchanged),
 #: LEANFA_HOPPER_RESCALE_SKIP,
@@ -391,7 +390,7 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
         if wgs != 2 and pingpong:
             raise ValueError("LEANFA_HOPPER_PINGPONG alternates two consumer warpgroups (LEANFA_HOPPER_CONSUMERS=2)")
         constexprs.update(PINGPONG=pingpong, POLY=poly, PV_IN_MMA=pv_flag,
-                          PERSISTENT=persistent, K_FIRST=_flag("LEANFA_HOPPER_K_FIRST", False), VARLEN=varlen, CONSUMER_WGS=wgs,
+                          PERSISTENT=persistent, VARLEN=varlen, CONSUMER_WGS=wgs,
                           CONSUMER_REGS=V3_CONSUMER_REGS if wgs == 2 else V3_CONSUMER_REGS_3WG,
                           num_warps=NUM_WARPS // 2)
     if persistent:  # one program per SM (one CTA fits an SM: > 114 KB of shared memory)
