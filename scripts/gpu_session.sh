@@ -65,8 +65,11 @@ run_steps() {
       vperm_time) step vperm_time 300 60 python3 scripts/hopper_v2_gpu.py --check "" \
                 --time v3,v3-vperm,v3-pvmma,v3-wide ;;  # timings only (the checks are vperm/wide_check)
       bench_d64) step bench_d64 200 16 python3 -m leanfa.cli bench --quick --no-progress --sweep standard \
-                --dims d64,d128,mla --seqlens 4k,16k --causal true --impl 'leanfa-hopper-*,cudnn-bf16,cudnn-fp8' \
-                --name bench-dims --out "$OUT/r/bench_dims" ;;  # the bench table, head dim 64 included
+                --dims d64,d128,mla,d256 --seqlens 4k,16k --causal true --impl 'leanfa-hopper-*,cudnn-bf16,cudnn-fp8' \
+                --name bench-dims --out "$OUT/r/bench_dims" ;;  # the bench table, head dims 64 and 256 included
+      models_quick) step models_quick 300 24 python3 -m leanfa.cli bench --quick --no-progress --sweep models \
+                --seqlens 4k,16k --impl 'leanfa-hopper-fp8,leanfa-hopper-fp8-kernel,leanfa-hopper-bf16,cudnn-bf16,cudnn-fp8' \
+                --name bench-models --out "$OUT/r/models_quick" ;;  # the model presets (GQA, MLA) at 4K and 16K
       bench_d256) step bench_d256 200 16 python3 -m leanfa.cli bench --quick --no-progress --sweep standard \
                 --dims d256,d128 --seqlens 4k,16k --causal true \
                 --impl 'leanfa-hopper-fp8,leanfa-hopper-fp8-kernel,leanfa-hopper-bf16,leanfa-portable-fp8-kernel,leanfa-portable-bf16,cudnn-*,sdpa-*' \
