@@ -104,10 +104,10 @@ def test_bf16_emulated_matches_reference(shape, dims, causal, version):
 def _check_schedule(p, rep):
     """Each tile reads exactly the key blocks some real row of it can see, in order, once each
     (once per consumer partition: v3 has two, each reading every block of the tile). Head dim 256
-    reads 64-key blocks (``launch.wide_head``)."""
+    reads 64-key blocks in BF16 (``launch.wide_head``)."""
     B, Sq, Hq, dqk = p.q.shape
     Sk = p.k.shape[1]
-    block_n = 64 if L.wide_head(p.v.shape[-1]) else BLOCK
+    block_n = 64 if L.wide_head(p.v.shape[-1]) and p.q.dtype != torch.float8_e4m3fn else BLOCK
     chunks = 1 if dqk & (dqk - 1) == 0 else dqk // 64  # K boxes per key block (launch.qk_chunk)
     n_tiles = -(-Sq // BLOCK)
     assert len(rep.schedule) == B * Hq * n_tiles
@@ -714,8 +714,9 @@ def test_varlen_needs_v3(monkeypatch):
 
 @pytest.mark.parametrize("fp8", [False, True])
 def test_head_dim_256_plan(fp8, monkeypatch):
-    """Head dim 256: 64-key blocks and (FP8) PV in the wgmma accumulator, the only build that fits the
-    registers (launch.wide_head); asking for anything else is an error, not a spilling kernel."""
+    """Head dim 256: FP8 with PV in the wgmma accumulator at 128-key blocks (64 on request), BF16 at
+    64-key blocks, the builds that fit the registers (launch.wide_head); asking for anything else is an
+    error, not a spilling or serialized kernel."""
     for k in ("LEANFA_HOPPER_KERNEL", "LEANFA_HOPPER_PV_IN_MMA", "LEANFA_HOPPER_BLOCK_N", "LEANFA_HOPPER_CONSUMERS",
               "LEANFA_HOPPER_STAGES"):
         monkeypatch.delenv(k, raising=False)
@@ -727,11 +728,14 @@ def test_head_dim_256_plan(fp8, monkeypatch):
     p = _problem(q, k, v, True, **kw)
     out = torch.empty(1, 200, 2, 256, dtype=torch.bfloat16)
     plan = emulate_mod._make_plan_cpu(L, p, out, None)
-    assert plan.args[1].block_shape[2:] == [64, 256]  # K boxes: 64 keys of 256 dims
+    assert plan.args[1].block_shape[2:] == [128 if fp8 else 64, 256]  # K boxes: keys x 256 dims
     assert plan.constexprs["PV_IN_MMA"] is True
-    # the deepest ring that fits 227 KB: BF16 Q 64 KB + 2 x 64 KB; FP8 Q 32 KB + 4 x 32 KB
-    assert plan.constexprs["STAGES"] == (4 if fp8 else 2)
-    monkeypatch.setenv("LEANFA_HOPPER_BLOCK_N", "128")  # an FP8 experiment only
+    # the deepest ring that fits 227 KB: BF16 Q 64 KB + 2 x 64 KB; FP8 Q 32 KB + 2 x 64 KB
+    assert plan.constexprs["STAGES"] == 2
+    monkeypatch.setenv("LEANFA_HOPPER_BLOCK_N", "64")  # FP8's 64-key blocks on request (4 stages)
+    plan = emulate_mod._make_plan_cpu(L, p, out, None)
+    assert plan.args[1].block_shape[2] == 64 and plan.constexprs["STAGES"] == (4 if fp8 else 2)
+    monkeypatch.setenv("LEANFA_HOPPER_BLOCK_N", "128")
     if fp8:
         assert emulate_mod._make_plan_cpu(L, p, out, None).args[1].block_shape[2] == 128
     else:

@@ -143,22 +143,22 @@ def stages_for(dqk: int, dv: int, elt: int, block_n: int = BLOCK_N, block_m: int
 
 def wide_head(dv: int) -> bool:
     """Head dim 256 (v3 only): O alone takes 128 registers per thread (64 x 256 fp32 over a warpgroup),
-    so the key blocks are 64 keys (S in 32 registers) and FP8 PV accumulates in O itself
-    (``PV_IN_MMA``: no second 128-register fp32 PV tile). AOT sm90: 0 B spills for FP8 and BF16;
-    at 128-key blocks FP8 spills 52-80 B and BF16's wgmmas are serialized (C7512)."""
+    so FP8 PV accumulates in O itself (``PV_IN_MMA``: no second 128-register fp32 PV tile) and BF16
+    runs 64-key blocks (S in 32 registers; at 128 keys ptxas serializes its wgmmas, C7512). FP8 keeps
+    128-key blocks (S 64 + O 128 + P 16 registers; AOT sm90: 52-80 B of spills): run 42 timed them
+    1.07x (4K) and 1.12-1.24x (16K) its 64-key blocks, 1016 TFLOP/s = 1.05x cuDNN FP8 at 16K."""
     return dv > 128
 
 
 def _block_n(version: str, is_fp8: bool, dv: int = 128) -> int:
-    """Keys per block: 128 (64 at head dim 256, :func:`wide_head`); 64 with ``LEANFA_HOPPER_BLOCK_N=64``
+    """Keys per block: 128 (BF16 at head dim 256: 64, :func:`wide_head`); 64 with ``LEANFA_HOPPER_BLOCK_N=64``
     (v3: S takes 32 registers, the room a third consumer warpgroup needs); or 256 with
     ``LEANFA_HOPPER_BLOCK_N=256`` (v3 FP8 with PV in the wgmma accumulator: cuDNN's FP8 kernel runs a
     64x256 S tile per warpgroup, run 20's SASS; S then takes 128 registers, which leave no room for a
     separate fp32 PV tile)."""
-    default = 64 if wide_head(dv) else BLOCK_N
+    default = 64 if wide_head(dv) and not is_fp8 else BLOCK_N
     n = int(os.environ.get("LEANFA_HOPPER_BLOCK_N", "") or default)
     if wide_head(dv) and not (n == 64 or n == BLOCK_N and is_fp8):
-        # (FP8 at 128 keys is an experiment: S 64 + O 128 + P 16 registers, AOT 52-80 B of spills)
         raise ValueError(f"head dim {dv} runs 64-key blocks (FP8 also 128) only (LEANFA_HOPPER_BLOCK_N={n}): O "
                          "takes 128 registers per thread, and S and P must fit next to it")
     if n == BLOCK_N:
