@@ -77,6 +77,12 @@ run_steps() {
       bench_d256_bn128) step bench_d256_bn128 150 12 env LEANFA_HOPPER_BLOCK_N=128 python3 -m leanfa.cli bench --quick \
                 --no-progress --sweep standard --dims d256 --seqlens 4k,16k --causal true \
                 --impl 'leanfa-hopper-fp8-kernel,cudnn-fp8' --name bench-d256-bn128 --out "$OUT/r/bench_d256_bn128" ;;
+      d256_stages) for st in 2 3; do  # FP8 d256: the 2-slot ring against 3 slots (LEANFA_HOPPER_STAGES; BF16 fits 2 only)
+                step "d256_stages$st" 150 8 env LEANFA_HOPPER_STAGES=$st python3 -m leanfa.cli bench --quick --no-progress \
+                  --sweep standard --dims d256 --seqlens 4k,16k --causal true --impl 'leanfa-hopper-fp8-kernel,cudnn-fp8' \
+                  --name "bench-d256-stages$st" --out "$OUT/r/d256_stages$st"; done ;;
+      trace_d256) step trace_d256 300 40 python3 scripts/hopper_trace.py --out "$OUT/r/trace_d256" \
+                --cases fp8-d256-16k,fp8-d256-16k-stages3,bf16-d256-16k,fp8-d128-16k ;;
       host_time) step host_time 200 20 python3 scripts/host_time.py --profile ;;  # CPU time per call vs GPU time
       quant_time) step quant_time 200 40 python3 scripts/quant_time.py ;;  # FP8 end-to-end: quantizer kernels, GB/s
       ablate) step ablate 300 60 python3 scripts/hopper_v2_gpu.py --check "" \

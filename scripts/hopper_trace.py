@@ -43,6 +43,11 @@ CASES = {
     # run 38: persistent BF16 d128 at S = 1K ran 0.58x the one-tile grid (FP8: 0.98x); where does it lose?
     "bf16-d128-1k": ("bf16", 1024, 128, 128, {}),
     "bf16-d128-1k-persist": ("bf16", 1024, 128, 128, {"LEANFA_HOPPER_PERSISTENT": "1"}),
+    # run 43: FP8 d256 runs ~3560 cycles per pair of 128-key blocks, against ~2600 for its softmax and
+    # its own wgmmas: is its 2-slot ring (2 x 64 KB) dry? (3 slots fit: 229,824 B, AOT)
+    "fp8-d256-16k": ("fp8", 16384, 256, 256, {}),
+    "fp8-d256-16k-stages3": ("fp8", 16384, 256, 256, {"LEANFA_HOPPER_STAGES": "3"}),
+    "bf16-d256-16k": ("bf16", 16384, 256, 256, {}),
 }
 
 
