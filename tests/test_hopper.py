@@ -254,14 +254,17 @@ def test_dispatch_picks_hopper_and_rejects_what_it_cannot_run():
 
 @gpu
 @needs_sm90
-@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp8"])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("d", [64, 256])
-def test_v3_head_dims(d, fp8, causal, monkeypatch):
-    """Head dims 64 and 256 (64-key blocks, FP8 PV in the wgmma accumulator) on the v3 kernel:
-    against float64, odd lengths, GQA."""
+def test_v3_head_dims(d, dtype, causal, monkeypatch):
+    """Head dims 64 and 256 (256: BF16/FP16 64-key blocks, FP8 PV in the wgmma accumulator) on the
+    v3 kernel: against float64, odd lengths, GQA."""
     monkeypatch.setenv("LEANFA_HOPPER_KERNEL", "v3")
     q, k, v = _inputs(2, 300, 700, 8, 2, d, d)
+    fp8 = dtype == "fp8"
+    if dtype == "fp16":
+        q, k, v = (x.half() for x in (q, k, v))
     kw = {}
     if fp8:
         qq = leanfa.quantize_fp8(q, k, v)

@@ -633,21 +633,22 @@ def test_v3_fp8_varlen_unaligned_is_flagged(monkeypatch):
         emulate(p, version="v3")
 
 
+@pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.parametrize("varlen", [False, True])
-def test_v3_fp8_token_major_v(varlen):
+def test_v3_fp8_token_major_v(varlen, d):
     """FP8 V token-major (FA3's layout) instead of quantize_fp8's transposed one: the plan copies it
     into the transposed layout (launch.transpose_fp8_v; varlen: align_varlen_v) and the kernel gives
-    the same output as with the transposed V, bitwise."""
+    the same output as with the transposed V, bitwise (head dim 256 too: its V box is 256 x 128)."""
     from leanfa.api import _build_problem
 
     lens = [130, 7, 300]
     if varlen:
         cu = cu_seqlens(lens)
-        q, k, v = (torch.randn(int(cu[-1]), 2, 128).to(torch.bfloat16) for _ in range(3))
+        q, k, v = (torch.randn(int(cu[-1]), 2, d).to(torch.bfloat16) for _ in range(3))
         k, v = k[:, :1], v[:, :1]
         kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens), max_seqlen_k=max(lens))
     else:
-        q, k, v = _inputs(2, 200, 333, 2, 1, 128, 128)
+        q, k, v = _inputs(2, 200, 333, 2, 1, d, d)
         kw = {}
     qq = leanfa.quantize_fp8(q, k, v, **kw)
     token_major = qq.v.contiguous()
