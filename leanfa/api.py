@@ -360,8 +360,9 @@ PRECISIONS = ("fp8", "bf16")
 def _attention_fp8_in_kernel_sink(q, k, v, sink_keys, causal, softmax_scale, return_lse, granularity,
                                   smooth_k, backend, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
     """``attention(precision="fp8", bf16_sink_keys=P)`` with P a multiple of 128: one FP8 call
-    of the portable kernel that attends keys ``[0, P)`` (of each sequence) from the 16-bit
-    inputs (see :mod:`leanfa.sink`)."""
+    of the portable kernel (or, P = 128 with the Hopper sink enabled, of the Hopper v3 kernel,
+    :mod:`leanfa.kernels.hopper.sink`) that attends keys ``[0, P)`` (of each sequence) from the
+    16-bit inputs (see :mod:`leanfa.sink`)."""
     from . import ops
 
     cu = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
@@ -372,7 +373,9 @@ def _attention_fp8_in_kernel_sink(q, k, v, sink_keys, causal, softmax_scale, ret
                              causal=causal, q_descale=qd, k_descale=kd, v_descale=vd, k_mean=km,
                              return_lse=return_lse, out_dtype=q.dtype)
     problem = dataclasses.replace(problem, sink_keys=sink_keys, sink_q=q, sink_k=k, sink_v=v)
-    return _run(problem, "portable" if backend == "auto" else backend)
+    from .kernels.dispatch import hopper_sink_enabled
+
+    return _run(problem, "portable" if backend == "auto" and not hopper_sink_enabled() else backend)
 
 
 def attention(
@@ -425,7 +428,12 @@ def attention(
         from .quant import _check as _check_quantize
         from .sink import SINK_BLOCK, attention_sink_bf16
 
-        in_kernel = bf16_sink_keys % SINK_BLOCK == 0 and backend != "hopper"
+        from .kernels.dispatch import hopper_sink_enabled
+
+        # in the FP8 kernel: the portable one (multiples of 128 keys); the Hopper one (exactly 128, once
+        # enabled: LEANFA_HOPPER_SINK=1 until GPU-validated). Else the split below (dense only)
+        in_kernel = bf16_sink_keys % SINK_BLOCK == 0 and (
+            backend != "hopper" or hopper_sink_enabled((q.shape[-1], v.shape[-1]), bf16_sink_keys))
         if varlen and not in_kernel:
             raise ValueError(f"bf16_sink_keys with varlen inputs must be a multiple of {SINK_BLOCK} "
                              f"(the in-kernel path, backend 'auto' or 'portable'), got {bf16_sink_keys}")

@@ -83,6 +83,18 @@ run_steps() {
                   --name "bench-d256-stages$st" --out "$OUT/r/d256_stages$st"; done ;;
       trace_d256) step trace_d256 300 40 python3 scripts/hopper_trace.py --out "$OUT/r/trace_d256" \
                 --cases fp8-d256-16k,fp8-d256-16k-stages3,bf16-d256-16k,fp8-d128-16k ;;
+      sink_check) step sink_check 300 20 env LEANFA_HOPPER_SINK=1 python3 -m pytest -q -p no:cacheprovider -rfEs \
+                -n "$WORKERS" tests/test_hopper.py tests/test_attention.py -k sink ;;  # BF16 sink keys in v3 (sink.py)
+      sink_sanitize) for tool in memcheck synccheck; do  # the sink path's small cases under compute-sanitizer
+                step "sink_$tool" 200 12 env LEANFA_HOPPER_SINK=1 /usr/local/cuda/bin/compute-sanitizer --tool $tool \
+                  --error-exitcode 3 python3 -m pytest -q -p no:cacheprovider tests/test_hopper.py \
+                  -k "v3_bf16_sink_keys and (300-700 or 100-100)"; done ;;
+      bench_sink) step bench_sink 200 16 env LEANFA_HOPPER_SINK=1 python3 -m leanfa.cli bench --quick --no-progress \
+                --sweep standard --dims d128,d64 --seqlens 4k,16k --causal true \
+                --impl 'leanfa-hopper-fp8,leanfa-hopper-fp8-sink,leanfa-portable-fp8-sink,leanfa-hopper-bf16,cudnn-*' \
+                --name bench-sink --out "$OUT/r/bench_sink" ;;
+      accuracy_sink) step accuracy_sink 150 40 env LEANFA_HOPPER_SINK=1 python3 -m leanfa.cli accuracy \
+                --out "$OUT/r/accuracy_sink" ;;  # leanfa-hopper-fp8-sink rows: the v3 in-kernel sink
       host_time) step host_time 200 20 python3 scripts/host_time.py --profile ;;  # CPU time per call vs GPU time
       quant_time) step quant_time 200 40 python3 scripts/quant_time.py ;;  # FP8 end-to-end: quantizer kernels, GB/s
       ablate) step ablate 300 60 python3 scripts/hopper_v2_gpu.py --check "" \

@@ -58,6 +58,9 @@ def variants():
     out.append(Variant("fp8", 256, 256, True, version="v3", env=(("LEANFA_HOPPER_BLOCK_N", 64),)))
     out.append(Variant("fp8", 256, 256, True, return_lse=True, k_mean=True, version="v3"))
     out.append(Variant("fp8", 256, 256, True, version="v3", varlen=True))
+    for d, causal, lse, varlen in ((128, True, True, False), (128, False, False, False), (128, True, False, True),
+                                   (64, True, True, False)):  # BF16 sink keys (K smoothed: k_mean)
+        out.append(Variant("fp8", d, d, causal, return_lse=lse, k_mean=True, version="v3", varlen=varlen, sink=True))
     for dtype, dqk in (("fp8", 128), ("bf16", 128), ("bf16", 192)):
         out.append(Variant(dtype, dqk, 128, True, version="v3", varlen=dtype == "bf16"))
     out.append(Variant("fp8", 128, 128, True, version="v3", varlen=True))  # V re-packed, its starts from a table
@@ -81,6 +84,8 @@ def spill_budget(v: Variant) -> int:
     (tests/test_hopper.py allows 64); the persistent option's 340 B are known (docs/perf-notes.md)."""
     if v.version != "v3":
         return 0
+    if v.sink and v.return_lse:  # the LSE's q . mean from the 16-bit Q next to O and the row state (epilogue)
+        return 256
     if v.dtype == "fp8" and v.dv == 256:  # 128-key blocks next to a 128-register O (run 42: 1.07-1.24x
         return 160                        # the spill-free 64-key blocks, launch.wide_head): 52-80 B, and
                                           # 116-132 B with the LSE's K-mean term (epilogue)

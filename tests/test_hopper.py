@@ -281,3 +281,34 @@ def test_fully_masked_rows_give_zero_and_minus_inf():
     assert out[:, :250].abs().max() == 0
     assert torch.isinf(lse[:, :, :250]).all() and (lse[:, :, :250] < 0).all()
     assert math.isfinite(float(lse[:, :, 250:].max()))
+
+
+@gpu
+@needs_sm90
+@pytest.mark.parametrize("preset,sq,sk,causal,d", [
+    ("llama3-8b", 1000, 1000, True, 128), ("llama3-8b", 300, 700, True, 128), ("llama3-8b", 700, 300, True, 128),
+    ("qwen2.5-7b", 100, 100, True, 128), ("qwen2.5-7b", 2048, 2048, True, 128), ("llama3-8b", 500, 900, False, 64),
+])
+@pytest.mark.parametrize("persistent", ["0", "1"])
+def test_v3_bf16_sink_keys(preset, sq, sk, causal, d, persistent, monkeypatch):
+    """FP8 with the first 128 keys in BF16 inside the v3 kernel (LEANFA_HOPPER_SINK=1, backend="hopper"):
+    within 1.1x the portable in-kernel sink's error against float64 (same arithmetic up to block order),
+    below plain FP8's; LSE -inf pattern and worst error as the portable one's."""
+    from leanfa.activations import make_qkv
+
+    monkeypatch.setenv("LEANFA_HOPPER_SINK", "1")
+    monkeypatch.setenv("LEANFA_HOPPER_PERSISTENT", persistent)
+    q, k, v = make_qkv(preset, 1, sq, heads=8, kv_heads=2, seqlen_k=sk, device="cuda")
+    if d != q.shape[-1]:
+        q, k, v = (x[..., :d].contiguous() for x in (q, k, v))
+    ref, ref_lse = attention_ref(q, k, v, causal=causal, return_lse=True)
+    out, lse = leanfa.attention(q, k, v, causal=causal, bf16_sink_keys=128, return_lse=True, backend="hopper")
+    out_p, lse_p = leanfa.attention(q, k, v, causal=causal, bf16_sink_keys=128, return_lse=True, backend="portable")
+    plain = leanfa.attention(q, k, v, causal=causal, backend="hopper")
+    e, e_p = _rel(out, ref), _rel(out_p, ref)
+    assert e < 1.1 * e_p + 1e-3, (e, e_p)
+    assert e < _rel(plain, ref) or sk <= 128
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isinf(lse), ~fin)
+    d_h, d_p = ((x.double() - ref_lse)[fin].abs().max().item() for x in (lse, lse_p))
+    assert d_h < 1.2 * d_p + 1e-3, (d_h, d_p)

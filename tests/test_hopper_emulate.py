@@ -816,3 +816,142 @@ def test_hopper_knobs(monkeypatch):
     monkeypatch.setenv("LEANFA_HOPPER_POLY", "9")
     with pytest.raises(ValueError, match="LEANFA_HOPPER_POLY"):
         emulate_mod._make_plan_cpu(L, p, torch.empty(1, 200, 2, 128, dtype=torch.bfloat16), None)
+
+
+# ----------------------------------------------------------------------------- BF16 sink keys (v3)
+
+def _sink_problem(q, k, v, causal, **varlen):
+    """The FP8 problem of ``attention(q, k, v, precision="fp8", bf16_sink_keys=128)`` (its in-kernel path)."""
+    import dataclasses
+
+    from leanfa.api import _build_problem
+
+    qq = leanfa.quantize_fp8(q, k, v, **varlen)
+    cu = varlen or dict(cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None)
+    p = _build_problem(qq.q, qq.k, qq.v, varlen=bool(varlen), **cu, softmax_scale=None, causal=causal,
+                       return_lse=True, out_dtype=q.dtype, **qq.descales())
+    return dataclasses.replace(p, sink_keys=128, sink_q=q, sink_k=k, sink_v=v)
+
+
+def _sink_errors(p, ref, ref_lse, **emulate_kw):
+    """``(error of the v3 emulation, error of the portable kernel's in-kernel sink)`` against float64; the
+    LSE's -inf pattern must match the reference's and its worst error be within 1.2x the portable one's."""
+    from leanfa.kernels import portable
+
+    out, lse, _ = emulate(p, version="v3", **emulate_kw)
+    out_p, lse_p = portable.run(p)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isinf(lse), ~fin), "LSE -inf pattern"
+    d_v3, d_port = (float((x.double() - ref_lse)[fin].abs().max()) if fin.any() else 0.0 for x in (lse, lse_p))
+    assert d_v3 < 1.2 * d_port + 1e-3, (d_v3, d_port)
+    e = [float((o.double() - ref).norm() / ref.norm()) for o in (out, out_p)]
+    return e[0], e[1]
+
+
+SINK_CASES = [  # preset, sq, sk, causal, head dim: as tests/test_attention.py's, plus head dim 64
+    ("llama3-8b", 300, 300, True, 128), ("llama3-8b", 150, 260, True, 128), ("llama3-8b", 260, 150, True, 128),
+    ("llama3-8b", 192, 192, False, 128), ("qwen2.5-7b", 100, 100, True, 128), ("qwen2.5-7b", 300, 90, True, 128),
+    ("gaussian", 200, 333, False, 64),
+]
+
+
+@pytest.mark.parametrize("mode", ["tile per program", "persistent"])
+@pytest.mark.parametrize("preset,sq,sk,causal,d", SINK_CASES)
+def test_v3_bf16_sink_keys(preset, sq, sk, causal, d, mode, monkeypatch):
+    """FP8 with the first 128 keys attended from the 16-bit inputs inside the v3 kernel (sink.py): against
+    float64 as accurate as the portable kernel's in-kernel sink (the same arithmetic up to block order),
+    and more accurate than plain FP8; rows that see no key are 0 with LSE -inf; both partition orders."""
+    from leanfa.activations import make_qkv
+
+    monkeypatch.setenv("LEANFA_HOPPER_PERSISTENT", "1" if mode == "persistent" else "0")
+    q, k, v = make_qkv(preset, 1, sq, heads=2, kv_heads=1, seqlen_k=sk)
+    if d != q.shape[-1]:
+        q, k, v = (x[..., :d].contiguous() for x in (q, k, v))
+    p = _sink_problem(q, k, v, causal)
+    ref, ref_lse = attention_ref(q, k, v, causal=causal, return_lse=True)
+    plain, _, _ = emulate(_problem(p.q, p.k, p.v, causal, q_descale=p.q_scale, k_descale=p.k_scale,
+                                   v_descale=p.v_scale, k_mean=p.k_mean), version="v3")
+    e_plain = float((plain.double() - ref).norm() / ref.norm())
+    for order in ("consumer-first", "producer-first"):
+        reset_shadows()
+        e_v3, e_port = _sink_errors(p, ref, ref_lse, ws_order=order)
+        assert e_v3 < 1.1 * e_port + 1e-3, (e_v3, e_port)
+        assert e_v3 < e_plain or sk <= 128 and e_v3 < 1e-2, (e_v3, e_plain)
+
+
+def test_v3_bf16_sink_keys_varlen():
+    """Varlen: the first 128 keys of each sequence are its sink keys (lengths: longer and shorter than the
+    sink, one token)."""
+    from leanfa.activations import make_qkv
+
+    lens = [300, 90, 1, 200]
+    seqs = [make_qkv("llama3-8b", 1, n, heads=2, kv_heads=1, seed=i) for i, n in enumerate(lens)]
+    q, k, v = (torch.cat([s[j][0] for s in seqs]) for j in range(3))
+    cu = cu_seqlens(lens)
+    kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens), max_seqlen_k=max(lens))
+    p = _sink_problem(q, k, v, True, **kw)
+    ref, ref_lse = attention_ref(q, k, v, causal=True, return_lse=True, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    e_v3, e_port = _sink_errors(p, ref, ref_lse)
+    assert e_v3 < 1.1 * e_port + 1e-3, (e_v3, e_port)
+
+
+def test_v3_sink_plan_and_dispatch(monkeypatch):
+    """The plan: SINK = 2 with a smoothed K (1 without), a 3-slot ring next to the sink's 96 KB at d128; what
+    v3 cannot run is refused with the reason; auto dispatch keeps the portable kernel until validated."""
+    from leanfa.kernels import dispatch, hopper
+
+    q, k, v = _inputs(1, 200, 200, 2, 1, 128, 128)
+    p = _sink_problem(q, k, v, True)
+    out = torch.empty(1, 200, 2, 128, dtype=torch.bfloat16)
+    plan = emulate_mod._make_plan_cpu(L, p, out, None)
+    assert plan.constexprs["SINK"] == 2 and plan.constexprs["STAGES"] == 3
+    assert plan.args[-3].block_shape == [1, 1, 64, 128] and plan.args[-1].block_shape == [1, 1, 128, 128]
+    assert L.sink_problem("v3", True, (128, 128), 256) and L.sink_problem("v3", True, (192, 128), 128)
+    assert L.sink_problem("v1", True, (128, 128), 128) and L.sink_problem("v3", False, (128, 128), 128)
+    assert L.sink_problem("v3", True, (64, 64), 128) is None
+    monkeypatch.setenv("LEANFA_HOPPER_PINGPONG", "1")
+    with pytest.raises(ValueError, match="turn barriers"):
+        emulate_mod._make_plan_cpu(L, p, out, None)
+    monkeypatch.delenv("LEANFA_HOPPER_PINGPONG")
+    monkeypatch.delenv("LEANFA_HOPPER_SINK", raising=False)
+    assert not hopper.SINK_VALIDATED and not dispatch.hopper_sink_enabled()
+    ok, why = dispatch.hopper_applies(p)
+    assert not ok and "LEANFA_HOPPER_SINK" in why
+
+
+from leanfa.kernels.hopper import sink as SK  # noqa: E402
+
+
+@pytest.mark.parametrize("mod,fn,old,new", [
+    # the sink's scores not shifted by q . mean: they no longer match the smoothed K's FP8 scores
+    (SK, "sink_block", "        s = s - q_shift[:, None]\n", ""),
+    # the sink's P V added in real units to an accumulator in units of V's descale
+    (SK, "sink_block", "pv * inv_v_scale[None, :]", "pv"),
+    # the producer loads key block 0 into the ring too, and the consumers read it in FP8 as well
+    (P, "produce_kv", "    for j in range(FIRST, n_end):", "    for j in range(0 * FIRST, n_end):"),
+    # the producer refills the sink buffers without waiting for both warpgroups to release the tile
+    (KP, "_producer", "                mbarrier.wait(q_empty.index(0), (qi - 1) & 1)\n", "                pass\n"),
+])
+def test_v3_sink_mutations_caught(mod, fn, old, new, monkeypatch):
+    """Each mutation of the sink path is caught: a wrong answer (against the portable in-kernel sink's
+    error) or an emulator error (a hang, a race)."""
+    from leanfa.activations import make_qkv
+
+    monkeypatch.setenv("LEANFA_HOPPER_PERSISTENT", "1")
+    q, k, v = make_qkv("llama3-8b", 1, 300, heads=2, kv_heads=1)
+    p = _sink_problem(q, k, v, True)
+    ref, ref_lse = attention_ref(q, k, v, causal=True, return_lse=True)
+    reset_shadows()
+    try:
+        _mutated(getattr(mod, fn), old, new)
+        caught = []
+        for order in ("producer-first", "consumer-first"):
+            try:
+                e_v3, e_port = _sink_errors(p, ref, ref_lse, ws_order=order)
+                caught.append(e_v3 > 1.1 * e_port + 1e-3)
+            except (EmulationError, AssertionError):
+                caught.append(True)
+        assert any(caught), "mutation not caught"
+    finally:
+        reset_shadows()

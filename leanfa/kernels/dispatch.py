@@ -20,13 +20,23 @@ def _hopper():
     return hopper
 
 
+def hopper_sink_enabled(dims=None, sink_keys=None) -> bool:
+    """Whether FP8 calls with BF16 sink keys may run on the Hopper kernel (:mod:`.hopper.sink`); with
+    ``dims`` (Dqk, Dv) and ``sink_keys``, also whether it supports them."""
+    hopper = _hopper()
+    if hopper is None or not hopper.sink_in_kernel():
+        return False
+    return dims is None or hopper._launch.sink_problem(hopper._launch.kernel_version(), True, dims, sink_keys) is None
+
+
 def hopper_applies(problem) -> tuple[bool, str]:
     """Whether the Hopper kernel can run this problem, and if not, why."""
     hopper = _hopper()
     if hopper is None:
         return False, "triton.experimental.gluon is not available"
-    if problem.sink_keys:
-        return False, "BF16 sink keys (bf16_sink_keys) run in the portable kernel"
+    if problem.sink_keys and not hopper.sink_in_kernel():
+        return False, ("BF16 sink keys (bf16_sink_keys) run in the portable kernel (the Hopper kernel's, "
+                       "LEANFA_HOPPER_SINK=1, awaits its GPU validation)")
     return hopper.supports(problem)
 
 

@@ -16,6 +16,8 @@ not; anything it rejects runs on the portable kernel instead -- never a wrong an
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 
@@ -43,8 +45,17 @@ HEAD_DIMS = ((128, 128), (192, 128))
 #: 256/256 (Gemma-class heads): the same kernel, FP8 with PV in the wgmma accumulator, BF16 with
 #: 64-key blocks (launch.wide_head); 48/48 H200 cases, memcheck/synccheck 0 errors (runs 41, 43).
 V3_HEAD_DIMS = ((64, 64), (256, 256))
+#: FP8 with BF16 sink keys in the v3 kernel (:mod:`.sink`): CPU-verified (emulator, sm90 AOT) only, so
+#: ``backend="auto"`` keeps sending it to the portable kernel until an H200 run has checked it;
+#: ``LEANFA_HOPPER_SINK=1`` enables it (also for ``backend="hopper"``, which otherwise runs the split).
+SINK_VALIDATED = False
 IN_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def sink_in_kernel() -> bool:
+    """Whether FP8 calls with BF16 sink keys may run here (validated, or ``LEANFA_HOPPER_SINK=1``)."""
+    return SINK_VALIDATED or os.environ.get("LEANFA_HOPPER_SINK", "0") == "1"
 
 
 def supports(problem) -> tuple[bool, str]:
@@ -87,15 +98,24 @@ def supports(problem) -> tuple[bool, str]:
             return False, why
     if problem.max_seqlen_q >= 2**31 or problem.max_seqlen_k >= 2**31:
         return False, "sequence too long"
+    if problem.sink_keys:
+        why = _launch.sink_problem(_launch.kernel_version(), problem.is_fp8, dims, problem.sink_keys,
+                                   (("q", problem.sink_q), ("k", problem.sink_k), ("v", problem.sink_v)))
+        if why:
+            return False, why
     return True, ""
 
 
-def varlen_args(problem) -> dict:
-    """``make_plan``'s varlen keywords for ``problem`` (none when dense)."""
-    if not problem.varlen:
-        return {}
-    return dict(cu_seqlens_q=problem.cu_seqlens_q, cu_seqlens_k=problem.cu_seqlens_k,
-                max_seqlen_q=problem.max_seqlen_q, max_seqlen_k=problem.max_seqlen_k)
+def plan_kwargs(problem) -> dict:
+    """``make_plan``'s keywords for ``problem``: the varlen ones (none when dense) and the BF16 sink
+    keys' ``sink`` tuple (none without)."""
+    kw = {}
+    if problem.varlen:
+        kw.update(cu_seqlens_q=problem.cu_seqlens_q, cu_seqlens_k=problem.cu_seqlens_k,
+                  max_seqlen_q=problem.max_seqlen_q, max_seqlen_k=problem.max_seqlen_k)
+    if problem.sink_keys:
+        kw.update(sink=(problem.sink_keys, problem.sink_q, problem.sink_k, problem.sink_v))
+    return kw
 
 
 def plan(problem):
@@ -106,7 +126,7 @@ def plan(problem):
     out, lse = allocate_outputs(problem)
     p = _launch.make_plan(q, k, v, out, lse, problem.q_scale, problem.k_scale, problem.v_scale,
                           problem.k_mean, causal=problem.causal, softmax_scale=problem.softmax_scale,
-                          return_lse=problem.return_lse, **varlen_args(problem))
+                          return_lse=problem.return_lse, **plan_kwargs(problem))
     return p, out, lse
 
 

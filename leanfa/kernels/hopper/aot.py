@@ -38,6 +38,7 @@ class Variant:
     version: str = "v1"  # "v1" | "v2" (kernel_ws)
     env: tuple = ()  # ((name, value), ...) set while planning (v2 knobs, LEANFA_HOPPER_STAGES)
     varlen: bool = False  # packed (total, H, D) inputs with cu_seqlens (v3)
+    sink: bool = False  # FP8 with the first 128 keys attended from BF16 inputs (v3, sink.py)
 
     @property
     def name(self) -> str:
@@ -45,7 +46,7 @@ class Variant:
         tag = "" if self.version == "v1" else f"{self.version}" + "".join(f"[{k.replace('LEANFA_HOPPER_', '').lower()}={x}]" for k, x in self.env) + ":"
         return (f"{tag}{self.dtype}-d{self.dqk}/{self.dv}-{'causal' if self.causal else 'full'}"
                 f"{'-lse' if self.return_lse else ''}{'-kmean' if self.k_mean else ''}"
-                f"{'-vT' if vk else ''}{'-varlen' if self.varlen else ''}")
+                f"{'-vT' if vk else ''}{'-varlen' if self.varlen else ''}{'-sink' if self.sink else ''}")
 
 
 def _fake_problem(v: Variant):
@@ -65,6 +66,7 @@ def _fake_problem(v: Variant):
     ks = ones.expand(B, H, 2)
     vs = ones.expand(B, H, v.dv)
     km = torch.zeros(B, H, v.dqk, dtype=torch.float32) if v.k_mean else None
+    sixteen = [torch.zeros(B, S, H, d, dtype=torch.bfloat16) for d in (v.dqk, v.dqk, v.dv)]  # the sink's inputs
     varlen = {}
     if v.varlen:  # the same tokens as two packed sequences
         q, k, v_, out = (t[0] for t in (q, k, v_, out))
@@ -73,6 +75,9 @@ def _fake_problem(v: Variant):
         varlen = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=156, max_seqlen_k=156)
         qs, ks, vs = ones.expand(2, H, 2), ones.expand(2, H, 2), ones.expand(2, H, v.dv)
         km = torch.zeros(2, H, v.dqk, dtype=torch.float32) if v.k_mean else None
+        sixteen = [t[0] for t in sixteen]
+    if v.sink:
+        varlen["sink"] = (128, *sixteen)
     with mock.patch.dict(os.environ, {k: str(x) for k, x in v.env}):  # restored on exit
         return L.make_plan(q, k, v_, out, lse if v.return_lse else None, qs, ks, vs, km, causal=v.causal,
                            softmax_scale=v.dqk ** -0.5, return_lse=v.return_lse, version=v.version, **varlen)

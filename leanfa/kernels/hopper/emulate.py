@@ -819,8 +819,8 @@ def emulate(problem, *, programs=None, poison=True, version=None, ws_order="cons
 
 def _make_plan_cpu(L, p, out, lse, version=None):
     """``launch.make_plan`` on CPU tensors (the TMA descriptor checks only look at pointers)."""
-    from . import varlen_args
+    from . import plan_kwargs
 
     return L.make_plan(p.q, p.k, p.v, out, lse, p.q_scale, p.k_scale, p.v_scale, p.k_mean,
                        causal=p.causal, softmax_scale=p.softmax_scale, return_lse=p.return_lse, version=version,
-                       **varlen_args(p))
+                       **plan_kwargs(p))

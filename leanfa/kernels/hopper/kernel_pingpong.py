@@ -67,6 +67,7 @@ from .masking import kv_block_range, mask_scores
 from .pipeline import (alloc_barriers, invalidate_barriers, load_q, produce_kv, qk_async, release_slot, v_tile,
                        wait_k)
 from .schedule import program_tiles, round_tile, sequence_bounds, tile_coords
+from .sink import load_sink, sink_block
 from .softmax import finish_rows
 from .softmax_ws import fold_pv, online_softmax_step_halves, online_softmax_step_lazy
 from .trace import record_clock, record_clock_rows, record_smid, trace_row
@@ -97,13 +98,15 @@ def _tile(t, num_bh, num_heads, group_size, num_m_tiles, num_tiles, seqlen_q, se
 # ----------------------------------------------------------------------------- producer
 
 @gluon.jit
-def _producer(args, cu_seqlens_v, CAUSAL: gl.constexpr, V_KMAJOR: gl.constexpr, VARLEN: gl.constexpr,
-              WGS: gl.constexpr, CONSUMERS: gl.constexpr):
+def _producer(args, cu_seqlens_v, sink_t, CAUSAL: gl.constexpr, V_KMAJOR: gl.constexpr, VARLEN: gl.constexpr,
+              WGS: gl.constexpr, CONSUMERS: gl.constexpr, SINK: gl.constexpr):
     """Per tile: the ``WGS`` 64-row Q boxes (after the consumers released the previous tile's), then
     the tile's key blocks through the ring; ``ring`` counts key blocks over all of this program's
     tiles. ``CONSUMERS`` is ``WGS`` (1 only in the ``onewg`` timing ablation: no Q box for the idle
     warpgroups). ``cu_seqlens_v``: ``None``, or (FP8 varlen) each sequence's first token in V's
-    descriptor, a multiple of 16 (:func:`.launch.align_varlen_v`)."""
+    descriptor, a multiple of 16 (:func:`.launch.align_varlen_v`). ``SINK`` (BF16 sink keys, :mod:`.sink`):
+    ``sink_t`` holds the 16-bit Q/K/V descriptors, their buffers and barrier; the tile's 16-bit Q and
+    sink block load with its Q, and the FP8 blocks start at block 1."""
     (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars,
      seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, num_bh, num_heads, group_size, num_m_tiles,
      first_tile, tile_step, num_tiles) = args
@@ -119,16 +122,31 @@ def _producer(args, cu_seqlens_v, CAUSAL: gl.constexpr, V_KMAJOR: gl.constexpr, 
             if qi > 0:
                 mbarrier.wait(q_empty.index(0), (qi - 1) & 1)
             for w in gl.static_range(CONSUMERS):  # Q box w -> q_smem[w * QK_CHUNKS + c], barrier q_bars[w]
-                load_q(q_desc, tma_b, h, q_start + m_start + w * WG_ROWS, q_bars.index(w), q_smem, QK_CHUNKS,
-                       w * QK_CHUNKS)
+                if SINK:  # a tile whose only key block is the sink has no FP8 QK: its barrier completes empty
+                    if n_end > 1:
+                        load_q(q_desc, tma_b, h, q_start + m_start + w * WG_ROWS, q_bars.index(w), q_smem,
+                               QK_CHUNKS, w * QK_CHUNKS)
+                    else:
+                        mbarrier.arrive(q_bars.index(w), count=1)
+                else:
+                    load_q(q_desc, tma_b, h, q_start + m_start + w * WG_ROWS, q_bars.index(w), q_smem, QK_CHUNKS,
+                           w * QK_CHUNKS)
+            if SINK:
+                qs_desc, ks_desc, vs_desc, qs_smem, ks_smem, vs_smem, sink_bar = sink_t
+                load_sink(qs_desc, ks_desc, vs_desc, sink_bar.index(0), qs_smem, ks_smem, vs_smem, tma_b, h, hkv,
+                          q_start + m_start, k_start, CONSUMERS)
             qi += 1
         if cu_seqlens_v is None:
             v_start = None
         else:
             v_start = gl.load(cu_seqlens_v + b)
+        FIRST: gl.constexpr = 1 if SINK else 0
         produce_kv(k_desc, v_desc, tma_b, hkv, n_end, k_bufs, v_bufs, k_bars, v_bars, empty_bars, V_KMAJOR, k_start,
-                   ring, v_start)
-        ring += n_end
+                   ring, v_start, FIRST)
+        if SINK:
+            ring += gl.maximum(n_end - 1, 0)
+        else:
+            ring += n_end
 
 
 # ----------------------------------------------------------------------------- consumer pieces
@@ -260,15 +278,17 @@ def _consumer_block(s, j, c, c_hi, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seq
 def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars,
                    out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
                    seqlen_q, seqlen_k, qk_scale, sm_scale,
-                   b, h, hkv, q_start, m_start, n_full, n_end, ring, batch, tr,
+                   b, h, hkv, q_start, m_start, n_full, n_end, ring, batch, tr, sink_t, qi,
                    HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
                    RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, RESCALE_SKIP: gl.constexpr,
                    PINGPONG: gl.constexpr, POLY: gl.constexpr, TWO_LEVEL: gl.constexpr, WGS: gl.constexpr,
-                   W: gl.constexpr):
+                   SINK: gl.constexpr, W: gl.constexpr):
     """Warpgroup ``W`` (of ``WGS``) on one tile: rows ``[m_start + 64 W, + 64)`` of sequence ``b`` against its key
     blocks ``[0, n_end)``, which sit at ring positions ``ring + j``; its wgmma batches are numbered
     from ``batch``. Output row ``r`` is token ``q_start + r`` of ``out`` (and of the LSE). ``out_t``,
-    ``lse_t`` and the ``*_scale_t``/``k_mean_t`` tables are ``(pointer, strides...)`` tuples."""
+    ``lse_t`` and the ``*_scale_t``/``k_mean_t`` tables are ``(pointer, strides...)`` tuples. ``SINK``
+    (1; 2: K was smoothed): key block 0 is the BF16 sink block (``sink_t``'s buffers, loaded with the
+    tile's ``qi``-th Q), attended after the FP8 blocks ``[1, n_end)`` (:mod:`.sink`)."""
     out_ptr, stride_ob, stride_os, stride_oh = out_t
     lse_ptr, stride_lb, stride_lh = lse_t
     q_scale_ptr, stride_qsb, stride_qsh, stride_qsblk = q_scale_t
@@ -277,6 +297,7 @@ def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars
     k_mean_ptr, stride_kmb, stride_kmh, stride_kmd = k_mean_t
     QK_CHUNKS: gl.constexpr = k_bufs.shape[0] // v_bufs.shape[0]
     BLOCK_N: gl.constexpr = k_bufs.shape[3]
+    FIRST: gl.constexpr = 1 if SINK else 0  # the first FP8 key block; ring position ring + j - FIRST
     BITS: gl.constexpr = 8 if IS_FP8 else 16
     P_OFFSET: gl.constexpr = 8.0 if IS_FP8 else 0.0
     s_layout: gl.constexpr = wgmma_layout(WG_WARPS, BLOCK_N, BITS)
@@ -300,19 +321,20 @@ def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars
     m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([WG_ROWS], gl.float32, gl.SliceLayout(1, s_layout))
 
-    # batch 0: S_0
+    # batch 0: S_FIRST
     s = s_zero
-    if n_end > 0:
+    if n_end > FIRST:
         _wait_turn(turn_bars, batch, W, PINGPONG)
         s_acc = _issue_qk(q_smem, k_bufs, k_bars, ring, s_zero, W, QK_CHUNKS)
         _pass_turn(turn_bars, W, PINGPONG)
         s = warpgroup_mma_wait(0, deps=(s_acc, ))
     record_clock(tr, 0, 2, n_end)
+    ring = ring - FIRST  # key block j sits at ring position ring + j
     # Blocks [0, n_end - 1) issue the next block's S with their PV; the last one is peeled off, so
     # S has one definition per iteration (with a conditional second QK, ptxas copied all 64 S
     # registers at every block). The K scale is loaded a block ahead, off the softmax's path.
-    k_sc, k_hi = _k_scales(k_scale_row, stride_ksblk, 0, n_end, seqlen_k, BLOCK_N)
-    for j in range(n_end - 1):
+    k_sc, k_hi = _k_scales(k_scale_row, stride_ksblk, FIRST, n_end, seqlen_k, BLOCK_N)
+    for j in range(FIRST, n_end - 1):
         k_sc_next, k_hi_next = _k_scales(k_scale_row, stride_ksblk, j + 1, n_end, seqlen_k, BLOCK_N)
         acc, m_i, l_i, s = _consumer_block(
             s, j, c_q * k_sc, c_q * k_hi, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, q_smem, k_bufs, v_bufs,
@@ -320,11 +342,23 @@ def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars
             P_OFFSET, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, True, W)
         k_sc = k_sc_next
         k_hi = k_hi_next
-    if n_end > 0:
+    if n_end > FIRST:
         acc, m_i, l_i, s = _consumer_block(
             s, n_end - 1, c_q * k_sc, c_q * k_hi, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, q_smem, k_bufs,
             v_bufs, k_bars, v_bars, empty_bars, turn_bars, ring, batch, s_zero, tr, p_layout, o_layout, CAUSAL,
             V_KMAJOR, P_OFFSET, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, False, W)
+
+    if SINK:
+        q_shift = gl.zeros_like(m_i)
+        if n_end > 0:
+            qs_smem, ks_smem, vs_smem, sink_bar = sink_t
+            mbarrier.wait(sink_bar.index(0), qi & 1)
+            inv_vs = 1.0 / gl.load(v_scale_ptr + b * stride_vsb + hkv * stride_vsh
+                                   + gl.arange(0, HEAD_DV, gl.SliceLayout(0, o_layout)) * stride_vsd)
+            acc, m_i, l_i, q_shift = sink_block(qs_smem, ks_smem, vs_smem, W, acc, m_i, l_i, offs_m, seqlen_q,
+                                                seqlen_k, qk_scale, inv_vs, k_mean_ptr, stride_kmb, stride_kmh,
+                                                stride_kmd, b, hkv, s_layout, o_layout, CAUSAL, SINK == 2, P_OFFSET,
+                                                WG_WARPS)
 
     # Epilogue: O = acc / l * v_scale; LSE.
     inv_l, lse = finish_rows(m_i, l_i, P_OFFSET)
@@ -332,7 +366,9 @@ def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars
     store_output(acc, inv_l, row0, out_seq, stride_ob, stride_os, stride_oh, b, h, hkv,
                  v_scale_ptr, stride_vsb, stride_vsh, stride_vsd, seqlen_q)
     if RETURN_LSE:
-        if HAS_KMEAN:
+        if SINK == 2:  # the 16-bit q's q . mean (exact; the sink's scores used it too)
+            lse = lse + q_shift * sm_scale
+        elif HAS_KMEAN:
             if n_end > 0:  # (with no key block no Q was loaded, and every LSE is -inf anyway)
                 corr = kmean_lse_term(q_smem, W * QK_CHUNKS, QK_CHUNKS, k_mean_ptr, stride_kmb, stride_kmh,
                                       stride_kmd, b, hkv, (c_q / qk_scale) * sm_scale, WG_WARPS)
@@ -346,11 +382,11 @@ def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars
 def _consumer_step(t, ring, batch, qi, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars,
                    out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
                    seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k,
-                   num_bh, num_heads, group_size, num_m_tiles, num_tiles, trace,
+                   num_bh, num_heads, group_size, num_m_tiles, num_tiles, trace, sink_t,
                    HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
                    RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, RESCALE_SKIP: gl.constexpr,
                    PINGPONG: gl.constexpr, POLY: gl.constexpr, TWO_LEVEL: gl.constexpr, VARLEN: gl.constexpr,
-                   WGS: gl.constexpr, W: gl.constexpr):
+                   WGS: gl.constexpr, SINK: gl.constexpr, W: gl.constexpr):
     """Tile ``t``; ``ring``, ``batch``, ``qi``: key blocks, wgmma batches and Q tiles of the
     program's earlier tiles (ring position, turn-barrier phase, ``q_bars`` phase). Returns them updated.
     ``trace``: the clock-trace buffer (:mod:`.trace`), or ``None``."""
@@ -367,20 +403,25 @@ def _consumer_step(t, ring, batch, qi, q_smem, k_bufs, v_bufs, q_bars, q_empty, 
     _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars,
                    out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
                    sq, sk, qk_scale, sm_scale,
-                   b, h, hkv, q_start, m_start, n_full, n_end, ring, batch, tr,
+                   b, h, hkv, q_start, m_start, n_full, n_end, ring, batch, tr, sink_t, qi,
                    HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY,
-                   TWO_LEVEL, WGS, W)
+                   TWO_LEVEL, WGS, SINK, W)
     if n_end > 0:
         release_slot(q_empty, 0)  # this warpgroup's QK wgmmas and K-mean term are done with its Q half
     loaded = gl.minimum(n_end, 1)  # this tile had a Q tile and a batch 0
-    return ring + n_end, batch + loaded + n_end, qi + loaded
+    n_fp8 = n_end  # key blocks through the ring (ring positions, wgmma batches)
+    batch0 = loaded
+    if SINK:  # block 0 was the BF16 sink block
+        n_fp8 = gl.maximum(n_end - 1, 0)
+        batch0 = gl.minimum(n_fp8, 1)
+    return ring + n_fp8, batch + batch0 + n_fp8, qi + loaded
 
 
 @gluon.jit
-def _consumer(args, trace, HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
-              RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, RESCALE_SKIP: gl.constexpr,
+def _consumer(args, trace, sink_t, HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr,
+              V_KMAJOR: gl.constexpr, RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, RESCALE_SKIP: gl.constexpr,
               PINGPONG: gl.constexpr, POLY: gl.constexpr, TWO_LEVEL: gl.constexpr, VARLEN: gl.constexpr,
-              PERSISTENT: gl.constexpr, WGS: gl.constexpr, W: gl.constexpr):
+              PERSISTENT: gl.constexpr, WGS: gl.constexpr, SINK: gl.constexpr, W: gl.constexpr):
     """Warpgroup ``W`` over this program's tiles; after each it hands its Q box back (``q_empty``
     counts every consumer warpgroup), so the producer can load the next tile's. Tiles with no key block to
     visit (causal rows before the first key, varlen tiles past a sequence) load no Q. One tile per
@@ -402,17 +443,46 @@ def _consumer(args, trace, HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: 
                 round_tile(r, first_tile, tile_step), ring, batch, qi, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars,
                 out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
                 seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k,
-                num_bh, num_heads, group_size, num_m_tiles, num_tiles, trace,
+                num_bh, num_heads, group_size, num_m_tiles, num_tiles, trace, sink_t,
                 HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL,
-                VARLEN, WGS, W)
+                VARLEN, WGS, SINK, W)
     else:
         _consumer_step(
             first_tile, 0, 0, 0, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars,
             out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
             seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k,
-            num_bh, num_heads, group_size, num_m_tiles, num_tiles, trace,
+            num_bh, num_heads, group_size, num_m_tiles, num_tiles, trace, sink_t,
             HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL,
-            VARLEN, WGS, W)
+            VARLEN, WGS, SINK, W)
+
+
+@gluon.jit
+def _partitions(cargs, pargs, trace, cu_seqlens_v, psink, csink,
+                HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
+                RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, RESCALE_SKIP: gl.constexpr, PINGPONG: gl.constexpr,
+                POLY: gl.constexpr, TWO_LEVEL: gl.constexpr, VARLEN: gl.constexpr, PERSISTENT: gl.constexpr,
+                CONSUMER_WGS: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                PRODUCER_REGS: gl.constexpr, SINK: gl.constexpr):
+    """The warp-specialized body: ``CONSUMER_WGS`` consumer warpgroups (the first in the default
+    partition) and the producer warp. ``psink``/``csink``: the BF16 sink keys' tuples, or None."""
+    if CONSUMER_WGS == 3:
+        gl.warp_specialize([
+            (_consumer, (cargs, trace, csink, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP,
+                         PINGPONG, POLY, TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, SINK, 0)),
+            (_consumer, (cargs, trace, csink, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP,
+                         PINGPONG, POLY, TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, SINK, 1)),
+            (_consumer, (cargs, trace, csink, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP,
+                         PINGPONG, POLY, TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, SINK, 2)),
+            (_producer, (pargs, cu_seqlens_v, psink, CAUSAL, V_KMAJOR, VARLEN, CONSUMER_WGS, CONSUMERS, SINK)),
+        ], [WG_WARPS, WG_WARPS, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer, (cargs, trace, csink, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP,
+                         PINGPONG, POLY, TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, SINK, 0)),
+            (_consumer, (cargs, trace, csink, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP,
+                         PINGPONG, POLY, TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, SINK, 1)),
+            (_producer, (pargs, cu_seqlens_v, psink, CAUSAL, V_KMAJOR, VARLEN, CONSUMER_WGS, CONSUMERS, SINK)),
+        ], [WG_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -435,12 +505,14 @@ def attn_fwd_pingpong_kernel(
     stride_lb, stride_lh,  # LSE strides of batch and head (dense (B, H, Sq); varlen (H, total_q))
     trace,  # None, or the int32 clock-trace buffer (LEANFA_HOPPER_TRACE, see trace.py)
     cu_seqlens_v,  # None, or (FP8 varlen) each sequence's first token in V, 16-aligned (launch.align_varlen_v)
+    sink_q_desc, sink_k_desc, sink_v_desc,  # None, or (SINK) the 16-bit Q, K, V of the BF16 sink keys (sink.py)
     HEAD_DQK: gl.constexpr, HEAD_DV: gl.constexpr,
     CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
     RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, VARLEN: gl.constexpr, STAGES: gl.constexpr,
     RESCALE_SKIP: gl.constexpr, PINGPONG: gl.constexpr, POLY: gl.constexpr, PV_IN_MMA: gl.constexpr,
     PERSISTENT: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     CONSUMER_WGS: gl.constexpr,  # consumer warpgroups (64 query rows each): 2, or 3 (experiment)
+    SINK: gl.constexpr,  # 0; BF16 sink keys [0, 128): 1, or 2 when K was smoothed (sink.py)
     num_warps: gl.constexpr,
 ):
     gl.static_assert(num_warps == WG_WARPS, "v3 launches with num_warps=4 (the first consumer warpgroup)")
@@ -462,42 +534,34 @@ def attn_fwd_pingpong_kernel(
     v_bars = alloc_barriers(STAGES)
     empty_bars = alloc_barriers(STAGES, CONSUMERS)  # one release per consumer warpgroup
     turn_bars = alloc_barriers(2)
-
-
-    # the output, the LSE and the four scale tables travel as (pointer, strides...) tuples
-    out_t = (out_ptr, stride_ob, stride_os, stride_oh)
-    lse_t = (lse_ptr, stride_lb, stride_lh)
-    q_scale_t = (q_scale_ptr, stride_qsb, stride_qsh, stride_qsblk)
-    k_scale_t = (k_scale_ptr, stride_ksb, stride_ksh, stride_ksblk)
-    v_scale_t = (v_scale_ptr, stride_vsb, stride_vsh, stride_vsd)
-    k_mean_t = (k_mean_ptr, stride_kmb, stride_kmh, stride_kmd)
     # every consumer warpgroup gets the same arguments but its index. The constexprs go in the
     # argument list itself: a tuple held in a variable makes them runtime values.
     cargs = (q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars,
-             out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
+             (out_ptr, stride_ob, stride_os, stride_oh), (lse_ptr, stride_lb, stride_lh),
+             (q_scale_ptr, stride_qsb, stride_qsh, stride_qsblk), (k_scale_ptr, stride_ksb, stride_ksh, stride_ksblk),
+             (v_scale_ptr, stride_vsb, stride_vsh, stride_vsd), (k_mean_ptr, stride_kmb, stride_kmh, stride_kmd),
              seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k,
              num_bh, num_heads, group_size, num_m_tiles, first_tile, tile_step, num_tiles)
     pargs = (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars,
              seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, num_bh, num_heads, group_size, num_m_tiles,
              first_tile, tile_step, num_tiles)
-    if CONSUMER_WGS == 3:
-        gl.warp_specialize([
-            (_consumer, (cargs, trace, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY,
-                         TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, 0)),
-            (_consumer, (cargs, trace, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY,
-                         TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, 1)),
-            (_consumer, (cargs, trace, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY,
-                         TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, 2)),
-            (_producer, (pargs, cu_seqlens_v, CAUSAL, V_KMAJOR, VARLEN, CONSUMER_WGS, CONSUMERS)),
-        ], [WG_WARPS, WG_WARPS, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
-    else:
-        gl.warp_specialize([
-            (_consumer, (cargs, trace, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY,
-                         TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, 0)),
-            (_consumer, (cargs, trace, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY,
-                         TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, 1)),
-            (_producer, (pargs, cu_seqlens_v, CAUSAL, V_KMAJOR, VARLEN, CONSUMER_WGS, CONSUMERS)),
-        ], [WG_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    if SINK:  # the BF16 sink keys' 16-bit Q boxes, K and V blocks, and their barrier (sink.py)
+        gl.static_assert(k_desc.block_type.shape[2] == sink_k_desc.block_type.shape[2], "the sink is key block 0")
+        qs_smem = gl.allocate_shared_memory(sink_q_desc.dtype, [CONSUMER_WGS] + sink_q_desc.block_type.shape,
+                                            sink_q_desc.layout)
+        ks_smem = gl.allocate_shared_memory(sink_k_desc.dtype, [1] + sink_k_desc.block_type.shape, sink_k_desc.layout)
+        vs_smem = gl.allocate_shared_memory(sink_v_desc.dtype, [1] + sink_v_desc.block_type.shape, sink_v_desc.layout)
+        sink_bar = alloc_barriers(1)
+        _partitions(cargs, pargs, trace, cu_seqlens_v,
+                    (sink_q_desc, sink_k_desc, sink_v_desc, qs_smem, ks_smem, vs_smem, sink_bar),
+                    (qs_smem, ks_smem, vs_smem, sink_bar),
+                    HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL,
+                    VARLEN, PERSISTENT, CONSUMER_WGS, CONSUMERS, CONSUMER_REGS, PRODUCER_REGS, SINK)
+        invalidate_barriers(sink_bar, 1)
+    else:  # (the None sink_q_desc stands for both sink tuples: a None made here cannot be passed on)
+        _partitions(cargs, pargs, trace, cu_seqlens_v, sink_q_desc, sink_q_desc,
+                    HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL,
+                    VARLEN, PERSISTENT, CONSUMER_WGS, CONSUMERS, CONSUMER_REGS, PRODUCER_REGS, SINK)
 
     invalidate_barriers(q_bars, CONSUMER_WGS)
     invalidate_barriers(q_empty, 1)

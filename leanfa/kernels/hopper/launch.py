@@ -130,9 +130,10 @@ def qk_chunk(dqk: int) -> int:
     return dqk if dqk & (dqk - 1) == 0 else 64
 
 
-def stages_for(dqk: int, dv: int, elt: int, block_n: int = BLOCK_N, block_m: int = BLOCK_M) -> int:
-    """Deepest K/V ring that fits shared memory (with room for layout-conversion scratch)."""
-    q_bytes = block_m * dqk * elt
+def stages_for(dqk: int, dv: int, elt: int, block_n: int = BLOCK_N, block_m: int = BLOCK_M, extra: int = 0) -> int:
+    """Deepest K/V ring that fits shared memory (with room for layout-conversion scratch) next to Q and
+    ``extra`` bytes (the BF16 sink keys' buffers)."""
+    q_bytes = block_m * dqk * elt + extra
     stage = block_n * (dqk + dv) * elt
     scratch = 8 * 1024
     stages = 4
@@ -175,12 +176,12 @@ def _block_n(version: str, is_fp8: bool, dv: int = 128) -> int:
     return n
 
 
-def _stages(dqk: int, dv: int, elt: int, block_n: int = BLOCK_N, block_m: int = BLOCK_M) -> int:
+def _stages(dqk: int, dv: int, elt: int, block_n: int = BLOCK_N, block_m: int = BLOCK_M, extra: int = 0) -> int:
     """``stages_for``, or ``LEANFA_HOPPER_STAGES`` (2-4) to measure other ring depths on the GPU.
     bf16 d128 gets 2 by default, but 3 fits (229,448 B of 232,448 B: no layout-conversion scratch is
     allocated; see scripts/hopper_compile_check.py)."""
     env = int(os.environ.get("LEANFA_HOPPER_STAGES", "0") or 0)
-    return env if env in (2, 3, 4) else stages_for(dqk, dv, elt, block_n, block_m)
+    return env if env in (2, 3, 4) else stages_for(dqk, dv, elt, block_n, block_m, extra)
 
 
 def kernel_version() -> str:
@@ -287,11 +288,48 @@ def as_bshd(t: torch.Tensor) -> torch.Tensor:
     return t.unsqueeze(0) if t.dim() == 3 else t
 
 
+#: BF16 sink keys the v3 kernel attends in 16 bits (:mod:`.sink`): exactly key block 0
+SINK_KEYS = BLOCK_N
+SINK_HEAD_DIMS = ((64, 64), (128, 128))  # one Q box per warpgroup; room for the sink's buffers
+
+
+def sink_problem(version: str, is_fp8: bool, dims: tuple, sink_keys: int, tensors=()) -> str | None:
+    """Why the v3 kernel cannot attend these BF16 sink keys itself, or None (``tensors``: the 16-bit
+    ``(name, tensor)`` pairs it would read through TMA)."""
+    if version != "v3" or not is_fp8:
+        return "BF16 sink keys run in the v3 kernel's FP8 calls only"
+    if sink_keys != SINK_KEYS:
+        return f"the v3 kernel attends exactly {SINK_KEYS} BF16 sink keys (got {sink_keys})"
+    if dims not in SINK_HEAD_DIMS:
+        return f"BF16 sink keys in the v3 kernel: head dims 64/64 and 128/128 only (got {dims[0]}/{dims[1]})"
+    if _consumer_wgs(version) != 2 or _block_n(version, is_fp8, dims[1]) != BLOCK_N or _flag("LEANFA_HOPPER_PINGPONG", False):
+        return "BF16 sink keys in the v3 kernel: two consumer warpgroups, 128-key blocks, no turn barriers"
+    for name, t in tensors:
+        t = as_bshd(t)
+        if t.dtype not in (torch.bfloat16, torch.float16):
+            return f"sink {name} must be bf16/fp16, got {t.dtype}"
+        why = tma_layout_problem(f"sink {name}", t, *_bshd_as_bhsd(t))
+        if why:
+            return why
+    return None
+
+
+def _sink_descs(sink, q_rows: int, block_n: int):
+    """``(descriptors, shared-memory bytes)`` of the BF16 sink keys' Q, K and V (token-major) boxes."""
+    _, sq, sk, sv = (as_bshd(t) if i else t for i, t in enumerate(sink))
+    dqk, dv = sq.shape[3], sv.shape[3]
+    descs = (_desc(sq, *_bshd_as_bhsd(sq), [1, 1, q_rows, dqk]), _desc(sk, *_bshd_as_bhsd(sk), [1, 1, block_n, dqk]),
+             _desc(sv, *_bshd_as_bhsd(sv), [1, 1, block_n, dv]))
+    return descs, (2 * q_rows * dqk + block_n * (dqk + dv)) * sq.element_size()
+
+
 def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: bool,
               softmax_scale: float, return_lse: bool, version: str | None = None,
-              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None) -> Plan:
+              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, sink=None) -> Plan:
     """Kernel arguments for dense (B, S, H, D) tensors (``out`` (B, Sq, Hq, Dv)), or packed varlen
-    (total, H, D) ones with ``cu_seqlens_*`` / ``max_seqlen_*`` (``out`` (total_q, Hq, Dv); v3 only)."""
+    (total, H, D) ones with ``cu_seqlens_*`` / ``max_seqlen_*`` (``out`` (total_q, Hq, Dv); v3 only).
+    ``sink``: ``(sink_keys, q16, k16, v16)``, FP8 with the first keys attended from the 16-bit inputs
+    (:mod:`.sink`; :func:`sink_problem` says what is supported)."""
     version = version or kernel_version()
     varlen = cu_seqlens_q is not None
     if varlen and version != "v3":
@@ -338,8 +376,16 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
     for name, t, n in (("q_scale", q_scale, triton_cdiv(Sq, SCALE_BLOCK)), ("k_scale", k_scale, triton_cdiv(Sk, SCALE_BLOCK))):
         if t.shape[2] not in (1, n):
             raise ValueError(f"{name} table has {t.shape[2]} blocks, expected 1 or {n}")
+    sink_mode, sink_descs, sink_bytes = 0, (None, None, None), 0
+    if sink is not None:
+        why = sink_problem(version, is_fp8, (Dqk, Dv), sink[0],
+                           (("q", sink[1]), ("k", sink[2]), ("v", sink[3])))
+        if why:
+            raise ValueError(why)
+        sink_descs, sink_bytes = _sink_descs(sink, q_rows, block_n)
+        sink_mode = 2 if k_mean is not None else 1  # 2: K was smoothed, the sink's scores shift by q . mean
     has_kmean = k_mean is not None and return_lse
-    km = k_mean if has_kmean else v_scale  # any float32 pointer; unused
+    km = k_mean if has_kmean or sink_mode == 2 else v_scale  # any float32 pointer; unused
     if varlen:  # out (total_q, Hq, Dv): sequence b's rows start at token cu_seqlens_q[b]
         out_strides = (0, out.stride(0), out.stride(1))
     else:
@@ -364,11 +410,11 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
         else:  # lse (B, Hq, Sq); the cu_seqlens pointers are unused
             args += (v_scale, v_scale, Hq * Sq, Sq)
         trace = trace_buffer(B * Hq * num_m_tiles, wgs, q.device) if _flag("LEANFA_HOPPER_TRACE", False) else None
-        args += (trace, cu_seqlens_v)
+        args += (trace, cu_seqlens_v, *sink_descs)
     constexprs = dict(
         HEAD_DQK=Dqk, HEAD_DV=Dv, CAUSAL=bool(causal), IS_FP8=is_fp8, V_KMAJOR=kmajor,
         RETURN_LSE=bool(return_lse), HAS_KMEAN=has_kmean,
-        STAGES=_stages(Dqk, Dv, q.element_size(), block_n, block_m), num_warps=NUM_WARPS,
+        STAGES=_stages(Dqk, Dv, q.element_size(), block_n, block_m, sink_bytes), num_warps=NUM_WARPS,
     )
     if version in ("v2", "v3"):
         constexprs.update(
@@ -390,7 +436,7 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
         if wgs != 2 and pingpong:
             raise ValueError("LEANFA_HOPPER_PINGPONG alternates two consumer warpgroups (LEANFA_HOPPER_CONSUMERS=2)")
         constexprs.update(PINGPONG=pingpong, POLY=poly, PV_IN_MMA=pv_flag,
-                          PERSISTENT=persistent, VARLEN=varlen, CONSUMER_WGS=wgs,
+                          PERSISTENT=persistent, VARLEN=varlen, CONSUMER_WGS=wgs, SINK=sink_mode,
                           CONSUMER_REGS=V3_CONSUMER_REGS if wgs == 2 else V3_CONSUMER_REGS_3WG,
                           num_warps=NUM_WARPS // 2)
     if persistent:  # one program per SM (one CTA fits an SM: > 114 KB of shared memory)
