@@ -24,9 +24,7 @@ def hopper_sink_enabled(dims=None, sink_keys=None) -> bool:
     """Whether FP8 calls with BF16 sink keys may run on the Hopper kernel (:mod:`.hopper.sink`); with
     ``dims`` (Dqk, Dv) and ``sink_keys``, also whether it supports them."""
     hopper = _hopper()
-    if hopper is None or not hopper.sink_in_kernel():
-        return False
-    return dims is None or hopper._launch.sink_problem(hopper._launch.kernel_version(), True, dims, sink_keys) is None
+    return hopper is not None and hopper.sink_in_kernel(dims, sink_keys)
 
 
 def hopper_applies(problem) -> tuple[bool, str]:

@@ -54,9 +54,12 @@ IN_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def sink_in_kernel() -> bool:
-    """Whether FP8 calls with BF16 sink keys may run here (validated, or ``LEANFA_HOPPER_SINK=1``)."""
-    return SINK_VALIDATED or os.environ.get("LEANFA_HOPPER_SINK", "0") == "1"
+def sink_in_kernel(dims=None, sink_keys=None) -> bool:
+    """Whether FP8 calls with BF16 sink keys may run here (validated, or ``LEANFA_HOPPER_SINK=1``); with
+    ``dims`` (Dqk, Dv) and ``sink_keys``, also whether the v3 kernel supports them."""
+    if not (SINK_VALIDATED or os.environ.get("LEANFA_HOPPER_SINK", "0") == "1"):
+        return False
+    return dims is None or _launch.sink_problem(_launch.kernel_version(), True, dims, sink_keys) is None
 
 
 def supports(problem) -> tuple[bool, str]:

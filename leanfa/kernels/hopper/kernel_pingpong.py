@@ -95,6 +95,15 @@ def _tile(t, num_bh, num_heads, group_size, num_m_tiles, num_tiles, seqlen_q, se
     return b, h, hkv, m_start, tma_b, q_start, k_start, seqlen_q, seqlen_k, n_full, n_end
 
 
+@gluon.jit
+def _fp8_blocks(n_end, SINK: gl.constexpr):
+    """Key blocks of a tile that go through the ring: ``[0, n_end)``, or with BF16 sink keys ``[1, n_end)``
+    (block 0 is read in 16 bits, :mod:`.sink`)."""
+    if SINK:
+        return gl.maximum(n_end - 1, 0)
+    return n_end
+
+
 # ----------------------------------------------------------------------------- producer
 
 @gluon.jit
@@ -122,6 +131,8 @@ def _producer(args, cu_seqlens_v, sink_t, CAUSAL: gl.constexpr, V_KMAJOR: gl.con
             if qi > 0:
                 mbarrier.wait(q_empty.index(0), (qi - 1) & 1)
             for w in gl.static_range(CONSUMERS):  # Q box w -> q_smem[w * QK_CHUNKS + c], barrier q_bars[w]
+                # (two load_q calls, not `if SINK and n_end < 2: arrive / else: load_q`: that form leaves the
+                # default PTX alone too, but costs the SINK build 28-36 B more spills in sm90 AOT)
                 if SINK:  # a tile whose only key block is the sink has no FP8 QK: its barrier completes empty
                     if n_end > 1:
                         load_q(q_desc, tma_b, h, q_start + m_start + w * WG_ROWS, q_bars.index(w), q_smem,
@@ -143,10 +154,7 @@ def _producer(args, cu_seqlens_v, sink_t, CAUSAL: gl.constexpr, V_KMAJOR: gl.con
         FIRST: gl.constexpr = 1 if SINK else 0
         produce_kv(k_desc, v_desc, tma_b, hkv, n_end, k_bufs, v_bufs, k_bars, v_bars, empty_bars, V_KMAJOR, k_start,
                    ring, v_start, FIRST)
-        if SINK:
-            ring += gl.maximum(n_end - 1, 0)
-        else:
-            ring += n_end
+        ring += _fp8_blocks(n_end, SINK)
 
 
 # ----------------------------------------------------------------------------- consumer pieces
@@ -408,13 +416,9 @@ def _consumer_step(t, ring, batch, qi, q_smem, k_bufs, v_bufs, q_bars, q_empty, 
                    TWO_LEVEL, WGS, SINK, W)
     if n_end > 0:
         release_slot(q_empty, 0)  # this warpgroup's QK wgmmas and K-mean term are done with its Q half
-    loaded = gl.minimum(n_end, 1)  # this tile had a Q tile and a batch 0
-    n_fp8 = n_end  # key blocks through the ring (ring positions, wgmma batches)
-    batch0 = loaded
-    if SINK:  # block 0 was the BF16 sink block
-        n_fp8 = gl.maximum(n_end - 1, 0)
-        batch0 = gl.minimum(n_fp8, 1)
-    return ring + n_fp8, batch + batch0 + n_fp8, qi + loaded
+    loaded = gl.minimum(n_end, 1)  # this tile had a Q tile
+    n_fp8 = _fp8_blocks(n_end, SINK)  # ... and, with FP8 blocks, a batch 0 and n_fp8 ring positions
+    return ring + n_fp8, batch + gl.minimum(n_fp8, 1) + n_fp8, qi + loaded
 
 
 @gluon.jit

@@ -316,7 +316,7 @@ def sink_problem(version: str, is_fp8: bool, dims: tuple, sink_keys: int, tensor
 
 def _sink_descs(sink, q_rows: int, block_n: int):
     """``(descriptors, shared-memory bytes)`` of the BF16 sink keys' Q, K and V (token-major) boxes."""
-    _, sq, sk, sv = (as_bshd(t) if i else t for i, t in enumerate(sink))
+    sq, sk, sv = (as_bshd(t) for t in sink[1:])
     dqk, dv = sq.shape[3], sv.shape[3]
     descs = (_desc(sq, *_bshd_as_bhsd(sq), [1, 1, q_rows, dqk]), _desc(sk, *_bshd_as_bhsd(sk), [1, 1, block_n, dqk]),
              _desc(sv, *_bshd_as_bhsd(sv), [1, 1, block_n, dv]))
