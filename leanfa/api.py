@@ -430,8 +430,8 @@ def attention(
 
         from .kernels.dispatch import hopper_sink_enabled
 
-        # in the FP8 kernel: the portable one (multiples of 128 keys); the Hopper one (exactly 128, once
-        # enabled: LEANFA_HOPPER_SINK=1 until GPU-validated). Else the split below (dense only)
+        # in the FP8 kernel: the portable one (multiples of 128 keys); the Hopper one (exactly 128, d64/d128;
+        # LEANFA_HOPPER_SINK=0 turns it off). Else the split below (dense only)
         in_kernel = bf16_sink_keys % SINK_BLOCK == 0 and (
             backend != "hopper" or hopper_sink_enabled((q.shape[-1], v.shape[-1]), bf16_sink_keys))
         if varlen and not in_kernel:

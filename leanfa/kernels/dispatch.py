@@ -33,8 +33,8 @@ def hopper_applies(problem) -> tuple[bool, str]:
     if hopper is None:
         return False, "triton.experimental.gluon is not available"
     if problem.sink_keys and not hopper.sink_in_kernel():
-        return False, ("BF16 sink keys (bf16_sink_keys) run in the portable kernel (the Hopper kernel's, "
-                       "LEANFA_HOPPER_SINK=1, awaits its GPU validation)")
+        return False, ("BF16 sink keys (bf16_sink_keys) run in the portable kernel here: the Hopper kernel's "
+                       "sink is off (LEANFA_HOPPER_SINK=0)")
     return hopper.supports(problem)
 
 

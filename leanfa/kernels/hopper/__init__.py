@@ -46,18 +46,19 @@ HEAD_DIMS = ((128, 128), (192, 128))
 #: 256/256 (Gemma-class heads): the same kernel, FP8 with PV in the wgmma accumulator, BF16 with
 #: 64-key blocks (launch.wide_head); 48/48 H200 cases, memcheck/synccheck 0 errors (runs 41, 43).
 V3_HEAD_DIMS = ((64, 64), (256, 256))
-#: FP8 with BF16 sink keys in the v3 kernel (:mod:`.sink`): CPU-verified (emulator, sm90 AOT) only, so
-#: ``backend="auto"`` keeps sending it to the portable kernel until an H200 run has checked it;
-#: ``LEANFA_HOPPER_SINK=1`` enables it (also for ``backend="hopper"``, which otherwise runs the split).
-SINK_VALIDATED = False
+#: FP8 with BF16 sink keys in the v3 kernel (:mod:`.sink`), d64/d128: validated on the H200 in run 45
+#: (e94907e: 29/29 GPU tests, memcheck/synccheck 0 errors, `leanfa accuracy` equal to the portable
+#: sink's error; d128 16K 0.97x the plain FP8 call), so ``backend="auto"`` runs it on sm90.
+#: ``LEANFA_HOPPER_SINK=0`` sends it back to the portable kernel (``backend="hopper"``: to the split).
+SINK_VALIDATED = True
 IN_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def sink_in_kernel(dims=None, sink_keys=None) -> bool:
-    """Whether FP8 calls with BF16 sink keys may run here (validated, or ``LEANFA_HOPPER_SINK=1``); with
-    ``dims`` (Dqk, Dv) and ``sink_keys``, also whether the v3 kernel supports them."""
-    if not (SINK_VALIDATED or os.environ.get("LEANFA_HOPPER_SINK", "0") == "1"):
+    """Whether FP8 calls with BF16 sink keys may run here (``LEANFA_HOPPER_SINK``, default 1 once
+    validated); with ``dims`` (Dqk, Dv) and ``sink_keys``, also whether the v3 kernel supports them."""
+    if os.environ.get("LEANFA_HOPPER_SINK", "1" if SINK_VALIDATED else "0") != "1":
         return False
     return dims is None or _launch.sink_problem(_launch.kernel_version(), True, dims, sink_keys) is None
 
