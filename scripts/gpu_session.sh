@@ -95,6 +95,23 @@ run_steps() {
                 --name bench-sink --out "$OUT/r/bench_sink" ;;
       accuracy_sink) step accuracy_sink 150 40 env LEANFA_HOPPER_SINK=1 python3 -m leanfa.cli accuracy \
                 --out "$OUT/r/accuracy_sink" ;;  # leanfa-hopper-fp8-sink rows: the v3 in-kernel sink
+      early_q_check) step early_q_check 470 40 python3 scripts/hopper_v2_gpu.py --check v3,v3-persist:small \
+                --check-timeout 300 --no-bench --sanitize ;;  # the Q box handed back after the last QK (both grids)
+      tma_check) step tma_check 470 40 python3 scripts/hopper_v2_gpu.py --check v3-tma,v3-tma-persist:small \
+                --check-timeout 300 --no-bench --sanitize ;;  # the TMA-store epilogue (LEANFA_HOPPER_STORE_TMA=1)
+      short_grid) for tma in 0 1; do for p in 0 1; do  # 1K-4K: per-tile cost (grid x epilogue), no other lane
+                step "short_t${tma}p$p" 150 12 env LEANFA_HOPPER_STORE_TMA=$tma LEANFA_HOPPER_PERSISTENT=$p python3 -m leanfa.cli \
+                  bench --quick --no-progress --sweep standard --dims d128,mla --seqlens 1k,2k,4k,16k --causal true \
+                  --impl 'leanfa-hopper-fp8-kernel,cudnn-fp8' --name "short-t${tma}p$p" --out "$OUT/r/short_t${tma}p$p"; done; done ;;
+      trace_short) step trace_short 240 60 python3 scripts/hopper_trace.py --out "$OUT/r/trace_short" \
+                --cases fp8-d128-1k,fp8-d128-1k-persist,fp8-d128-1k-tma,fp8-d128-1k-tma-persist,fp8-d128-4k,fp8-d128-4k-tma-persist,fp8-d128-16k,fp8-d128-16k-tma ;;  # per-tile cost
+      sink_short) step sink_short 150 16 python3 -m leanfa.cli bench --quick --no-progress --sweep standard \
+                --dims d128,d64 --seqlens 1k,4k --causal true \
+                --impl 'leanfa-hopper-fp8,leanfa-hopper-fp8-sink,leanfa-portable-fp8-sink,cudnn-fp8' \
+                --name sink-short --out "$OUT/r/sink_short" ;;  # the v3 sink at short S, no other lane
+      d64_kernels) step d64_kernels 150 16 python3 -m leanfa.cli bench --quick --no-progress --sweep standard \
+                --dims d64 --seqlens 4k,16k --causal true --impl 'leanfa-hopper-fp8-kernel,leanfa-portable-fp8-kernel,cudnn-fp8' \
+                --name d64-kernels --out "$OUT/r/d64_kernels" ;;  # run 45: the portable FP8 sink beat v3 at d64 16K
       host_time) step host_time 200 20 python3 scripts/host_time.py --profile ;;  # CPU time per call vs GPU time
       quant_time) step quant_time 200 40 python3 scripts/quant_time.py ;;  # FP8 end-to-end: quantizer kernels, GB/s
       ablate) step ablate 300 60 python3 scripts/hopper_v2_gpu.py --check "" \

@@ -76,6 +76,11 @@ def variants():
     out.append(Variant("fp8", 64, 64, False, version="v3", env=three + (("LEANFA_HOPPER_PV_IN_MMA", 1),)))
     for dtype in ("fp8", "bf16"):  # the 64-key blocks alone, with two warpgroups
         out.append(Variant(dtype, 128, 128, True, version="v3", env=(("LEANFA_HOPPER_BLOCK_N", 64),)))
+    tma_store = (("LEANFA_HOPPER_STORE_TMA", 1),)  # FP8 output through shared memory and TMA (epilogue.py)
+    for dqk, dv, causal, lse in ((128, 128, True, False), (128, 128, False, True), (192, 128, True, True),
+                                 (64, 64, True, False)):
+        out.append(Variant("fp8", dqk, dv, causal, return_lse=lse, k_mean=lse, version="v3", env=tma_store))
+    out.append(Variant("fp8", 128, 128, True, version="v3", env=tma_store + (("LEANFA_HOPPER_PERSISTENT", 1),)))
     return out
 
 

@@ -43,6 +43,9 @@ CONFIGS = {  # name -> env
     **{f"v3-poly{n}": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_POLY": str(n)} for n in (1, 2, 3, 4, 8)},
     "v3-persist": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_PERSISTENT": "1"},
     "v3-persist-pvmma": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_PERSISTENT": "1", "LEANFA_HOPPER_PV_IN_MMA": "1"},
+    # FP8 output through shared memory and one TMA store per warpgroup (epilogue.stage_and_store)
+    "v3-tma": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_STORE_TMA": "1"},
+    "v3-tma-persist": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_STORE_TMA": "1", "LEANFA_HOPPER_PERSISTENT": "1"},
     # 64x256 S tile per warpgroup (cuDNN's FP8 shape): PV in the wgmma accumulator, permuted V
     "v3-wide": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_BLOCK_N": "256", "LEANFA_HOPPER_PV_IN_MMA": "1",
                 "LEANFA_HOPPER_V_PERMUTED": "1"},
@@ -65,7 +68,7 @@ CONFIGS = {  # name -> env
 }
 KNOBS = ("LEANFA_HOPPER_KERNEL", "LEANFA_HOPPER_PIPE", "LEANFA_HOPPER_RESCALE_SKIP", "LEANFA_HOPPER_PINGPONG",
          "LEANFA_HOPPER_POLY", "LEANFA_HOPPER_PV_IN_MMA", "LEANFA_HOPPER_PERSISTENT", "LEANFA_HOPPER_V_PERMUTED",
-         "LEANFA_HOPPER_BLOCK_N", "LEANFA_HOPPER_ABLATE", "LEANFA_HOPPER_CONSUMERS")
+         "LEANFA_HOPPER_BLOCK_N", "LEANFA_HOPPER_ABLATE", "LEANFA_HOPPER_CONSUMERS", "LEANFA_HOPPER_STORE_TMA")
 
 
 def _set_env(cfg):

@@ -959,3 +959,124 @@ def test_v3_sink_mutations_caught(mod, fn, old, new, monkeypatch):
         assert any(caught), "mutation not caught"
     finally:
         reset_shadows()
+
+
+# ----------------------------------------------------------------------------- TMA-store epilogue, early Q release (v3)
+
+from leanfa.kernels.hopper import epilogue as EP  # noqa: E402
+
+#: (shape, dims, causal): tiles past the sequence's end (Sq = 129, 100), Sq > Sk (rows with no key),
+#: GQA, two batches, MLA and head dim 64
+TMA_STORE_CASES = [
+    ((1, 300, 700, 2, 1), (128, 128), True), ((2, 100, 100, 4, 2), (128, 128), False),
+    ((1, 129, 129, 2, 2), (192, 128), True), ((1, 700, 300, 2, 1), (128, 128), True),
+    ((1, 200, 200, 2, 1), (64, 64), True),
+]
+
+
+def _fp8(shape, dims, causal):
+    qq = leanfa.quantize_fp8(*_inputs(*shape, *dims))
+    return _problem(qq.q, qq.k, qq.v, causal, **qq.descales())
+
+
+@pytest.mark.parametrize("persistent", ["0", "1"])
+@pytest.mark.parametrize("shape,dims,causal", TMA_STORE_CASES)
+def test_v3_store_tma_equals_register_stores(shape, dims, causal, persistent, monkeypatch):
+    """LEANFA_HOPPER_STORE_TMA=1 (dense FP8): the output, poisoned first, equal bit for bit to the register
+    stores' (the same arithmetic; rows past the sequence clipped by TMA), the LSE too, whichever partition runs
+    first, one tile per program or persistent (a program's tiles reuse its staging buffers)."""
+    monkeypatch.setenv("LEANFA_HOPPER_PERSISTENT", persistent)
+    p = _fp8(shape, dims, causal)
+    monkeypatch.setenv("LEANFA_HOPPER_STORE_TMA", "0")
+    o0, l0, _ = emulate(p, version="v3")
+    assert not torch.isnan(o0).any()
+    monkeypatch.setenv("LEANFA_HOPPER_STORE_TMA", "1")
+    assert emulate_mod._make_plan_cpu(L, p, o0.clone(), l0.clone()).constexprs["STORE_TMA"]
+    for order in ("consumer-first", "producer-first"):
+        o1, l1, _ = emulate(p, version="v3", ws_order=order)
+        assert torch.equal(o0, o1), order
+        assert torch.equal(l0, l1), order
+
+
+def test_v3_store_tma_plan(monkeypatch):
+    """Where the TMA store applies: dense FP8 with a 16-bit output of head dim <= 128, no sink, the knob on;
+    everything else keeps the register stores (and its ring depth)."""
+    monkeypatch.setenv("LEANFA_HOPPER_STORE_TMA", "1")
+    p = _fp8((1, 200, 200, 2, 1), (128, 128), True)
+    out = torch.empty(1, 200, 2, 128, dtype=torch.bfloat16)
+    plan = emulate_mod._make_plan_cpu(L, p, out, None)
+    assert plan.constexprs["STORE_TMA"] and plan.args[-1].block_shape == [1, 1, 64, 128]
+    assert plan.constexprs["STAGES"] == 4  # 32 KB of staging next to the 4-slot FP8 ring
+    assert not emulate_mod._make_plan_cpu(L, p, out.float(), None).constexprs["STORE_TMA"]  # fp32 output
+    assert not emulate_mod._make_plan_cpu(L, _problem(*_inputs(1, 200, 200, 2, 1, 128, 128), True), out,
+                                          None).constexprs["STORE_TMA"]  # BF16 inputs
+    assert not emulate_mod._make_plan_cpu(L, _fp8((1, 200, 200, 2, 1), (256, 256), True),
+                                          torch.empty(1, 200, 2, 256, dtype=torch.bfloat16),
+                                          None).constexprs["STORE_TMA"]  # head dim 256
+    monkeypatch.setenv("LEANFA_HOPPER_STORE_TMA", "0")
+    assert not emulate_mod._make_plan_cpu(L, p, out, None).constexprs["STORE_TMA"]
+
+
+def _caught_against(p, ref_out, orders=("producer-first", "consumer-first")):
+    """True if every partition order raises an emulator error or gives an output unlike ``ref_out``."""
+    caught = []
+    for order in orders:
+        try:
+            o, _, _ = emulate(p, version="v3", ws_order=order)
+            caught.append(not torch.equal(o, ref_out))
+        except EmulationError:
+            caught.append(True)
+    return all(caught)
+
+
+@pytest.mark.parametrize("mod,fn,old,new", [
+    # the staging buffer stored by TMA before its generic writes are fenced for the async proxy
+    (EP, "stage_and_store", "    fence_async_shared()  # the generic writes, visible to the TMA unit ...\n", ""),
+    # one thread issues the store before the other warps finished writing
+    (EP, "stage_and_store", "    gl.thread_barrier()  # ... from every warp of the warpgroup, before one thread issues the store\n",
+     ""),
+    # the next tile overwrites the staging buffer while its previous store may still be reading it
+    (EP, "stage_and_store", "    tma.store_wait(0)  # the previous tile's store has read o_buf (persistent programs)\n", ""),
+    # the partition exits with its last store still reading shared memory
+    (KP, "_consumer", "        tma.store_wait(0)  # the last tile's output store has read its shared memory\n",
+     "        pass\n"),
+    # both warpgroups store their rows at the tile's first row
+    (KP, "_consumer_tile", "o_smem.index(W), b, h, row0)", "o_smem.index(W), b, h, m_start)"),
+    # both warpgroups stage their rows in one buffer
+    (KP, "_consumer_tile", "o_smem.index(W), b, h, row0)", "o_smem.index(0), b, h, row0)"),
+])
+def test_v3_store_tma_mutations_caught(mod, fn, old, new, monkeypatch):
+    monkeypatch.setenv("LEANFA_HOPPER_PERSISTENT", "1")  # (programs run several tiles on the CPU's 3 "SMs")
+    p = _fp8((1, 700, 700, 2, 1), (128, 128), True)
+    monkeypatch.setenv("LEANFA_HOPPER_STORE_TMA", "0")
+    ref_out, _, _ = emulate(p, version="v3")
+    monkeypatch.setenv("LEANFA_HOPPER_STORE_TMA", "1")
+    reset_shadows()
+    try:
+        _mutated(getattr(mod, fn), old, new)
+        assert _caught_against(p, ref_out), "mutation not caught"
+    finally:
+        reset_shadows()
+
+
+def test_v3_early_q_release_mutation_caught(monkeypatch):
+    """The Q box goes back to the producer after a warpgroup's last QK (persistent: the next tile's Q loads
+    under this tile's last block). Released before the key loop instead, the next Q overwrites it while
+    later QKs still read it: caught. (Released before the K-mean LSE term reads Q in the epilogue is not:
+    the emulator runs the producer only when a consumer blocks, and none blocks in between; EARLY_Q
+    excludes that case by construction.)"""
+    monkeypatch.setenv("LEANFA_HOPPER_PERSISTENT", "1")
+    src = inspect.getsource(KP._consumer_tile.fn)
+    early = "    EARLY_Q: gl.constexpr = not SINK and not HAS_KMEAN\n    if EARLY_Q:\n        if n_end > 0:\n            release_slot(q_empty, 0)\n"
+    loop = "    for j in range(FIRST, n_end - 1):\n"
+    assert early in src and loop in src
+    qq = leanfa.quantize_fp8(*_inputs(1, 700, 700, 2, 1, 128, 128))
+    p = _problem(qq.q, qq.k, qq.v, True, lse=False, **qq.descales())  # no LSE: the early release applies
+    ref_out, _, _ = emulate(p, version="v3")
+    reset_shadows()
+    try:
+        shadow(KP._consumer_tile, source=src.replace(early, "    EARLY_Q: gl.constexpr = not SINK and not HAS_KMEAN\n")
+               .replace(loop, "    if not SINK and not HAS_KMEAN:\n        if n_end > 0:\n            release_slot(q_empty, 0)\n" + loop))
+        assert _caught_against(p, ref_out), "release before the loop not caught"
+    finally:
+        reset_shadows()

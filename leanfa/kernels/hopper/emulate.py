@@ -67,6 +67,12 @@ class _Buf:
     free: bool = True  # warp-specialized mode: released through an mbarrier the producer observed
     # per reading partition: [reads, wgmmas in flight, epoch of its last completed read, released]
     read_parts: dict = field(default_factory=dict)
+    # a TMA store's staging buffer (the output epilogue): generic writes -> fence_async_shared -> a barrier
+    # over the writing warps -> the TMA store, which reads the buffer until tma.store_wait
+    staged: str = ""  # "" | "written" (not fenced) | "fenced"
+    fence_epoch: int = -1
+    store_reader: object = None  # the partition whose TMA store is still reading this buffer
+    store_done_epoch: int = -1  # the epoch of the store_wait that retired the last store
 
     def reader(self, part):
         return self.read_parts.setdefault(part, [0, 0, -1, False])
@@ -84,6 +90,7 @@ class _Part:
         self.name = name
         self.epoch = 0  # number of gl.thread_barrier() so far in this partition
         self.pending_groups = []  # per wgmma call in flight, oldest first: the bufs it reads
+        self.tma_stores = []  # staging buffers its TMA stores read until a store_wait
         self.done = False
 
 
@@ -250,6 +257,19 @@ class SmemView:
         self.buf().reader(M.part)[2] = M.epoch
         return t
 
+    def store(self, value):
+        """A generic shared-memory write (the TMA-store epilogue's staging buffer)."""
+        b = self.buf()
+        if b.state in ("pending", "landed") or b.readers:
+            M.err("a generic store into shared memory a TMA load or a wgmma is still using")
+        if b.store_reader is not None:
+            M.err("a generic store into shared memory a TMA store is still reading (no tma.store_wait(0))")
+        if b.store_done_epoch >= M.epoch:
+            M.err("a generic store into shared memory right after tma.store_wait with no barrier over the "
+                  "warps in between (only the issuing thread saw the store finish)")
+        self._tensor().copy_(torch.as_tensor(value).to(self.alloc.dtype))
+        b.staged, b.fence_epoch = "written", -1
+
 
 class Barrier:
     def __init__(self):
@@ -394,8 +414,52 @@ class FakeDesc:
         out[tuple(dst)] = self.view[tuple(src)]
         return out
 
+    def write_box(self, coords, data):
+        """A TMA store: the box's part inside the tensor (coordinates past its end are clipped)."""
+        src, dst = [], []
+        for c, n, s in zip(coords, self.block_shape, self.shape):
+            lo, hi = max(c, 0), min(c + n, s)
+            if hi <= lo:
+                return
+            dst.append(slice(lo, hi))
+            src.append(slice(lo - c, hi - c))
+        self.view[tuple(dst)] = data.reshape(self.block_shape)[tuple(src)].to(self.dtype)
+
+
+def _fence_async_shared(cluster=False):
+    """Generic shared-memory writes so far become visible to the async proxy (TMA, wgmma)."""
+    for a in M.allocs:
+        for b in a.bufs:
+            if b.staged == "written":
+                b.staged, b.fence_epoch = "fenced", M.epoch
+
 
 class _TMA:
+    @staticmethod
+    def async_copy_shared_to_global(desc, coord, src):
+        coords = tuple(int(c) for c in coord)
+        b = src.buf()
+        if b.staged != "fenced":
+            M.err(f"TMA store {desc.name}{coords} of shared memory not fenced (fence_async_shared) after its "
+                  "generic writes")
+        if b.fence_epoch >= M.epoch:
+            M.err(f"TMA store {desc.name}{coords} issued with no barrier over the warps after the fence (other "
+                  "warps' writes may not be done)")
+        if list(src.shape) != desc.block_shape:
+            M.err(f"TMA store box {desc.block_shape} from a buffer of shape {src.shape}")
+        desc.write_box(coords, src._tensor())
+        b.store_reader = M.part
+        M.part.tma_stores.append(b)
+        M.events.append(("store", desc.name, coords))
+
+    @staticmethod
+    def store_wait(pendings):
+        if int(pendings) != 0:
+            M.err("tma.store_wait(n > 0) is not modelled")
+        for b in M.part.tma_stores:
+            b.store_reader, b.store_done_epoch = None, M.epoch
+        M.part.tma_stores = []
+
     @staticmethod
     def async_copy_global_to_shared(desc, coord, bar, result, pred=True):
         if not pred:
@@ -586,6 +650,8 @@ def _warp_specialize(functions_and_args, worker_num_warps, worker_num_regs):
             results[i] = fn(*args)
             if parts[i].pending_groups:
                 M.err("partition exits with wgmmas not waited for")
+            if parts[i].tma_stores:
+                M.err("partition exits with a TMA store still reading shared memory (no tma.store_wait(0))")
         except _Abort:
             return
         except BaseException as e:  # noqa: BLE001
@@ -672,7 +738,7 @@ gl_fake = types.SimpleNamespace(
 )
 
 _FAKES = {
-    "gl": gl_fake, "mbarrier": _MBarrier, "tma": _TMA,
+    "gl": gl_fake, "mbarrier": _MBarrier, "tma": _TMA, "fence_async_shared": _fence_async_shared,
     "warpgroup_mma": _warpgroup_mma, "warpgroup_mma_wait": _warpgroup_mma_wait,
 }
 

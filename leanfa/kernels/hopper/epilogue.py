@@ -1,7 +1,9 @@
 """The end of a query tile, shared by the Hopper kernels: the output rows and the LSE's K-mean term.
 
 ``O = acc / l * v_scale`` (V's per-channel FP8 descale, ones for 16-bit V) is written straight
-from the wgmma accumulator layout with a row mask. When K was smoothed (``K - mean`` before
+from the wgmma accumulator layout with a row mask (:func:`write_rows`), or (v3, dense FP8 calls) staged in
+shared memory and written by one TMA store per warpgroup (:func:`stage_and_store`), which also clips
+the rows past the sequence's end. When K was smoothed (``K - mean`` before
 quantization, softmax-exact) the LSE lacks ``softmax_scale * <q_row, mean>``, added back from the
 Q tile still in shared memory.
 """
@@ -10,25 +12,56 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, tma
 
 from .layouts import rows_layout
 from .pipeline import as_2d
 
 
 @gluon.jit
-def store_output(acc, inv_l, row0, out_ptr, stride_ob, stride_os, stride_oh, b, h, hkv,
-                 v_scale_ptr, stride_vsb, stride_vsh, stride_vsd, seqlen_q):
-    """Rows ``[row0, row0 + acc.shape[0])`` of head ``h``: ``acc * inv_l * v_scale``."""
+def load_v_scale(v_scale_row, stride_vsd, HEAD_DV: gl.constexpr, o_layout: gl.constexpr):
+    """V's per-channel descale (ones for 16-bit V) from ``v_scale_row`` (one KV head's table), in O's column
+    layout."""
+    return gl.load(v_scale_row + gl.arange(0, HEAD_DV, gl.SliceLayout(0, o_layout)) * stride_vsd)
+
+
+@gluon.jit
+def write_rows(acc, inv_l, v_scale, row0, out_ptr, stride_ob, stride_os, stride_oh, b, h, seqlen_q):
+    """Rows ``[row0, row0 + acc.shape[0])`` of head ``h``: ``acc * inv_l * v_scale`` (``v_scale`` from
+    :func:`load_v_scale`)."""
     o_layout: gl.constexpr = acc.type.layout
     ROWS: gl.constexpr = acc.shape[0]
     HEAD_DV: gl.constexpr = acc.shape[1]
     offs_m = row0 + gl.arange(0, ROWS, gl.SliceLayout(1, o_layout))
     offs_d = gl.arange(0, HEAD_DV, gl.SliceLayout(0, o_layout))
-    v_scale = gl.load(v_scale_ptr + b * stride_vsb + hkv * stride_vsh + offs_d * stride_vsd)
     out = acc * gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout))[:, None] * v_scale[None, :]
     o_base = out_ptr + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
     o_ptrs = o_base + offs_m.to(gl.int64)[:, None] * stride_os + offs_d[None, :]
     gl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=offs_m[:, None] < seqlen_q)
+
+
+@gluon.jit
+def stage_and_store(acc, inv_l, v_scale, out_desc, o_buf, b, h, row0):
+    """Rows ``[row0, row0 + acc.shape[0])`` of head ``h`` of sequence ``b`` (``acc * inv_l * v_scale``) through
+    the shared-memory box ``o_buf`` and one TMA store of ``out_desc`` ((B, H, S, D) view; rows past S are
+    clipped). The store is left in flight: the next call waits for it before writing ``o_buf`` again, and
+    the caller waits once (``tma.store_wait(0)``) before its partition exits."""
+    o_layout: gl.constexpr = acc.type.layout
+    out = acc * gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout))[:, None] * v_scale[None, :]
+    tma.store_wait(0)  # the previous tile's store has read o_buf (persistent programs)
+    gl.thread_barrier()
+    as_2d(o_buf).store(out.to(out_desc.dtype))
+    fence_async_shared()  # the generic writes, visible to the TMA unit ...
+    gl.thread_barrier()  # ... from every warp of the warpgroup, before one thread issues the store
+    tma.async_copy_shared_to_global(out_desc, [b, h, row0, 0], o_buf)
+
+
+@gluon.jit
+def store_output(acc, inv_l, row0, out_ptr, stride_ob, stride_os, stride_oh, b, h, hkv,
+                 v_scale_ptr, stride_vsb, stride_vsh, stride_vsd, seqlen_q):
+    """Rows ``[row0, row0 + acc.shape[0])`` of head ``h``: ``acc * inv_l * v_scale``."""
+    v_scale = load_v_scale(v_scale_ptr + b * stride_vsb + hkv * stride_vsh, stride_vsd, acc.shape[1], acc.type.layout)
+    write_rows(acc, inv_l, v_scale, row0, out_ptr, stride_ob, stride_os, stride_oh, b, h, seqlen_q)
 
 
 @gluon.jit

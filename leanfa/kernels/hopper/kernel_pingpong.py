@@ -7,7 +7,7 @@ tile is 128 query rows of one head of one sequence (dense, or packed varlen thro
 16K, runs 16-17 -- one per round of a tile walk (:mod:`.schedule`). The partitions are:
 
 * **producer** (1 warp, 24 registers): per tile, both 64-row halves of Q (one barrier each; the
-  next tile's only after ``q_empty`` saw both consumers finish), then every key block the tile
+  next tile's only after ``q_empty`` saw both consumers' last QK retire), then every key block the tile
   visits through the ``STAGES``-deep K/V ring; ring position ``g`` (counted over the program's
   tiles) is refilled after ``empty[g % STAGES]`` saw both consumers release ``g - STAGES``.
 * **two consumers** (4 warps each, 240 registers): warpgroup ``w`` owns query rows
@@ -56,11 +56,12 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier,
+    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 
-from .epilogue import kmean_lse_term, store_output
+from .epilogue import kmean_lse_term, load_v_scale, stage_and_store, write_rows
 from .exp2 import ABLATE_ONEWG, ablates
 from .layouts import PERMUTED_KEYS, a_operand_layout, p_operand, wgmma_layout
 from .masking import kv_block_range, mask_scores
@@ -238,20 +239,25 @@ def _issue_pv(p_op, v, acc, alpha_o, TWO_LEVEL: gl.constexpr):
 
 @gluon.jit
 def _consumer_block(s, j, c, c_hi, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, q_smem, k_bufs, v_bufs,
-                    k_bars, v_bars, empty_bars, turn_bars, ring, batch, s_zero, tr,
+                    k_bars, v_bars, empty_bars, turn_bars, ring, batch, s_zero, tr, v_scale_row, stride_vsd,
                     p_layout: gl.constexpr, o_layout: gl.constexpr, CAUSAL: gl.constexpr, V_KMAJOR: gl.constexpr,
                     P_OFFSET: gl.constexpr, RESCALE_SKIP: gl.constexpr, PINGPONG: gl.constexpr, POLY: gl.constexpr,
-                    TWO_LEVEL: gl.constexpr, NEXT: gl.constexpr, W: gl.constexpr):
+                    TWO_LEVEL: gl.constexpr, NEXT: gl.constexpr, READ_VS: gl.constexpr, W: gl.constexpr):
     """Key block ``j`` (ring position ``ring + j``, wgmma batch ``batch + j + 1``): softmax of its
     scores ``s``, then ``[PV_j, QK_{j+1}]`` (``NEXT``; else PV_j alone) issued together and waited
     for (256-key blocks: PV_j retired before QK_{j+1} is issued), PV folded into O and the K/V slot
-    released. Returns ``(acc, m_i, l_i, S_{j+1})``. ``tr``: this warpgroup's trace record (:mod:`.trace`),
-    or ``None``."""
+    released. Returns ``(acc, m_i, l_i, S_{j+1}, v_scale)``: with ``READ_VS`` (the last block) V's descale
+    for the epilogue (:func:`.epilogue.load_v_scale`), read once S is dead so that the load's latency hides
+    under the block's PV (0 otherwise). ``tr``: this warpgroup's trace record (:mod:`.trace`), or ``None``."""
     QK_CHUNKS: gl.constexpr = k_bufs.shape[0] // v_bufs.shape[0]
     STAGES: gl.constexpr = v_bufs.shape[0]
     p_op, m_i, l_i, alpha_o = _softmax_block(s, j, c, c_hi, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full,
                                              v_bufs.dtype, p_layout, o_layout, CAUSAL, P_OFFSET, RESCALE_SKIP, POLY,
                                              V_KMAJOR)
+    if READ_VS:
+        v_sc = load_v_scale(v_scale_row, stride_vsd, acc.shape[1], o_layout)
+    else:
+        v_sc = 0.0
     record_clock_rows(tr, 1 + j, 0, l_i, offs_m, WG_ROWS)
     v = v_tile(v_bufs, v_bars, ring + j, STAGES, V_KMAJOR)
     record_clock(tr, 1 + j, 1, j)
@@ -279,24 +285,28 @@ def _consumer_block(s, j, c, c_hi, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seq
     acc = fold_pv(acc, alpha_o, pv, TWO_LEVEL)
     release_slot(empty_bars, (ring + j) % STAGES)  # one release per warpgroup (empty counts 2)
     record_clock(tr, 1 + j, 4, j)
-    return acc, m_i, l_i, s
+    return acc, m_i, l_i, s, v_sc
 
 
 @gluon.jit
-def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars,
+def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars, q_empty,
                    out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
                    seqlen_q, seqlen_k, qk_scale, sm_scale,
-                   b, h, hkv, q_start, m_start, n_full, n_end, ring, batch, tr, sink_t, qi,
+                   b, h, hkv, q_start, m_start, n_full, n_end, ring, batch, tr, sink_t, qi, ostore,
                    HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
                    RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, RESCALE_SKIP: gl.constexpr,
                    PINGPONG: gl.constexpr, POLY: gl.constexpr, TWO_LEVEL: gl.constexpr, WGS: gl.constexpr,
-                   SINK: gl.constexpr, W: gl.constexpr):
+                   SINK: gl.constexpr, STORE_TMA: gl.constexpr, W: gl.constexpr):
     """Warpgroup ``W`` (of ``WGS``) on one tile: rows ``[m_start + 64 W, + 64)`` of sequence ``b`` against its key
     blocks ``[0, n_end)``, which sit at ring positions ``ring + j``; its wgmma batches are numbered
     from ``batch``. Output row ``r`` is token ``q_start + r`` of ``out`` (and of the LSE). ``out_t``,
     ``lse_t`` and the ``*_scale_t``/``k_mean_t`` tables are ``(pointer, strides...)`` tuples. ``SINK``
     (1; 2: K was smoothed): key block 0 is the BF16 sink block (``sink_t``'s buffers, loaded with the
-    tile's ``qi``-th Q), attended after the FP8 blocks ``[1, n_end)`` (:mod:`.sink`)."""
+    tile's ``qi``-th Q), attended after the FP8 blocks ``[1, n_end)`` (:mod:`.sink`). The warpgroup hands
+    its Q box back (``q_empty``) as soon as its last QK retired, so a persistent program's producer loads the
+    next tile's Q under this tile's last block and epilogue; with the K-mean LSE term (it reads Q at the
+    end) or the sink (its buffers load with Q) only after the epilogue. ``STORE_TMA`` (dense): the output
+    rows leave through ``ostore = (out_desc, o_smem)`` (:func:`.epilogue.stage_and_store`)."""
     out_ptr, stride_ob, stride_os, stride_oh = out_t
     lse_ptr, stride_lb, stride_lh = lse_t
     q_scale_ptr, stride_qsb, stride_qsh, stride_qsblk = q_scale_t
@@ -322,6 +332,7 @@ def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars
     else:
         c_q = qk_scale * gl.load(q_scale_ptr + b * stride_qsb + h * stride_qsh + (m_start // SCALE_BLOCK) * stride_qsblk)
     k_scale_row = k_scale_ptr + b * stride_ksb + hkv * stride_ksh
+    v_scale_row = v_scale_ptr + b * stride_vsb + hkv * stride_vsh
     offs_m = row0 + gl.arange(0, WG_ROWS, gl.SliceLayout(1, s_layout))
     offs_n0 = gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
     s_zero = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, s_layout)
@@ -344,35 +355,55 @@ def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars
     k_sc, k_hi = _k_scales(k_scale_row, stride_ksblk, FIRST, n_end, seqlen_k, BLOCK_N)
     for j in range(FIRST, n_end - 1):
         k_sc_next, k_hi_next = _k_scales(k_scale_row, stride_ksblk, j + 1, n_end, seqlen_k, BLOCK_N)
-        acc, m_i, l_i, s = _consumer_block(
+        acc, m_i, l_i, s, _ = _consumer_block(
             s, j, c_q * k_sc, c_q * k_hi, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, q_smem, k_bufs, v_bufs,
-            k_bars, v_bars, empty_bars, turn_bars, ring, batch, s_zero, tr, p_layout, o_layout, CAUSAL, V_KMAJOR,
-            P_OFFSET, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, True, W)
+            k_bars, v_bars, empty_bars, turn_bars, ring, batch, s_zero, tr, v_scale_row, stride_vsd, p_layout, o_layout, CAUSAL, V_KMAJOR,
+            P_OFFSET, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, True, False, W)
         k_sc = k_sc_next
         k_hi = k_hi_next
+    # Q's last reader, the QK of block n_end - 1, has retired
+    EARLY_Q: gl.constexpr = not SINK and not HAS_KMEAN
+    if EARLY_Q:
+        if n_end > 0:
+            release_slot(q_empty, 0)
+    # the last block also reads V's descale, under its PV (in the epilogue it was a global load on the
+    # tile's critical path); not at head dim 256 (O's 128 registers leave no room: AOT spills 52 -> 144 B)
+    # or with the sink (its block follows: 4 -> 40 B)
+    VS_EARLY: gl.constexpr = HEAD_DV <= 128 and not SINK
     if n_end > FIRST:
-        acc, m_i, l_i, s = _consumer_block(
+        acc, m_i, l_i, s, v_sc = _consumer_block(
             s, n_end - 1, c_q * k_sc, c_q * k_hi, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, q_smem, k_bufs,
-            v_bufs, k_bars, v_bars, empty_bars, turn_bars, ring, batch, s_zero, tr, p_layout, o_layout, CAUSAL,
-            V_KMAJOR, P_OFFSET, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, False, W)
+            v_bufs, k_bars, v_bars, empty_bars, turn_bars, ring, batch, s_zero, tr, v_scale_row, stride_vsd, p_layout, o_layout, CAUSAL,
+            V_KMAJOR, P_OFFSET, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, False, VS_EARLY, W)
+    else:
+        if VS_EARLY:
+            v_sc = load_v_scale(v_scale_row, stride_vsd, HEAD_DV, o_layout)
+        else:
+            v_sc = 0.0
 
     if SINK:
         q_shift = gl.zeros_like(m_i)
         if n_end > 0:
             qs_smem, ks_smem, vs_smem, sink_bar = sink_t
             mbarrier.wait(sink_bar.index(0), qi & 1)
-            inv_vs = 1.0 / gl.load(v_scale_ptr + b * stride_vsb + hkv * stride_vsh
-                                   + gl.arange(0, HEAD_DV, gl.SliceLayout(0, o_layout)) * stride_vsd)
             acc, m_i, l_i, q_shift = sink_block(qs_smem, ks_smem, vs_smem, W, acc, m_i, l_i, offs_m, seqlen_q,
-                                                seqlen_k, qk_scale, inv_vs, k_mean_ptr, stride_kmb, stride_kmh,
+                                                seqlen_k, qk_scale,
+                                                1.0 / load_v_scale(v_scale_row, stride_vsd, HEAD_DV, o_layout), k_mean_ptr, stride_kmb, stride_kmh,
                                                 stride_kmd, b, hkv, s_layout, o_layout, CAUSAL, SINK == 2, P_OFFSET,
                                                 WG_WARPS)
 
     # Epilogue: O = acc / l * v_scale; LSE.
     inv_l, lse = finish_rows(m_i, l_i, P_OFFSET)
     out_seq = out_ptr + q_start.to(gl.int64) * stride_os  # this sequence's first row (varlen)
-    store_output(acc, inv_l, row0, out_seq, stride_ob, stride_os, stride_oh, b, h, hkv,
-                 v_scale_ptr, stride_vsb, stride_vsh, stride_vsd, seqlen_q)
+    if not VS_EARLY:
+        v_sc = load_v_scale(v_scale_row, stride_vsd, HEAD_DV, o_layout)
+    if STORE_TMA:
+        out_desc, o_smem = ostore
+        if row0 < seqlen_q:  # (TMA clips rows past the tensor; a persistent program's empty last round,
+            # which reads as the last tile with no rows, must not store at all)
+            stage_and_store(acc, inv_l, v_sc, out_desc, o_smem.index(W), b, h, row0)
+    else:
+        write_rows(acc, inv_l, v_sc, row0, out_seq, stride_ob, stride_os, stride_oh, b, h, seqlen_q)
     if RETURN_LSE:
         if SINK == 2:  # the 16-bit q's q . mean (exact; the sink's scores used it too)
             lse = lse + q_shift * sm_scale
@@ -383,6 +414,9 @@ def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars
                 lse = lse + gl.convert_layout(corr, gl.SliceLayout(1, s_layout))
         lse_row = lse_ptr + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + q_start
         gl.store(lse_row + offs_m, lse, mask=offs_m < seqlen_q)
+    if not EARLY_Q:
+        if n_end > 0:
+            release_slot(q_empty, 0)  # the K-mean term and the sink block are done with Q and the sink buffers
     record_clock(tr, 0, 3, n_end)
 
 
@@ -390,11 +424,11 @@ def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars
 def _consumer_step(t, ring, batch, qi, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars,
                    out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
                    seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k,
-                   num_bh, num_heads, group_size, num_m_tiles, num_tiles, trace, sink_t,
+                   num_bh, num_heads, group_size, num_m_tiles, num_tiles, trace, sink_t, ostore,
                    HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
                    RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, RESCALE_SKIP: gl.constexpr,
                    PINGPONG: gl.constexpr, POLY: gl.constexpr, TWO_LEVEL: gl.constexpr, VARLEN: gl.constexpr,
-                   WGS: gl.constexpr, SINK: gl.constexpr, W: gl.constexpr):
+                   WGS: gl.constexpr, SINK: gl.constexpr, STORE_TMA: gl.constexpr, W: gl.constexpr):
     """Tile ``t``; ``ring``, ``batch``, ``qi``: key blocks, wgmma batches and Q tiles of the
     program's earlier tiles (ring position, turn-barrier phase, ``q_bars`` phase). Returns them updated.
     ``trace``: the clock-trace buffer (:mod:`.trace`), or ``None``."""
@@ -408,25 +442,24 @@ def _consumer_step(t, ring, batch, qi, q_smem, k_bufs, v_bufs, q_bars, q_empty, 
     record_clock(tr, 0, 1, t)
     if n_end > 0:
         mbarrier.wait(q_bars.index(W), qi & 1)
-    _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars,
+    _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars, q_empty,
                    out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
                    sq, sk, qk_scale, sm_scale,
-                   b, h, hkv, q_start, m_start, n_full, n_end, ring, batch, tr, sink_t, qi,
+                   b, h, hkv, q_start, m_start, n_full, n_end, ring, batch, tr, sink_t, qi, ostore,
                    HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY,
-                   TWO_LEVEL, WGS, SINK, W)
-    if n_end > 0:
-        release_slot(q_empty, 0)  # this warpgroup's QK wgmmas and K-mean term are done with its Q half
+                   TWO_LEVEL, WGS, SINK, STORE_TMA, W)
     loaded = gl.minimum(n_end, 1)  # this tile had a Q tile
     n_fp8 = _fp8_blocks(n_end, SINK)  # ... and, with FP8 blocks, a batch 0 and n_fp8 ring positions
     return ring + n_fp8, batch + gl.minimum(n_fp8, 1) + n_fp8, qi + loaded
 
 
 @gluon.jit
-def _consumer(args, trace, sink_t, HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr,
+def _consumer(args, trace, sink_t, ostore, HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr,
               V_KMAJOR: gl.constexpr, RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, RESCALE_SKIP: gl.constexpr,
               PINGPONG: gl.constexpr, POLY: gl.constexpr, TWO_LEVEL: gl.constexpr, VARLEN: gl.constexpr,
-              PERSISTENT: gl.constexpr, WGS: gl.constexpr, SINK: gl.constexpr, W: gl.constexpr):
-    """Warpgroup ``W`` over this program's tiles; after each it hands its Q box back (``q_empty``
+              PERSISTENT: gl.constexpr, WGS: gl.constexpr, SINK: gl.constexpr, STORE_TMA: gl.constexpr,
+              W: gl.constexpr):
+    """Warpgroup ``W`` over this program's tiles; in each it hands its Q box back (``q_empty``
     counts every consumer warpgroup), so the producer can load the next tile's. Tiles with no key block to
     visit (causal rows before the first key, varlen tiles past a sequence) load no Q. One tile per
     program runs without the loop: inside it LLVM hoists the epilogue's tile-invariant addresses
@@ -447,44 +480,46 @@ def _consumer(args, trace, sink_t, HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, 
                 round_tile(r, first_tile, tile_step), ring, batch, qi, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars,
                 out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
                 seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k,
-                num_bh, num_heads, group_size, num_m_tiles, num_tiles, trace, sink_t,
+                num_bh, num_heads, group_size, num_m_tiles, num_tiles, trace, sink_t, ostore,
                 HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL,
-                VARLEN, WGS, SINK, W)
+                VARLEN, WGS, SINK, STORE_TMA, W)
     else:
         _consumer_step(
             first_tile, 0, 0, 0, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars,
             out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
             seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k,
-            num_bh, num_heads, group_size, num_m_tiles, num_tiles, trace, sink_t,
+            num_bh, num_heads, group_size, num_m_tiles, num_tiles, trace, sink_t, ostore,
             HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL,
-            VARLEN, WGS, SINK, W)
+            VARLEN, WGS, SINK, STORE_TMA, W)
+    if STORE_TMA:
+        tma.store_wait(0)  # the last tile's output store has read its shared memory
 
 
 @gluon.jit
-def _partitions(cargs, pargs, trace, cu_seqlens_v, psink, csink,
+def _partitions(cargs, pargs, trace, cu_seqlens_v, psink, csink, ostore,
                 HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
                 RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, RESCALE_SKIP: gl.constexpr, PINGPONG: gl.constexpr,
                 POLY: gl.constexpr, TWO_LEVEL: gl.constexpr, VARLEN: gl.constexpr, PERSISTENT: gl.constexpr,
                 CONSUMER_WGS: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                PRODUCER_REGS: gl.constexpr, SINK: gl.constexpr):
+                PRODUCER_REGS: gl.constexpr, SINK: gl.constexpr, STORE_TMA: gl.constexpr):
     """The warp-specialized body: ``CONSUMER_WGS`` consumer warpgroups (the first in the default
     partition) and the producer warp. ``psink``/``csink``: the BF16 sink keys' tuples, or None."""
     if CONSUMER_WGS == 3:
         gl.warp_specialize([
-            (_consumer, (cargs, trace, csink, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP,
-                         PINGPONG, POLY, TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, SINK, 0)),
-            (_consumer, (cargs, trace, csink, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP,
-                         PINGPONG, POLY, TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, SINK, 1)),
-            (_consumer, (cargs, trace, csink, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP,
-                         PINGPONG, POLY, TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, SINK, 2)),
+            (_consumer, (cargs, trace, csink, ostore, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN,
+                         RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, SINK, STORE_TMA, 0)),
+            (_consumer, (cargs, trace, csink, ostore, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN,
+                         RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, SINK, STORE_TMA, 1)),
+            (_consumer, (cargs, trace, csink, ostore, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN,
+                         RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, SINK, STORE_TMA, 2)),
             (_producer, (pargs, cu_seqlens_v, psink, CAUSAL, V_KMAJOR, VARLEN, CONSUMER_WGS, CONSUMERS, SINK)),
         ], [WG_WARPS, WG_WARPS, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (cargs, trace, csink, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP,
-                         PINGPONG, POLY, TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, SINK, 0)),
-            (_consumer, (cargs, trace, csink, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP,
-                         PINGPONG, POLY, TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, SINK, 1)),
+            (_consumer, (cargs, trace, csink, ostore, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN,
+                         RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, SINK, STORE_TMA, 0)),
+            (_consumer, (cargs, trace, csink, ostore, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN,
+                         RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, SINK, STORE_TMA, 1)),
             (_producer, (pargs, cu_seqlens_v, psink, CAUSAL, V_KMAJOR, VARLEN, CONSUMER_WGS, CONSUMERS, SINK)),
         ], [WG_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -510,6 +545,7 @@ def attn_fwd_pingpong_kernel(
     trace,  # None, or the int32 clock-trace buffer (LEANFA_HOPPER_TRACE, see trace.py)
     cu_seqlens_v,  # None, or (FP8 varlen) each sequence's first token in V, 16-aligned (launch.align_varlen_v)
     sink_q_desc, sink_k_desc, sink_v_desc,  # None, or (SINK) the 16-bit Q, K, V of the BF16 sink keys (sink.py)
+    out_desc,  # None, or (STORE_TMA) the output as (B, H, S, D) for TMA stores of 64-row boxes
     HEAD_DQK: gl.constexpr, HEAD_DV: gl.constexpr,
     CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
     RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, VARLEN: gl.constexpr, STAGES: gl.constexpr,
@@ -517,6 +553,7 @@ def attn_fwd_pingpong_kernel(
     PERSISTENT: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     CONSUMER_WGS: gl.constexpr,  # consumer warpgroups (64 query rows each): 2, or 3 (experiment)
     SINK: gl.constexpr,  # 0; BF16 sink keys [0, 128): 1, or 2 when K was smoothed (sink.py)
+    STORE_TMA: gl.constexpr,  # dense: the output leaves through shared memory and TMA (epilogue.stage_and_store)
     num_warps: gl.constexpr,
 ):
     gl.static_assert(num_warps == WG_WARPS, "v3 launches with num_warps=4 (the first consumer warpgroup)")
@@ -549,6 +586,11 @@ def attn_fwd_pingpong_kernel(
     pargs = (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars,
              seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, num_bh, num_heads, group_size, num_m_tiles,
              first_tile, tile_step, num_tiles)
+    if STORE_TMA:  # one output box per consumer warpgroup
+        o_smem = gl.allocate_shared_memory(out_desc.dtype, [CONSUMER_WGS] + out_desc.block_type.shape, out_desc.layout)
+        ostore = (out_desc, o_smem)
+    else:
+        ostore = out_desc  # (None)
     if SINK:  # the BF16 sink keys' 16-bit Q boxes, K and V blocks, and their barrier (sink.py)
         gl.static_assert(k_desc.block_type.shape[2] == sink_k_desc.block_type.shape[2], "the sink is key block 0")
         qs_smem = gl.allocate_shared_memory(sink_q_desc.dtype, [CONSUMER_WGS] + sink_q_desc.block_type.shape,
@@ -558,14 +600,14 @@ def attn_fwd_pingpong_kernel(
         sink_bar = alloc_barriers(1)
         _partitions(cargs, pargs, trace, cu_seqlens_v,
                     (sink_q_desc, sink_k_desc, sink_v_desc, qs_smem, ks_smem, vs_smem, sink_bar),
-                    (qs_smem, ks_smem, vs_smem, sink_bar),
+                    (qs_smem, ks_smem, vs_smem, sink_bar), ostore,
                     HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL,
-                    VARLEN, PERSISTENT, CONSUMER_WGS, CONSUMERS, CONSUMER_REGS, PRODUCER_REGS, SINK)
+                    VARLEN, PERSISTENT, CONSUMER_WGS, CONSUMERS, CONSUMER_REGS, PRODUCER_REGS, SINK, STORE_TMA)
         invalidate_barriers(sink_bar, 1)
     else:  # (the None sink_q_desc stands for both sink tuples: a None made here cannot be passed on)
-        _partitions(cargs, pargs, trace, cu_seqlens_v, sink_q_desc, sink_q_desc,
+        _partitions(cargs, pargs, trace, cu_seqlens_v, sink_q_desc, sink_q_desc, ostore,
                     HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL,
-                    VARLEN, PERSISTENT, CONSUMER_WGS, CONSUMERS, CONSUMER_REGS, PRODUCER_REGS, SINK)
+                    VARLEN, PERSISTENT, CONSUMER_WGS, CONSUMERS, CONSUMER_REGS, PRODUCER_REGS, SINK, STORE_TMA)
 
     invalidate_barriers(q_bars, CONSUMER_WGS)
     invalidate_barriers(q_empty, 1)

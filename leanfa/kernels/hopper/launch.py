@@ -293,6 +293,17 @@ SINK_KEYS = BLOCK_N
 SINK_HEAD_DIMS = ((64, 64), (128, 128))  # one Q box per warpgroup; room for the sink's buffers
 
 
+def store_tma(version: str, is_fp8: bool, varlen: bool, out: torch.Tensor, sink_mode: int) -> bool:
+    """Whether the v3 epilogue writes O through shared memory and TMA (:func:`.epilogue.stage_and_store`):
+    dense FP8 calls with a 16-bit output of head dim <= 128 whose (B, H, S, D) view TMA can address, no sink
+    (its buffers take that shared memory). ``LEANFA_HOPPER_STORE_TMA=0``: the register stores."""
+    if not (version == "v3" and is_fp8 and not varlen and sink_mode == 0 and _flag("LEANFA_HOPPER_STORE_TMA", False)):
+        return False
+    if out.dtype not in (torch.bfloat16, torch.float16) or out.shape[-1] > 128:
+        return False
+    return tma_layout_problem("out", out, *_bshd_as_bhsd(out)) is None
+
+
 def sink_problem(version: str, is_fp8: bool, dims: tuple, sink_keys: int, tensors=()) -> str | None:
     """Why the v3 kernel cannot attend these BF16 sink keys itself, or None (``tensors``: the 16-bit
     ``(name, tensor)`` pairs it would read through TMA)."""
@@ -385,6 +396,9 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
         sink_descs, sink_bytes = _sink_descs(sink, q_rows, block_n)
         sink_mode = 2 if k_mean is not None else 1  # 2: K was smoothed, the sink's scores shift by q . mean
     has_kmean = k_mean is not None and return_lse
+    o_tma = store_tma(version, is_fp8, varlen, out, sink_mode)
+    out_desc = _desc(out, *_bshd_as_bhsd(out), [1, 1, 64, Dv]) if o_tma else None
+    out_bytes = _consumer_wgs(version) * 64 * Dv * out.element_size() if o_tma else 0
     km = k_mean if has_kmean or sink_mode == 2 else v_scale  # any float32 pointer; unused
     if varlen:  # out (total_q, Hq, Dv): sequence b's rows start at token cu_seqlens_q[b]
         out_strides = (0, out.stride(0), out.stride(1))
@@ -410,11 +424,11 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
         else:  # lse (B, Hq, Sq); the cu_seqlens pointers are unused
             args += (v_scale, v_scale, Hq * Sq, Sq)
         trace = trace_buffer(B * Hq * num_m_tiles, wgs, q.device) if _flag("LEANFA_HOPPER_TRACE", False) else None
-        args += (trace, cu_seqlens_v, *sink_descs)
+        args += (trace, cu_seqlens_v, *sink_descs, out_desc)
     constexprs = dict(
         HEAD_DQK=Dqk, HEAD_DV=Dv, CAUSAL=bool(causal), IS_FP8=is_fp8, V_KMAJOR=kmajor,
         RETURN_LSE=bool(return_lse), HAS_KMEAN=has_kmean,
-        STAGES=_stages(Dqk, Dv, q.element_size(), block_n, block_m, sink_bytes), num_warps=NUM_WARPS,
+        STAGES=_stages(Dqk, Dv, q.element_size(), block_n, block_m, sink_bytes + out_bytes), num_warps=NUM_WARPS,
     )
     if version in ("v2", "v3"):
         constexprs.update(
@@ -436,7 +450,7 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
         if wgs != 2 and pingpong:
             raise ValueError("LEANFA_HOPPER_PINGPONG alternates two consumer warpgroups (LEANFA_HOPPER_CONSUMERS=2)")
         constexprs.update(PINGPONG=pingpong, POLY=poly, PV_IN_MMA=pv_flag,
-                          PERSISTENT=persistent, VARLEN=varlen, CONSUMER_WGS=wgs, SINK=sink_mode,
+                          PERSISTENT=persistent, VARLEN=varlen, CONSUMER_WGS=wgs, SINK=sink_mode, STORE_TMA=o_tma,
                           CONSUMER_REGS=V3_CONSUMER_REGS if wgs == 2 else V3_CONSUMER_REGS_3WG,
                           num_warps=NUM_WARPS // 2)
     if persistent:  # one program per SM (one CTA fits an SM: > 114 KB of shared memory)
