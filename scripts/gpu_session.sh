@@ -99,6 +99,8 @@ run_steps() {
                 --check-timeout 300 --no-bench --sanitize ;;  # the Q box handed back after the last QK (both grids)
       tma_check) step tma_check 470 40 python3 scripts/hopper_v2_gpu.py --check v3-tma,v3-tma-persist:small \
                 --check-timeout 300 --no-bench --sanitize ;;  # the TMA-store epilogue (LEANFA_HOPPER_STORE_TMA=1)
+      tma_validate) step tma_validate 420 40 env LEANFA_CHECK_DTYPES=fp8 python3 scripts/hopper_v2_gpu.py \
+                --check v3-tma-persist,v3-tma:small,v3-persist:small --check-timeout 250 --no-bench --sanitize ;;
       short_grid) for tma in 0 1; do for p in 0 1; do  # 1K-4K: per-tile cost (grid x epilogue), no other lane
                 step "short_t${tma}p$p" 150 12 env LEANFA_HOPPER_STORE_TMA=$tma LEANFA_HOPPER_PERSISTENT=$p python3 -m leanfa.cli \
                   bench --quick --no-progress --sweep standard --dims d128,mla --seqlens 1k,2k,4k,16k --causal true \

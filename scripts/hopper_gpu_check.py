@@ -252,6 +252,14 @@ def _dims_from_env():
 
 
 def default_cases(small=False):
+    """The check's cases; ``LEANFA_CHECK_DTYPES`` (e.g. ``fp8``) keeps only those input dtypes (a change
+    that only the FP8 path sees, e.g. the TMA-store epilogue, in a step of its own)."""
+    dtypes = [d.strip() for d in os.environ.get("LEANFA_CHECK_DTYPES", "").split(",") if d.strip()]
+    cases = _all_cases(small)
+    return [c for c in cases if c["dtype"] in dtypes] if dtypes else cases
+
+
+def _all_cases(small):
     shapes = [  # B, Sq, Sk, Hq, Hkv
         (1, 1, 1, 4, 4), (2, 100, 100, 8, 2), (1, 128, 128, 4, 4), (2, 1000, 1000, 8, 8),
         (1, 100, 1000, 4, 2), (1, 1000, 100, 8, 8), (1, 4096, 4096, 8, 2), (2, 129, 4096, 4, 1),

@@ -275,6 +275,28 @@ def test_v3_head_dims(d, dtype, causal, monkeypatch):
 
 @gpu
 @needs_sm90
+@pytest.mark.parametrize("shape", [(2, 300, 700, 8, 2, 128, 128), (1, 1000, 300, 4, 4, 192, 128),
+                                   (3, 129, 129, 4, 1, 64, 64), (1, 4096, 4096, 8, 2, 128, 128)])
+@pytest.mark.parametrize("persistent", ["0", "1"])
+def test_v3_store_tma_equals_register_stores(shape, persistent, monkeypatch):
+    """LEANFA_HOPPER_STORE_TMA=1 (FP8 output staged in shared memory, one TMA store per warpgroup): the output,
+    poisoned first, bit for bit the register stores' (the same arithmetic), one tile per program or persistent
+    (the staging buffers reused across a program's tiles)."""
+    monkeypatch.setenv("LEANFA_POISON_OUTPUTS", "1")
+    monkeypatch.setenv("LEANFA_HOPPER_PERSISTENT", persistent)
+    B, Sq, Sk, Hq, Hkv, dqk, dv = shape
+    q, k, v = _inputs(B, Sq, Sk, Hq, Hkv, dqk, dv)
+    qq = leanfa.quantize_fp8(q, k, v)
+    outs = []
+    for tma in ("0", "1"):
+        monkeypatch.setenv("LEANFA_HOPPER_STORE_TMA", tma)
+        outs.append(leanfa.flash_attn_func(qq, causal=True, return_lse=True, backend="hopper"))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert _rel(outs[1][0], attention_ref(qq.q, qq.k, qq.v, causal=True, **qq.descales())) < 4e-2
+
+
+@gpu
+@needs_sm90
 def test_fully_masked_rows_give_zero_and_minus_inf():
     q, k, v = _inputs(1, 300, 50, 4, 4, 128, 128)  # causal, Sq > Sk: the first 250 rows see nothing
     out, lse = leanfa.flash_attn_func(q, k, v, causal=True, return_lse=True, backend="hopper")

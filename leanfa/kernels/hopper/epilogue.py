@@ -60,7 +60,9 @@ def stage_and_store(acc, inv_l, v_scale, out_desc, o_buf, b, h, row0):
 def store_output(acc, inv_l, row0, out_ptr, stride_ob, stride_os, stride_oh, b, h, hkv,
                  v_scale_ptr, stride_vsb, stride_vsh, stride_vsd, seqlen_q):
     """Rows ``[row0, row0 + acc.shape[0])`` of head ``h``: ``acc * inv_l * v_scale``."""
-    v_scale = load_v_scale(v_scale_ptr + b * stride_vsb + hkv * stride_vsh, stride_vsd, acc.shape[1], acc.type.layout)
+    o_layout: gl.constexpr = acc.type.layout
+    HEAD_DV: gl.constexpr = acc.shape[1]
+    v_scale = load_v_scale(v_scale_ptr + b * stride_vsb + hkv * stride_vsh, stride_vsd, HEAD_DV, o_layout)
     write_rows(acc, inv_l, v_scale, row0, out_ptr, stride_ob, stride_os, stride_oh, b, h, seqlen_q)
 
 
