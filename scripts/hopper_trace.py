@@ -7,7 +7,7 @@ For each case (causal, B·S = 16K, 16 heads): the kernel alone without and with 
 SM clock: what the trace costs), then one traced launch read by :mod:`leanfa.bench.chain_trace` --
 median cycles per phase of the interior key blocks, how the two warpgroups' phases coincide, and
 the per-tile costs -- and a timeline PNG of one mid-sequence tile. ``--out`` keeps the summaries
-(JSON), the PNGs and the first 64 tiles' raw trace (``.npy``) per case.
+(JSON), the PNGs and the first 64 tiles' raw trace (``.npz``, compressed) per case.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def run_case(name, out_dir):
         os.makedirs(out_dir, exist_ok=True)
         with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
             json.dump(s, f, indent=1)
-        np.save(os.path.join(out_dir, f"{name}.npy"), tr[:64])
+        np.savez_compressed(os.path.join(out_dir, f"{name}.npz"), trace=tr[:64])
         # a tile from the middle of the launch order (a long causal tile: many interior blocks)
         tile = tr.shape[0] // 4
         chain_trace.plot_timeline(tr, tile, os.path.join(out_dir, f"{name}-timeline.png"), (8, 16))

@@ -4,7 +4,7 @@ the stall reasons (details page) and the per-SASS-instruction samples (source pa
 
     python scripts/ncu_stalls.py --out DIR [--impl leanfa-hopper-fp8-kernel,cudnn-fp8] [--seqlen 8192]
 
-Writes ``DIR/<impl>.details.csv``, ``DIR/<impl>.source.csv`` and prints, per implementation, the
+Writes ``DIR/<impl>.details.csv.gz``, ``DIR/<impl>.source.csv.gz`` and prints, per implementation, the
 stall reasons and the 40 instructions with the most samples. Aggregate pipe percentages live in
 ``leanfa profile``; this script answers the next question: which instruction waits, and on what.
 """
@@ -12,6 +12,7 @@ stall reasons and the 40 instructions with the most samples. Aggregate pipe perc
 from __future__ import annotations
 
 import argparse
+import gzip
 import csv
 import io
 import os
@@ -47,9 +48,11 @@ def profile(ncu, impl, args, out):
         print(f"[{impl}] ncu failed rc={rc}: {(so + se)[-1500:]}")
         return
     rc, details, se = run([ncu, "--import", rep + ".ncu-rep", "--page", "details", "--csv"])
-    open(rep + ".details.csv", "w").write(details if rc == 0 else se)
+    with gzip.open(rep + ".details.csv.gz", "wt") as f:  # (compressed: the results live in the repository)
+        f.write(details if rc == 0 else se)
     rc, source, se = run([ncu, "--import", rep + ".ncu-rep", "--page", "source", "--csv", "--print-source", "sass"])
-    open(rep + ".source.csv", "w").write(source if rc == 0 else se)
+    with gzip.open(rep + ".source.csv.gz", "wt") as f:
+        f.write(source if rc == 0 else se)
     print(f"=== {impl} (B={args.batch} S={args.seqlen} d={args.head_dim}, causal)")
     summarize_details(details)
     if rc == 0:
