@@ -105,6 +105,10 @@ run_steps() {
                 step "short_t${tma}p$p" 150 12 env LEANFA_HOPPER_STORE_TMA=$tma LEANFA_HOPPER_PERSISTENT=$p python3 -m leanfa.cli \
                   bench --quick --no-progress --sweep standard --dims d128,mla --seqlens 1k,2k,4k,16k --causal true \
                   --impl 'leanfa-hopper-fp8-kernel,cudnn-fp8' --name "short-t${tma}p$p" --out "$OUT/r/short_t${tma}p$p"; done; done ;;
+      short_time) step short_time 200 20 python3 scripts/short_time.py ;;  # kernel alone: grid/persistent x epilogue
+      tma_sync) step tma_sync 150 12 env LEANFA_CHECK_DTYPES=fp8 LEANFA_HOPPER_STORE_TMA=1 LEANFA_HOPPER_PERSISTENT=1 \
+                /usr/local/cuda/bin/compute-sanitizer --tool synccheck --error-exitcode 3 python3 scripts/hopper_v2_gpu.py \
+                --child v3-tma-persist --small --child-sanitize ;;
       trace_short) step trace_short 240 60 python3 scripts/hopper_trace.py --out "$OUT/r/trace_short" \
                 --cases fp8-d128-1k,fp8-d128-1k-persist,fp8-d128-1k-tma,fp8-d128-1k-tma-persist,fp8-d128-4k,fp8-d128-4k-tma-persist,fp8-d128-16k,fp8-d128-16k-tma ;;  # per-tile cost
       sink_short) step sink_short 150 16 python3 -m leanfa.cli bench --quick --no-progress --sweep standard \
