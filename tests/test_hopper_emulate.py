@@ -768,15 +768,22 @@ def test_hopper_knobs(monkeypatch):
     assert plan.version == "v3"
     assert plan.constexprs["PINGPONG"] is False and plan.constexprs["POLY"] == 0
     assert plan.constexprs["PV_IN_MMA"] is False and plan.constexprs["num_warps"] == 4
+    # dense FP8 at head dim <= 128: persistent, output through TMA (run 48); BF16 (and PINGPONG) the one-tile grid
+    assert plan.constexprs["PERSISTENT"] is True and plan.grid == (3, )  # min(tiles = 4, "SMs" = 3)
+    assert plan.constexprs["STORE_TMA"] is True
+    plan16 = emulate_mod._make_plan_cpu(L, _problem(q, k, v, True), torch.empty(1, 200, 2, 128, dtype=torch.bfloat16),
+                                        None)
+    assert plan16.constexprs["PERSISTENT"] is False and len(plan16.grid) == 2 and not plan16.constexprs["STORE_TMA"]
+    monkeypatch.setenv("LEANFA_HOPPER_PINGPONG", "1")
+    plan = emulate_mod._make_plan_cpu(L, p, torch.empty(1, 200, 2, 128, dtype=torch.bfloat16), None)
     assert plan.constexprs["PERSISTENT"] is False and len(plan.grid) == 2
     monkeypatch.setenv("LEANFA_HOPPER_PERSISTENT", "1")
-    plan = emulate_mod._make_plan_cpu(L, p, torch.empty(1, 200, 2, 128, dtype=torch.bfloat16), None)
-    assert plan.constexprs["PERSISTENT"] is True and plan.grid == (3, )  # min(tiles = 4, "SMs" = 3)
-    monkeypatch.setenv("LEANFA_HOPPER_PINGPONG", "1")
     with pytest.raises(ValueError, match="PERSISTENT"):
         emulate_mod._make_plan_cpu(L, p, torch.empty(1, 200, 2, 128, dtype=torch.bfloat16), None)
     monkeypatch.delenv("LEANFA_HOPPER_PINGPONG")
-    monkeypatch.delenv("LEANFA_HOPPER_PERSISTENT")
+    monkeypatch.setenv("LEANFA_HOPPER_PERSISTENT", "0")
+    plan = emulate_mod._make_plan_cpu(L, p, torch.empty(1, 200, 2, 128, dtype=torch.bfloat16), None)
+    assert plan.constexprs["PERSISTENT"] is False and len(plan.grid) == 2
     monkeypatch.setenv("LEANFA_HOPPER_V_PERMUTED", "1")  # FP8 dense: V copied with its keys permuted
     plan = emulate_mod._make_plan_cpu(L, p, torch.empty(1, 200, 2, 128, dtype=torch.bfloat16), None)
     assert plan.constexprs["V_KMAJOR"] == 2 and plan.args[2].shape[3] == 208  # 200 keys -> 13 groups of 16

@@ -3,8 +3,9 @@ consumer warpgroups, each in its own partition (``LEANFA_HOPPER_KERNEL=v3``).
 
 Same tiles, masks and Lean-P math as :mod:`.kernel` (v1) and :mod:`.kernel_ws` (v2). The CTA
 tile is 128 query rows of one head of one sequence (dense, or packed varlen through
-``cu_seqlens``); a program computes one tile, or -- ``PERSISTENT``, off: measured 0-4% slower at
-16K, runs 16-17 -- one per round of a tile walk (:mod:`.schedule`). The partitions are:
+``cu_seqlens``); a program computes one tile, or -- ``PERSISTENT``, the default for dense FP8 at head
+dim <= 128 (:func:`.launch.persistent_default`; with the TMA-store epilogue, ``STORE_TMA``, 1.38x the
+one-tile grid at S = 1K, run 48) -- one per round of a tile walk (:mod:`.schedule`). The partitions are:
 
 * **producer** (1 warp, 24 registers): per tile, both 64-row halves of Q (one barrier each; the
   next tile's only after ``q_empty`` saw both consumers' last QK retire), then every key block the tile

@@ -208,7 +208,9 @@ def _flag(name: str, default: bool) -> bool:
 #: default 0: POLY=1 was within 2% either way, 2 and 4 were ~3% and ~10% slower, runs 9-10),
 #: LEANFA_HOPPER_PV_IN_MMA (FP8 PV accumulated in the wgmma accumulator, not in fp32 per block:
 #: an experiment, off; see kernel_pingpong), LEANFA_HOPPER_PERSISTENT (one program per SM looping over
-#: the tiles heaviest first, see schedule.py; off: 0-4% slower at 16K and up to 15% at 4K, runs 16-17),
+#: the tiles heaviest first, see schedule.py; default on for dense FP8 at head dim <= 128 without the sink,
+#: see persistent_default; off elsewhere), LEANFA_HOPPER_STORE_TMA (dense FP8 output through shared memory
+#: and TMA, see store_tma; default on),
 #: LEANFA_HOPPER_BLOCK_N=256 (FP8 with PV_IN_MMA: 256-key blocks, cuDNN's 64x256 S tile, PV_j
 #: retired before QK_{j+1} so that the registers fit; an experiment, off: +2-3% at d128, -1% at
 #: d192 4K, run 24), LEANFA_HOPPER_V_PERMUTED (dense FP8: the launch copies V with its keys permuted
@@ -293,15 +295,33 @@ SINK_KEYS = BLOCK_N
 SINK_HEAD_DIMS = ((64, 64), (128, 128))  # one Q box per warpgroup; room for the sink's buffers
 
 
-def store_tma(version: str, is_fp8: bool, varlen: bool, out: torch.Tensor, sink_mode: int) -> bool:
+def store_tma(version: str, is_fp8: bool, varlen: bool, out: torch.Tensor, sink_mode: int, block_n: int = BLOCK_N,
+              wgs: int = 2) -> bool:
     """Whether the v3 epilogue writes O through shared memory and TMA (:func:`.epilogue.stage_and_store`):
     dense FP8 calls with a 16-bit output of head dim <= 128 whose (B, H, S, D) view TMA can address, no sink
-    (its buffers take that shared memory). ``LEANFA_HOPPER_STORE_TMA=0``: the register stores."""
-    if not (version == "v3" and is_fp8 and not varlen and sink_mode == 0 and _flag("LEANFA_HOPPER_STORE_TMA", False)):
+    (its buffers take that shared memory), not the experiments (other key blocks, three warpgroups).
+    ``LEANFA_HOPPER_STORE_TMA=0``: the register stores (128
+    ``STG.E.U16`` per thread, ~2100-2900 cycles per tile against ~800; validated on the H200 in runs 46-48)."""
+    if not (version == "v3" and is_fp8 and not varlen and sink_mode == 0 and block_n == BLOCK_N and wgs == 2
+            and _flag("LEANFA_HOPPER_STORE_TMA", True)):
         return False
     if out.dtype not in (torch.bfloat16, torch.float16) or out.shape[-1] > 128:
         return False
     return tma_layout_problem("out", out, *_bshd_as_bhsd(out)) is None
+
+
+def persistent_default(is_fp8: bool, varlen: bool, sink_mode: int, dv: int, pingpong: bool, block_n: int = BLOCK_N,
+                       wgs: int = 2, has_kmean: bool = False) -> bool:
+    """Whether v3 runs one program per SM by default (``LEANFA_HOPPER_PERSISTENT`` overrides): dense FP8 of
+    head dim <= 128 without the sink, i.e. where the TMA-store epilogue applies. With it and the Q box handed
+    back after the last QK, a tile's fill + epilogue + turnover fell from ~8,800 to ~1,800 cycles (run 46's
+    trace), and the kernel alone (run 48, ``scripts/short_time.py``) ran 1.38x / 1.35x the one-tile grid at
+    S = 1K (d128 / MLA), 1.25x / 1.20x at 2K, 1.08x / 1.03x at 4K and 1.01x / 0.98x at 16K. BF16, varlen,
+    the sink, head dim 256, the LSE with a smoothed K (its K-mean term reads Q in the epilogue, so Q is
+    handed back late, and AOT spills grow to 440-700 B) and the experiments (other key-block sizes, three
+    warpgroups, turn barriers) keep the one-tile grid."""
+    return (is_fp8 and not varlen and sink_mode == 0 and dv <= 128 and not pingpong and block_n == BLOCK_N
+            and wgs == 2 and not has_kmean)
 
 
 def sink_problem(version: str, is_fp8: bool, dims: tuple, sink_keys: int, tensors=()) -> str | None:
@@ -396,7 +416,7 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
         sink_descs, sink_bytes = _sink_descs(sink, q_rows, block_n)
         sink_mode = 2 if k_mean is not None else 1  # 2: K was smoothed, the sink's scores shift by q . mean
     has_kmean = k_mean is not None and return_lse
-    o_tma = store_tma(version, is_fp8, varlen, out, sink_mode)
+    o_tma = store_tma(version, is_fp8, varlen, out, sink_mode, block_n, wgs)
     out_desc = _desc(out, *_bshd_as_bhsd(out), [1, 1, 64, Dv]) if o_tma else None
     out_bytes = _consumer_wgs(version) * 64 * Dv * out.element_size() if o_tma else 0
     km = k_mean if has_kmean or sink_mode == 2 else v_scale  # any float32 pointer; unused
@@ -444,7 +464,8 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
             raise ValueError(f"LEANFA_HOPPER_POLY must be 0..8 (of every 8 exponentials), got {poly}")
         poly = _ablation() or poly
         pingpong = _flag("LEANFA_HOPPER_PINGPONG", False)
-        persistent = _flag("LEANFA_HOPPER_PERSISTENT", False)
+        persistent = _flag("LEANFA_HOPPER_PERSISTENT", persistent_default(is_fp8, varlen, sink_mode, Dv, pingpong,
+                                                                                  block_n, wgs, has_kmean))
         if persistent and pingpong:
             raise ValueError("LEANFA_HOPPER_PERSISTENT and LEANFA_HOPPER_PINGPONG cannot be combined yet")
         if wgs != 2 and pingpong:
