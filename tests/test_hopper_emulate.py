@@ -763,7 +763,11 @@ def test_hopper_knobs(monkeypatch):
     assert L.kernel_version() == "v3"
     q, k, v = _inputs(1, 200, 200, 2, 1, 128, 128)
     qq = leanfa.quantize_fp8(q, k, v)
-    p = _problem(qq.q, qq.k, qq.v, True, **qq.descales())
+    p = _problem(qq.q, qq.k, qq.v, True, lse=False, **qq.descales())
+    plan_kmean = emulate_mod._make_plan_cpu(L, _problem(qq.q, qq.k, qq.v, True, **qq.descales()),
+                                            torch.empty(1, 200, 2, 128, dtype=torch.bfloat16),
+                                            torch.empty(1, 2, 200))
+    assert plan_kmean.constexprs["PERSISTENT"] is False  # the LSE's K-mean term reads Q late: the one-tile grid
     plan = emulate_mod._make_plan_cpu(L, p, torch.empty(1, 200, 2, 128, dtype=torch.bfloat16), None)
     assert plan.version == "v3"
     assert plan.constexprs["PINGPONG"] is False and plan.constexprs["POLY"] == 0
@@ -914,7 +918,8 @@ def test_v3_sink_plan_and_dispatch(monkeypatch):
     out = torch.empty(1, 200, 2, 128, dtype=torch.bfloat16)
     plan = emulate_mod._make_plan_cpu(L, p, out, None)
     assert plan.constexprs["SINK"] == 2 and plan.constexprs["STAGES"] == 3
-    assert plan.args[-3].block_shape == [1, 1, 64, 128] and plan.args[-1].block_shape == [1, 1, 128, 128]
+    assert plan.args[-4].block_shape == [1, 1, 64, 128] and plan.args[-2].block_shape == [1, 1, 128, 128]
+    assert plan.args[-1] is None and not plan.constexprs["STORE_TMA"]  # (the sink's buffers take that room)
     assert L.sink_problem("v3", True, (128, 128), 256) and L.sink_problem("v3", True, (192, 128), 128)
     assert L.sink_problem("v1", True, (128, 128), 128) and L.sink_problem("v3", False, (128, 128), 128)
     assert L.sink_problem("v3", True, (64, 64), 128) is None

@@ -313,13 +313,13 @@ def store_tma(version: str, is_fp8: bool, varlen: bool, out: torch.Tensor, sink_
 def persistent_default(is_fp8: bool, varlen: bool, sink_mode: int, dv: int, pingpong: bool, block_n: int = BLOCK_N,
                        wgs: int = 2, has_kmean: bool = False) -> bool:
     """Whether v3 runs one program per SM by default (``LEANFA_HOPPER_PERSISTENT`` overrides): dense FP8 of
-    head dim <= 128 without the sink, i.e. where the TMA-store epilogue applies. With it and the Q box handed
-    back after the last QK, a tile's fill + epilogue + turnover fell from ~8,800 to ~1,800 cycles (run 46's
-    trace), and the kernel alone (run 48, ``scripts/short_time.py``) ran 1.38x / 1.35x the one-tile grid at
-    S = 1K (d128 / MLA), 1.25x / 1.20x at 2K, 1.08x / 1.03x at 4K and 1.01x / 0.98x at 16K. BF16, varlen,
-    the sink, head dim 256, the LSE with a smoothed K (its K-mean term reads Q in the epilogue, so Q is
-    handed back late, and AOT spills grow to 440-700 B) and the experiments (other key-block sizes, three
-    warpgroups, turn barriers) keep the one-tile grid."""
+    head dim <= 128 without the sink, i.e. where the TMA-store epilogue applies. With it and the Q box
+    handed back after the last QK, a tile's fill + epilogue + turnover fell from ~9,000 to ~1,800-2,400
+    cycles at S = 1K-4K (run 46's trace), and the kernel alone (run 48, ``scripts/short_time.py``) ran
+    1.38x / 1.35x the one-tile grid at S = 1K (d128 / MLA), 1.25x / 1.20x at 2K, 1.08x / 1.03x at 4K and
+    1.01x / 0.98x at 16K. BF16, varlen, the sink, head dim 256, the LSE with a smoothed K (its K-mean term
+    reads Q in the epilogue, so Q is handed back late, and AOT spills grow to 440-700 B) and the
+    experiments (other key-block sizes, three warpgroups, turn barriers) keep the one-tile grid."""
     return (is_fp8 and not varlen and sink_mode == 0 and dv <= 128 and not pingpong and block_n == BLOCK_N
             and wgs == 2 and not has_kmean)
 
