@@ -4,7 +4,8 @@ One concern per module: :mod:`.layouts` (register/shared layouts), :mod:`.pipeli
 mbarrier K/V ring), :mod:`.schedule` (which query tile a program computes), :mod:`.masking`
 (which key blocks a tile visits, diagonal/tail masks), :mod:`.softmax` / :mod:`.softmax_ws`
 (Lean-P online softmax), :mod:`.exp2` (exp2 split between MUFU and an FMA-pipe polynomial),
-:mod:`.epilogue` (output rows, the LSE's K-mean term), :mod:`.sink` (BF16 sink keys in v3),
+:mod:`.epilogue` (output rows: register stores, or for dense FP8 a shared-memory box and one TMA
+store per warpgroup; the LSE's K-mean term), :mod:`.sink` (BF16 sink keys in v3),
 :mod:`.trace` (SM-clock trace of the key loop); the kernels :mod:`.kernel_pingpong` (v3,
 the default: producer warp + two consumer warpgroups in their own partitions), :mod:`.kernel`
 (v1, one partition) and :mod:`.kernel_ws` (v2, one 8-warp consumer partition); :mod:`.launch`
