@@ -42,19 +42,19 @@ CASES = {
     "fp8-d128-16k-nosoftmax": ("fp8", 16384, 128, 128, {"LEANFA_HOPPER_ABLATE": "exp,max"}),
     "fp8-d128-16k-pingpong": ("fp8", 16384, 128, 128, {"LEANFA_HOPPER_PINGPONG": "1"}),
     # one program per SM walking the tiles (off: 0-15% slower, runs 16-17): where does a tile's time go?
-    "fp8-d128-4k-persist": ("fp8", 4096, 128, 128, {"LEANFA_HOPPER_PERSISTENT": "1"}),
-    "fp8-d128-16k-persist": ("fp8", 16384, 128, 128, {"LEANFA_HOPPER_PERSISTENT": "1"}),
+    "fp8-d128-4k-persist": ("fp8", 4096, 128, 128, {"LEANFA_HOPPER_PERSISTENT": "1", "LEANFA_HOPPER_STORE_TMA": "0"}),
+    "fp8-d128-16k-persist": ("fp8", 16384, 128, 128, {"LEANFA_HOPPER_PERSISTENT": "1", "LEANFA_HOPPER_STORE_TMA": "0"}),
     # run 38: persistent BF16 d128 at S = 1K ran 0.58x the one-tile grid (FP8: 0.98x); where does it lose?
     "bf16-d128-1k": ("bf16", 1024, 128, 128, {}),
     # tenth session: short sequences are per-tile cost (fill, epilogue, turnover); the Q box handed back
     # after the last QK and V's descale read under the last block, one tile per program or persistent
     "fp8-d128-1k": ("fp8", 1024, 128, 128, {}),
-    "fp8-d128-1k-persist": ("fp8", 1024, 128, 128, {"LEANFA_HOPPER_PERSISTENT": "1"}),
+    "fp8-d128-1k-persist": ("fp8", 1024, 128, 128, {"LEANFA_HOPPER_PERSISTENT": "1", "LEANFA_HOPPER_STORE_TMA": "0"}),
     # ... and the output through shared memory and TMA (epilogue.stage_and_store)
-    "fp8-d128-1k-tma": ("fp8", 1024, 128, 128, {"LEANFA_HOPPER_STORE_TMA": "1"}),
+    "fp8-d128-1k-tma": ("fp8", 1024, 128, 128, {"LEANFA_HOPPER_STORE_TMA": "1", "LEANFA_HOPPER_PERSISTENT": "0"}),
     "fp8-d128-1k-tma-persist": ("fp8", 1024, 128, 128, {"LEANFA_HOPPER_STORE_TMA": "1", "LEANFA_HOPPER_PERSISTENT": "1"}),
     "fp8-d128-4k-tma-persist": ("fp8", 4096, 128, 128, {"LEANFA_HOPPER_STORE_TMA": "1", "LEANFA_HOPPER_PERSISTENT": "1"}),
-    "fp8-d128-16k-tma": ("fp8", 16384, 128, 128, {"LEANFA_HOPPER_STORE_TMA": "1"}),
+    "fp8-d128-16k-tma": ("fp8", 16384, 128, 128, {"LEANFA_HOPPER_STORE_TMA": "1", "LEANFA_HOPPER_PERSISTENT": "0"}),
     "bf16-d128-1k-persist": ("bf16", 1024, 128, 128, {"LEANFA_HOPPER_PERSISTENT": "1"}),
     # run 43: FP8 d256 runs ~3560 cycles per pair of 128-key blocks, against ~2600 for its softmax and
     # its own wgmmas: is its 2-slot ring (2 x 64 KB) dry? (3 slots fit: 229,824 B, AOT)

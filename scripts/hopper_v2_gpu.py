@@ -41,10 +41,14 @@ CONFIGS = {  # name -> env
     "v3-nopp": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_PINGPONG": "0"},
     "v3-pvmma": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_PV_IN_MMA": "1"},
     **{f"v3-poly{n}": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_POLY": str(n)} for n in (1, 2, 3, 4, 8)},
-    "v3-persist": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_PERSISTENT": "1"},
-    "v3-persist-pvmma": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_PERSISTENT": "1", "LEANFA_HOPPER_PV_IN_MMA": "1"},
+    # since the tenth session dense FP8 defaults to the persistent grid with the TMA-store epilogue
+    # (launch.persistent_default): the configs below pin both knobs, so each keeps the meaning it was measured with
+    "v3-grid": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_PERSISTENT": "0", "LEANFA_HOPPER_STORE_TMA": "0"},
+    "v3-persist": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_PERSISTENT": "1", "LEANFA_HOPPER_STORE_TMA": "0"},
+    "v3-persist-pvmma": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_PERSISTENT": "1", "LEANFA_HOPPER_PV_IN_MMA": "1",
+                         "LEANFA_HOPPER_STORE_TMA": "0"},
     # FP8 output through shared memory and one TMA store per warpgroup (epilogue.stage_and_store)
-    "v3-tma": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_STORE_TMA": "1"},
+    "v3-tma": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_STORE_TMA": "1", "LEANFA_HOPPER_PERSISTENT": "0"},
     "v3-tma-persist": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_STORE_TMA": "1", "LEANFA_HOPPER_PERSISTENT": "1"},
     # 64x256 S tile per warpgroup (cuDNN's FP8 shape): PV in the wgmma accumulator, permuted V
     "v3-wide": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_BLOCK_N": "256", "LEANFA_HOPPER_PV_IN_MMA": "1",

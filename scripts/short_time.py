@@ -19,12 +19,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
-CONFIGS = {  # name -> env
-    "grid": {"LEANFA_HOPPER_PERSISTENT": "0", "LEANFA_HOPPER_STORE_TMA": "0"},
-    "persist": {"LEANFA_HOPPER_PERSISTENT": "1", "LEANFA_HOPPER_STORE_TMA": "0"},
-    "tma": {"LEANFA_HOPPER_PERSISTENT": "0", "LEANFA_HOPPER_STORE_TMA": "1"},
-    "tma-persist": {"LEANFA_HOPPER_PERSISTENT": "1", "LEANFA_HOPPER_STORE_TMA": "1"},
-}
+#: column -> the scripts/hopper_v2_gpu.py config it times (each pins both knobs)
+CONFIGS = {"grid": "v3-grid", "persist": "v3-persist", "tma": "v3-tma", "tma-persist": "v3-tma-persist"}
 
 
 def main():
@@ -32,7 +28,7 @@ def main():
     ap.add_argument("--seqlens", default="1024,2048,4096,16384")
     args = ap.parse_args()
     import hopper_gpu_check as H
-    from hopper_v2_gpu import kernel_only
+    from hopper_v2_gpu import _set_env, kernel_only
     from leanfa.bench import cudnn_graphs, impls
     from leanfa.bench.inputs import Inputs
     from leanfa.bench.shapes import Case
@@ -54,8 +50,8 @@ def main():
             else:
                 base = float("nan")
                 cells.append("n/a")
-            for env in CONFIGS.values():
-                os.environ.update(env)
+            for cfg in CONFIGS.values():
+                _set_env(cfg)
                 ms, clk = H.bench(kernel_only(q8, k8, v8, dqk ** -0.5, kw))
                 cells.append(f"{flops / ms / 1e9:5.0f} {base / ms:4.2f}x {ms:6.3f}@{clk}")
             print(f"S{S:<6d} B{B:<3d} d{dqk}/{dv:<8d} " + " | ".join(cells), flush=True)

@@ -402,28 +402,31 @@ class FakeDesc:
             nbytes=math.prod(self.block_shape) * d.base.element_size())
         self.view = _flat(d.base).as_strided(self.shape, self.strides, d.base.storage_offset())
 
-    def box(self, coords):
-        out = torch.zeros(self.block_shape, dtype=self.dtype)
-        src, dst = [], []
+    def _clip(self, coords):
+        """``(tensor slices, box slices)`` of the part of the box at ``coords`` inside the tensor (TMA clips
+        the rest), or None if none of it is."""
+        inside, in_box = [], []
         for c, n, s in zip(coords, self.block_shape, self.shape):
             lo, hi = max(c, 0), min(c + n, s)
             if hi <= lo:
-                return out
-            src.append(slice(lo, hi))
-            dst.append(slice(lo - c, hi - c))
-        out[tuple(dst)] = self.view[tuple(src)]
+                return None
+            inside.append(slice(lo, hi))
+            in_box.append(slice(lo - c, hi - c))
+        return tuple(inside), tuple(in_box)
+
+    def box(self, coords):
+        """A TMA load: the box at ``coords``, zeros outside the tensor."""
+        out = torch.zeros(self.block_shape, dtype=self.dtype)
+        clip = self._clip(coords)
+        if clip is not None:
+            out[clip[1]] = self.view[clip[0]]
         return out
 
     def write_box(self, coords, data):
-        """A TMA store: the box's part inside the tensor (coordinates past its end are clipped)."""
-        src, dst = [], []
-        for c, n, s in zip(coords, self.block_shape, self.shape):
-            lo, hi = max(c, 0), min(c + n, s)
-            if hi <= lo:
-                return
-            dst.append(slice(lo, hi))
-            src.append(slice(lo - c, hi - c))
-        self.view[tuple(dst)] = data.reshape(self.block_shape)[tuple(src)].to(self.dtype)
+        """A TMA store: the box's part inside the tensor."""
+        clip = self._clip(coords)
+        if clip is not None:
+            self.view[clip[0]] = data.reshape(self.block_shape)[clip[1]].to(self.dtype)
 
 
 def _fence_async_shared(cluster=False):

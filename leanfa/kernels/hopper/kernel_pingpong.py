@@ -357,9 +357,9 @@ def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars
     for j in range(FIRST, n_end - 1):
         k_sc_next, k_hi_next = _k_scales(k_scale_row, stride_ksblk, j + 1, n_end, seqlen_k, BLOCK_N)
         acc, m_i, l_i, s, _ = _consumer_block(
-            s, j, c_q * k_sc, c_q * k_hi, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, q_smem, k_bufs, v_bufs,
-            k_bars, v_bars, empty_bars, turn_bars, ring, batch, s_zero, tr, v_scale_row, stride_vsd, p_layout, o_layout, CAUSAL, V_KMAJOR,
-            P_OFFSET, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, True, False, W)
+            s, j, c_q * k_sc, c_q * k_hi, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, q_smem, k_bufs,
+            v_bufs, k_bars, v_bars, empty_bars, turn_bars, ring, batch, s_zero, tr, v_scale_row, stride_vsd, p_layout,
+            o_layout, CAUSAL, V_KMAJOR, P_OFFSET, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, True, False, W)
         k_sc = k_sc_next
         k_hi = k_hi_next
     # Q's last reader, the QK of block n_end - 1, has retired
@@ -373,9 +373,9 @@ def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars
     VS_EARLY: gl.constexpr = HEAD_DV <= 128 and not SINK
     if n_end > FIRST:
         acc, m_i, l_i, s, v_sc = _consumer_block(
-            s, n_end - 1, c_q * k_sc, c_q * k_hi, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, q_smem, k_bufs,
-            v_bufs, k_bars, v_bars, empty_bars, turn_bars, ring, batch, s_zero, tr, v_scale_row, stride_vsd, p_layout, o_layout, CAUSAL,
-            V_KMAJOR, P_OFFSET, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, False, VS_EARLY, W)
+            s, n_end - 1, c_q * k_sc, c_q * k_hi, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, q_smem,
+            k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars, ring, batch, s_zero, tr, v_scale_row, stride_vsd,
+            p_layout, o_layout, CAUSAL, V_KMAJOR, P_OFFSET, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, False, VS_EARLY, W)
     else:
         if VS_EARLY:
             v_sc = load_v_scale(v_scale_row, stride_vsd, HEAD_DV, o_layout)
@@ -387,9 +387,9 @@ def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars
         if n_end > 0:
             qs_smem, ks_smem, vs_smem, sink_bar = sink_t
             mbarrier.wait(sink_bar.index(0), qi & 1)
+            inv_vs = 1.0 / load_v_scale(v_scale_row, stride_vsd, HEAD_DV, o_layout)
             acc, m_i, l_i, q_shift = sink_block(qs_smem, ks_smem, vs_smem, W, acc, m_i, l_i, offs_m, seqlen_q,
-                                                seqlen_k, qk_scale,
-                                                1.0 / load_v_scale(v_scale_row, stride_vsd, HEAD_DV, o_layout), k_mean_ptr, stride_kmb, stride_kmh,
+                                                seqlen_k, qk_scale, inv_vs, k_mean_ptr, stride_kmb, stride_kmh,
                                                 stride_kmd, b, hkv, s_layout, o_layout, CAUSAL, SINK == 2, P_OFFSET,
                                                 WG_WARPS)
 

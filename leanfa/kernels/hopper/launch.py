@@ -295,6 +295,13 @@ SINK_KEYS = BLOCK_N
 SINK_HEAD_DIMS = ((64, 64), (128, 128))  # one Q box per warpgroup; room for the sink's buffers
 
 
+def _short_tile_case(is_fp8: bool, varlen: bool, sink_mode: int, dv: int, block_n: int, wgs: int) -> bool:
+    """The calls the TMA-store epilogue and the persistent default were built and measured for (runs 46-48):
+    dense FP8 without the sink at head dim <= 128, in the default tile (128-key blocks, two consumer
+    warpgroups)."""
+    return is_fp8 and not varlen and sink_mode == 0 and dv <= 128 and block_n == BLOCK_N and wgs == 2
+
+
 def store_tma(version: str, is_fp8: bool, varlen: bool, out: torch.Tensor, sink_mode: int, block_n: int = BLOCK_N,
               wgs: int = 2) -> bool:
     """Whether the v3 epilogue writes O through shared memory and TMA (:func:`.epilogue.stage_and_store`):
@@ -302,10 +309,10 @@ def store_tma(version: str, is_fp8: bool, varlen: bool, out: torch.Tensor, sink_
     (its buffers take that shared memory), not the experiments (other key blocks, three warpgroups).
     ``LEANFA_HOPPER_STORE_TMA=0``: the register stores (128
     ``STG.E.U16`` per thread, ~2100-2900 cycles per tile against ~800; validated on the H200 in runs 46-48)."""
-    if not (version == "v3" and is_fp8 and not varlen and sink_mode == 0 and block_n == BLOCK_N and wgs == 2
+    if not (version == "v3" and _short_tile_case(is_fp8, varlen, sink_mode, out.shape[-1], block_n, wgs)
             and _flag("LEANFA_HOPPER_STORE_TMA", True)):
         return False
-    if out.dtype not in (torch.bfloat16, torch.float16) or out.shape[-1] > 128:
+    if out.dtype not in (torch.bfloat16, torch.float16):
         return False
     return tma_layout_problem("out", out, *_bshd_as_bhsd(out)) is None
 
@@ -320,8 +327,7 @@ def persistent_default(is_fp8: bool, varlen: bool, sink_mode: int, dv: int, ping
     1.01x / 0.98x at 16K. BF16, varlen, the sink, head dim 256, the LSE with a smoothed K (its K-mean term
     reads Q in the epilogue, so Q is handed back late, and AOT spills grow to 440-700 B) and the
     experiments (other key-block sizes, three warpgroups, turn barriers) keep the one-tile grid."""
-    return (is_fp8 and not varlen and sink_mode == 0 and dv <= 128 and not pingpong and block_n == BLOCK_N
-            and wgs == 2 and not has_kmean)
+    return _short_tile_case(is_fp8, varlen, sink_mode, dv, block_n, wgs) and not pingpong and not has_kmean
 
 
 def sink_problem(version: str, is_fp8: bool, dims: tuple, sink_keys: int, tensors=()) -> str | None:
@@ -418,7 +424,7 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
     has_kmean = k_mean is not None and return_lse
     o_tma = store_tma(version, is_fp8, varlen, out, sink_mode, block_n, wgs)
     out_desc = _desc(out, *_bshd_as_bhsd(out), [1, 1, 64, Dv]) if o_tma else None
-    out_bytes = _consumer_wgs(version) * 64 * Dv * out.element_size() if o_tma else 0
+    out_bytes = wgs * 64 * Dv * out.element_size() if o_tma else 0
     km = k_mean if has_kmean or sink_mode == 2 else v_scale  # any float32 pointer; unused
     if varlen:  # out (total_q, Hq, Dv): sequence b's rows start at token cu_seqlens_q[b]
         out_strides = (0, out.stride(0), out.stride(1))
