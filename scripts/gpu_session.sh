@@ -106,6 +106,7 @@ run_steps() {
                   bench --quick --no-progress --sweep standard --dims d128,mla --seqlens 1k,2k,4k,16k --causal true \
                   --impl 'leanfa-hopper-fp8-kernel,cudnn-fp8' --name "short-t${tma}p$p" --out "$OUT/r/short_t${tma}p$p"; done; done ;;
       short_time) step short_time 200 20 python3 scripts/short_time.py ;;  # kernel alone: grid/persistent x epilogue
+      short_bf16) step short_bf16 200 20 python3 scripts/short_time.py --dtype bf16 ;;  # BF16: grid vs persistent
       tma_sync) step tma_sync 150 12 env LEANFA_CHECK_DTYPES=fp8 LEANFA_HOPPER_STORE_TMA=1 LEANFA_HOPPER_PERSISTENT=1 \
                 /usr/local/cuda/bin/compute-sanitizer --tool synccheck --error-exitcode 3 python3 scripts/hopper_v2_gpu.py \
                 --child v3-tma-persist --small --child-sanitize ;;
@@ -118,7 +119,7 @@ run_steps() {
       d64_kernels) step d64_kernels 150 16 python3 -m leanfa.cli bench --quick --no-progress --sweep standard \
                 --dims d64 --seqlens 4k,16k --causal true --impl 'leanfa-hopper-fp8-kernel,leanfa-portable-fp8-kernel,cudnn-fp8' \
                 --name d64-kernels --out "$OUT/r/d64_kernels" ;;  # run 45: the portable FP8 sink beat v3 at d64 16K
-      host_time) step host_time 200 20 python3 scripts/host_time.py --profile ;;  # CPU time per call vs GPU time
+      host_time) step host_time 200 20 python3 scripts/host_time.py --profile --shapes 16x1024,4x4096,1x16384 ;;  # CPU time per call vs GPU time
       quant_time) step quant_time 200 40 python3 scripts/quant_time.py ;;  # FP8 end-to-end: quantizer kernels, GB/s
       ablate) step ablate 300 60 python3 scripts/hopper_v2_gpu.py --check "" \
                 --time v3,v3-noexp,v3-nomax,v3-nosoftmax,v3-onewg ;;  # what the softmax parts cost; one warpgroup alone
