@@ -36,7 +36,7 @@ run_steps() {
   steps=${steps/perf/hopper_v2 bench accuracy}
   for s in $steps; do
     case $s in
-      pytest) step pytest 360 16 env LEANFA_FUZZ_PROFILE=ci python3 -m pytest -q -p no:cacheprovider -rfEs \
+      pytest) step pytest "${PYTEST_LIMIT:-360}" 16 env LEANFA_FUZZ_PROFILE=ci python3 -m pytest -q -p no:cacheprovider -rfEs \
                 -n "$WORKERS" --dist loadfile tests --ignore tests/test_packaging.py \
                 --deselect tests/test_readme.py::test_api_docs_build_without_warnings ;;
       pytest_long) step pytest_long 240 10 python3 -m pytest -q -p no:cacheprovider -rfEs \
@@ -117,8 +117,17 @@ run_steps() {
                 --impl 'leanfa-hopper-fp8,leanfa-hopper-fp8-sink,leanfa-portable-fp8-sink,cudnn-fp8' \
                 --name sink-short --out "$OUT/r/sink_short" ;;  # the v3 sink at short S, no other lane
       d64_kernels) step d64_kernels 150 16 python3 -m leanfa.cli bench --quick --no-progress --sweep standard \
-                --dims d64 --seqlens 4k,16k --causal true --impl 'leanfa-hopper-fp8-kernel,leanfa-portable-fp8-kernel,cudnn-fp8' \
+                --dims d64 --seqlens 4k,16k --causal true \
+                --impl 'leanfa-hopper-fp8-kernel,leanfa-portable-fp8-kernel,cudnn-fp8,leanfa-hopper-bf16,leanfa-portable-bf16,cudnn-bf16' \
                 --name d64-kernels --out "$OUT/r/d64_kernels" ;;  # run 45: the portable FP8 sink beat v3 at d64 16K
+      host_ab) for c in 0 1; do  # the plan cache off / on (plan_cache.py): host time per call, and the profile with it on
+                step "host_plan$c" 120 14 env LEANFA_HOPPER_PLAN_CACHE=$c python3 scripts/host_time.py --shapes 16x1024,4x4096 \
+                  $([ "$c" = 1 ] && echo --profile); done ;;
+      short_e2e) for c in 0 1; do  # the end-to-end rows at S = 1K/2K, where host time showed (run 47), cache off / on
+                step "short_e2e$c" 150 16 env LEANFA_HOPPER_PLAN_CACHE=$c python3 -m leanfa.cli bench --quick --no-progress \
+                  --sweep standard --dims d128,mla --seqlens 1k,2k --causal true \
+                  --impl 'leanfa-hopper-fp8,leanfa-hopper-fp8-kernel,leanfa-hopper-bf16,cudnn-fp8,cudnn-bf16' \
+                  --name "short-e2e$c" --out "$OUT/r/short_e2e$c"; done ;;
       host_time) step host_time 200 20 python3 scripts/host_time.py --profile --shapes 16x1024,4x4096,1x16384 ;;  # CPU time per call vs GPU time
       quant_time) step quant_time 200 40 python3 scripts/quant_time.py ;;  # FP8 end-to-end: quantizer kernels, GB/s
       ablate) step ablate 300 60 python3 scripts/hopper_v2_gpu.py --check "" \

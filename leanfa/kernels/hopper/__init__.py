@@ -19,6 +19,8 @@ not; anything it rejects runs on the portable kernel instead -- never a wrong an
 from __future__ import annotations
 
 import os
+import threading
+import weakref
 
 import torch
 import triton
@@ -27,6 +29,7 @@ from ... import _versions
 from ..device import capability
 from ..outputs import allocate_outputs
 from . import launch as _launch
+from . import plan_cache
 
 #: ``backend="auto"`` picks this kernel only once it passes the GPU check
 #: (scripts/hopper_gpu_check.py). First H200 run (2026-11-29): wrong (NaN) whenever Sk > 128 or
@@ -65,7 +68,19 @@ def sink_in_kernel(dims=None, sink_keys=None) -> bool:
 
 
 def supports(problem) -> tuple[bool, str]:
-    """Whether the Hopper kernel can run ``problem``; if not, the reason."""
+    """Whether the Hopper kernel can run ``problem``; if not, the reason (the verdict of a signature seen
+    before is reused: it depends on nothing else)."""
+    key = _signature(problem)
+    if key is None:
+        return _supports(problem)
+    verdict = VERDICTS.get(key)
+    if verdict is None:
+        verdict = _supports(problem)
+        VERDICTS.put(key, verdict)
+    return verdict
+
+
+def _supports(problem) -> tuple[bool, str]:
     if _versions.untested({"triton": triton.__version__}):
         tested = ", ".join(f"{v}.x" for v in _versions.TESTED["triton"])
         return False, f"the Hopper kernel is tested on triton {tested} only (found {triton.__version__})"
@@ -124,15 +139,55 @@ def plan_kwargs(problem) -> dict:
     return kw
 
 
+#: plans by call signature (:mod:`.plan_cache`), and :func:`supports`' verdicts by the inputs' part of it
+PLANS = plan_cache.Cache()
+VERDICTS = plan_cache.Cache()
+_memo = threading.local()  # the last problem's key: supports() and plan() of one call compute it once
+
+
+def _inputs(problem) -> tuple:
+    return (problem.q, problem.k, problem.v, problem.q_scale, problem.k_scale, problem.v_scale, problem.k_mean,
+            problem.sink_q, problem.sink_k, problem.sink_v)
+
+
+def _signature(problem):
+    """The cache key of a dense call's inputs, scalars, knobs and device, or None when its plan is rebuilt
+    every call (varlen, ``LEANFA_HOPPER_PLAN_CACHE=0``, a timing ablation)."""
+    last = getattr(_memo, "last", None)
+    if last is not None and last[0]() is problem:
+        return last[1]
+    key = None
+    if not problem.varlen:
+        knobs = plan_cache.knob_values()
+        named = dict(zip(plan_cache.KNOBS, knobs))
+        if named["LEANFA_HOPPER_PLAN_CACHE"] not in ("0", b"0") and not named["LEANFA_HOPPER_ABLATE"]:
+            scalars = (problem.causal, problem.softmax_scale, problem.return_lse, problem.sink_keys, problem.out_dtype)
+            key = plan_cache.signature(_inputs(problem), scalars, knobs)
+    _memo.last = (weakref.ref(problem), key)
+    return key
+
+
 def plan(problem):
     """The launch plan of a problem :func:`supports` accepted, with its ``(out, lse or None)``
     (any per-call copy of an input, e.g. a permuted V, is made here: timing ``launch(plan)``
-    alone times the kernel alone)."""
+    alone times the kernel alone). A signature seen before reuses its plan (:mod:`.plan_cache`)."""
     q, k, v = problem.q, problem.k, problem.v
     out, lse = allocate_outputs(problem)
+    inputs = (*_inputs(problem), out, lse)
+    key = _signature(problem)
+    _memo.last = None  # (a later call on this problem object reads the knobs again)
+    if key is not None:
+        key = plan_cache.extend(key, (out, lse))
+        template = PLANS.get(key)
+        if template is not None:
+            return template.bind(inputs), out, lse
     p = _launch.make_plan(q, k, v, out, lse, problem.q_scale, problem.k_scale, problem.v_scale,
                           problem.k_mean, causal=problem.causal, softmax_scale=problem.softmax_scale,
                           return_lse=problem.return_lse, **plan_kwargs(problem))
+    template = plan_cache.Template.of(p, inputs) if key is not None else None
+    if template is not None:
+        PLANS.put(key, template)
+        p = template.bind(inputs)  # its first launch keeps the compiled kernel
     return p, out, lse
 
 

@@ -263,6 +263,7 @@ class Plan:
     grid: tuple
     version: str = "v1"
     trace: torch.Tensor | None = None  # the clock-trace buffer the launch fills (LEANFA_HOPPER_TRACE=1, v3)
+    template: object = None  # the plan_cache.Template this plan was bound from (None: built by make_plan)
 
     @property
     def kernel(self):
@@ -506,6 +507,13 @@ def triton_cdiv(a: int, b: int) -> int:
 
 
 def launch(plan: Plan) -> None:
+    """Launch through Triton; a plan bound from a :class:`.plan_cache.Template` launches the template's
+    compiled kernel directly once one launch has compiled it."""
+    t = plan.template
+    if t is not None and t.launch(plan):
+        return
     c = dict(plan.constexprs)
     num_warps = c.pop("num_warps")
-    plan.kernel[plan.grid](*plan.args, **c, num_warps=num_warps)
+    compiled = plan.kernel[plan.grid](*plan.args, **c, num_warps=num_warps)
+    if t is not None and compiled is not None:
+        t.keep(compiled, plan.kernel, plan.constexprs)

@@ -1,0 +1,172 @@
+"""The Hopper plan cache (:mod:`leanfa.kernels.hopper.plan_cache`): a plan bound from a template equals the
+plan ``make_plan`` builds for the same inputs, argument by argument; what must not be cached is not; the
+template keeps no tensor alive. On an sm90 GPU: the cached launch (Triton's compiled kernel called directly)
+gives the uncached launch's output bit for bit."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import leanfa
+from leanfa.api import _build_problem
+
+hopper = pytest.importorskip("leanfa.kernels.hopper")
+from leanfa.kernels.hopper import launch as L  # noqa: E402
+from leanfa.kernels.hopper import plan_cache  # noqa: E402
+from leanfa.kernels.hopper.plan_cache import TensorDescriptor  # noqa: E402
+
+ON_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+DEV = "cuda" if ON_SM90 else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_cache(monkeypatch):
+    if DEV == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")  # the API's device check accepts CPU tensors
+    for k in plan_cache.KNOBS:
+        monkeypatch.delenv(k, raising=False)
+    hopper.PLANS.clear()
+    yield
+    hopper.PLANS.clear()
+
+
+def _inputs(B, S, H, Hkv, dqk, dv, fp8, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, S, H, dqk, generator=g)
+    k = torch.randn(B, S, Hkv, dqk, generator=g)
+    v = torch.randn(B, S, Hkv, dv, generator=g)
+    q, k, v = (t.to(DEV, torch.bfloat16) for t in (q, k, v))
+    if not fp8:
+        return (q, k, v), {}
+    qq = leanfa.quantize_fp8(q, k, v)
+    return (qq.q, qq.k, qq.v), qq.descales()
+
+
+def _problem(tensors, kw, causal=True, lse=False):
+    q, k, v = tensors
+    kw = {"q_descale": None, "k_descale": None, "v_descale": None, "k_mean": None, **kw}
+    return _build_problem(q, k, v, varlen=False, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                          max_seqlen_k=None, softmax_scale=None, causal=causal, return_lse=lse, out_dtype=None, **kw)
+
+
+def _fresh_plan(p, out, lse):
+    return L.make_plan(p.q, p.k, p.v, out, lse, p.q_scale, p.k_scale, p.v_scale, p.k_mean, causal=p.causal,
+                       softmax_scale=p.softmax_scale, return_lse=p.return_lse)
+
+
+def _assert_same_plan(bound, fresh):
+    assert bound.constexprs == fresh.constexprs and bound.grid == fresh.grid and bound.version == fresh.version
+    assert len(bound.args) == len(fresh.args)
+    for i, (a, b) in enumerate(zip(bound.args, fresh.args)):
+        if isinstance(b, TensorDescriptor):
+            assert isinstance(a, TensorDescriptor) and a.base is b.base, i
+            assert (list(a.shape), list(a.strides), list(a.block_shape), a.layout, a.padding) == \
+                   (list(b.shape), list(b.strides), list(b.block_shape), b.layout, b.padding), i
+        elif isinstance(b, torch.Tensor):
+            assert a is b, f"argument {i}: another tensor"
+        else:
+            assert type(a) is type(b) and a == b, f"argument {i}: {a!r} != {b!r}"
+
+
+CASES = [  # B, S, H, Hkv, dqk, dv, fp8, causal, lse
+    (2, 300, 4, 2, 128, 128, True, True, False),
+    (1, 260, 8, 8, 128, 128, True, False, True),  # LSE with the K-mean term: one-tile grid, register stores
+    (2, 257, 4, 1, 192, 128, True, True, False),
+    (1, 200, 2, 2, 64, 64, False, True, True),
+    (1, 130, 4, 2, 128, 128, False, False, False),
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bound_plan_equals_make_plan(case):
+    B, S, H, Hkv, dqk, dv, fp8, causal, lse = case
+    plans = []
+    for seed in (0, 1, 2):  # the first call builds the template; the others bind fresh tensors into it
+        p = _problem(*_inputs(B, S, H, Hkv, dqk, dv, fp8, seed), causal=causal, lse=lse)
+        plan, out, lse_t = hopper.plan(p)
+        plans.append(plan)
+        assert plan.template is not None
+        _assert_same_plan(plan, _fresh_plan(p, out, lse_t))
+    assert plans[1].template is plans[2].template is plans[0].template
+    assert len(hopper.PLANS._templates) == 1
+
+
+def test_template_keeps_no_tensor():
+    p = _problem(*_inputs(1, 300, 4, 4, 128, 128, True, 0))
+    plan, _, _ = hopper.plan(p)
+    bare = plan.template.plan
+    assert not any(isinstance(a, torch.Tensor) for a in bare.args)
+    assert all(a.base is None for a in bare.args if isinstance(a, TensorDescriptor))
+
+
+def test_signature_changes_rebuild():
+    """Another shape, stride, alignment, scalar or knob is another plan."""
+    tensors, kw = _inputs(1, 300, 4, 4, 128, 128, True, 0)
+    base, _, _ = hopper.plan(_problem(tensors, kw))
+    assert hopper.plan(_problem(tensors, kw, causal=False))[0].template is not base.template
+    assert hopper.plan(_problem(*_inputs(1, 301, 4, 4, 128, 128, True, 0)))[0].template is not base.template
+    q, k, v = tensors
+    q2 = torch.empty(q.shape[0], q.shape[1], q.shape[2], 2 * q.shape[3], dtype=q.dtype, device=q.device)[..., :128]
+    q2.copy_(q)  # same shape, other strides
+    assert hopper.plan(_problem((q2, k, v), kw))[0].template is not base.template
+    assert len(hopper.PLANS._templates) == 4
+
+
+def test_knob_change_rebuilds(monkeypatch):
+    tensors, kw = _inputs(1, 300, 4, 4, 128, 128, True, 0)
+    plan, _, _ = hopper.plan(_problem(tensors, kw))
+    assert plan.constexprs["PERSISTENT"]
+    monkeypatch.setenv("LEANFA_HOPPER_PERSISTENT", "0")
+    plan0, _, _ = hopper.plan(_problem(tensors, kw))
+    assert not plan0.constexprs["PERSISTENT"] and plan0.template is not plan.template
+    monkeypatch.setenv("LEANFA_HOPPER_PLAN_CACHE", "0")
+    assert hopper.plan(_problem(tensors, kw))[0].template is None
+
+
+def test_plans_that_copy_or_alias_are_not_cached():
+    # FP8 V token-major: the plan transposes a copy of V every call
+    (q, k, v), kw = _inputs(1, 300, 4, 4, 128, 128, True, 0)
+    v_tok = v.contiguous()
+    assert not L.v_is_kmajor(v_tok)
+    assert hopper.plan(_problem((q, k, v_tok), kw))[0].template is None
+    # one tensor as two inputs: which input an argument came from is ambiguous
+    (q, k, v), _ = _inputs(1, 300, 4, 4, 128, 128, False, 0)
+    assert hopper.plan(_problem((q, q, q), {}))[0].template is None
+    assert len(hopper.PLANS._templates) == 0
+    # a template built from distinct inputs binds aliased ones correctly
+    hopper.plan(_problem((q, k, v), {}))
+    p = _problem((q, q, q), {})
+    plan, out, lse = hopper.plan(p)
+    assert plan.template is not None
+    _assert_same_plan(plan, _fresh_plan(p, out, lse))
+
+
+def test_knob_list_covers_the_plan():
+    pkg = Path(L.__file__).parent
+    src = "".join(f.read_text() for f in [*pkg.glob("*.py"), pkg.parent / "dispatch.py"])
+    used = set(re.findall(r"LEANFA_HOPPER_[A-Z0-9_]*[A-Z0-9]", src))
+    assert used <= set(plan_cache.KNOBS), sorted(used - set(plan_cache.KNOBS))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_SM90, reason="needs an sm90 (Hopper) GPU")
+@pytest.mark.parametrize("fp8", [True, False])
+@pytest.mark.parametrize("causal", [True, False])
+def test_cached_launch_equals_uncached(fp8, causal, monkeypatch):
+    """The second and later calls of a signature launch Triton's compiled kernel directly: their outputs
+    (poisoned first) equal the uncached launch's bit for bit, for fresh inputs each call."""
+    monkeypatch.setenv("LEANFA_POISON_OUTPUTS", "1")
+    for seed in range(3):
+        tensors, kw = _inputs(2, 700, 8, 2, 128, 128, fp8, seed)
+        monkeypatch.setenv("LEANFA_HOPPER_PLAN_CACHE", "1")
+        got = leanfa.flash_attn_func(*tensors, causal=causal, return_lse=True, backend="hopper", **kw)
+        monkeypatch.setenv("LEANFA_HOPPER_PLAN_CACHE", "0")
+        want = leanfa.flash_attn_func(*tensors, causal=causal, return_lse=True, backend="hopper", **kw)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), seed
+        assert not torch.isnan(got[0]).any()
+    (template,) = hopper.PLANS._templates.values()
+    assert template.compiled is not None  # the later calls took the direct launch
