@@ -145,6 +145,57 @@ def test_plans_that_copy_or_alias_are_not_cached():
     _assert_same_plan(plan, _fresh_plan(p, out, lse))
 
 
+class _FakeCompiled:
+    """What ``launch`` needs of Triton's CompiledKernel: ``kernel[grid](*every_parameter)``, whose launcher
+    reads ``grid[0]``, ``grid[1]`` and ``grid[2]``."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        def runner(*args, stream=None):
+            self.calls.append(((grid[0], grid[1], grid[2]), args))
+        return runner
+
+
+@pytest.mark.parametrize("fp8", [True, False])
+def test_cached_launch_passes_every_parameter(fp8, monkeypatch):
+    """After the first launch (Triton's JIT, faked: it returns the compiled kernel), a bound plan calls the
+    compiled kernel with the plan's arguments followed by each remaining parameter as Triton's binder binds it
+    (the constexpr keywords, ``num_warps`` included, else the default), on a three-dimensional grid."""
+    fake = _FakeCompiled()
+    jit_calls = []
+
+    class _Jit:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getattr__(self, name):  # params, arg_names: the real kernel's
+            return getattr(self.kernel, name)
+
+        def __getitem__(self, grid):
+            def run(*args, **kw):
+                jit_calls.append((grid, args, kw))
+                return fake
+            return run
+
+    plans = [hopper.plan(_problem(*_inputs(1, 300, 4, 4, 128, 128, fp8, s)))[0] for s in (0, 1)]
+    kernel = plans[0].kernel
+    monkeypatch.setattr(L.Plan, "kernel", property(lambda self: _Jit(kernel)))
+    L.launch(plans[0])
+    assert len(jit_calls) == 1 and not fake.calls
+    L.launch(plans[1])
+    (grid, args), = fake.calls
+    assert grid == (*plans[1].grid, 1, 1)[:3]
+    names = [p.name for p in kernel.params]
+    assert len(args) == len(names)
+    assert all(a is b for a, b in zip(args, plans[1].args))
+    bound = dict(zip(names, args))
+    _, _, jit_kw = jit_calls[0]
+    for n in names[len(plans[1].args):]:
+        assert bound[n] == jit_kw[n] if n in jit_kw else bound[n] == kernel.params[names.index(n)].default, n
+
+
 def test_knob_list_covers_the_plan():
     pkg = Path(L.__file__).parent
     src = "".join(f.read_text() for f in [*pkg.glob("*.py"), pkg.parent / "dispatch.py"])

@@ -76,6 +76,7 @@ class Template:
     desc_slots: tuple  # (argument position, input index): TMA descriptors over an input
     compiled: object = None  # Triton's CompiledKernel of the first launch
     tail: tuple = ()  # the kernel's constexpr arguments, in its signature's order after plan.args
+    grid: tuple = ()  # plan.grid in three dims
 
     @classmethod
     def of(cls, plan, inputs: tuple):
@@ -115,7 +116,7 @@ class Template:
         there is none yet (the caller launches through Triton and hands the result to :meth:`keep`)."""
         if self.compiled is None:
             return False
-        self.compiled[plan.grid](*plan.args, *self.tail)
+        self.compiled[self.grid](*plan.args, *self.tail)
         return True
 
     def keep(self, compiled, kernel, constexprs: dict) -> None:
@@ -131,6 +132,7 @@ class Template:
             else:
                 return
         self.tail = tuple(tail)
+        self.grid = (*self.plan.grid, 1, 1)[:3]  # a compiled kernel's launcher reads all three dims
         self.compiled = compiled
 
 
