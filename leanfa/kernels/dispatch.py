@@ -1,7 +1,8 @@
 """Pick the kernel backend for a validated :class:`leanfa.api.Problem` and run it.
 
 Order: the Hopper kernel where it applies (sm90, supported shape, tested Triton) *and* it has
-passed its GPU validation (``hopper.VALIDATED``), else the portable kernel.
+passed its GPU validation (``hopper.VALIDATED``) *and* the portable kernel was not measured faster
+for the call (``hopper.portable_faster``: FP8 at head dim 64), else the portable kernel.
 ``backend="hopper"`` demands the Hopper kernel (also before validation, for development) and
 raises where it does not apply; ``backend="portable"`` forces the portable kernel.
 """
@@ -43,7 +44,7 @@ def run(problem, backend: str):
     tested = _versions.check()
     if backend == "hopper" or (backend == "auto" and tested and getattr(_hopper(), "VALIDATED", False)):
         ok, why = hopper_applies(problem)
-        if ok:
+        if ok and (backend == "hopper" or not _hopper().portable_faster(problem)):
             return _hopper().run(problem)
         if backend == "hopper":
             raise ValueError(f"backend='hopper' cannot run this call: {why}")

@@ -55,8 +55,19 @@ V3_HEAD_DIMS = ((64, 64), (256, 256))
 #: sink's error; d128 16K 0.97x the plain FP8 call), so ``backend="auto"`` runs it on sm90.
 #: ``LEANFA_HOPPER_SINK=0`` sends it back to the portable kernel (``backend="hopper"``: to the split).
 SINK_VALIDATED = True
+#: FP8 head dims where ``backend="auto"`` prefers the portable kernel although this one runs them: at 64/64
+#: the portable FP8 kernel measured 1.10x / 1.06-1.07x this kernel at 4K / 16K (causal, B*S = 16K, 16 heads,
+#: H200 runs 49 and 51); its sink beat this kernel's plain FP8 call there too (run 45). BF16 d64 stays here
+#: (0.94-1.07x either way).
+PORTABLE_FASTER_FP8 = ((64, 64),)
 IN_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def portable_faster(problem) -> bool:
+    """Whether ``backend="auto"`` runs this call on the portable kernel, measured faster there
+    (:data:`PORTABLE_FASTER_FP8`), although this kernel supports it (``backend="hopper"`` still runs it here)."""
+    return problem.is_fp8 and (problem.head_dim_qk, problem.head_dim_v) in PORTABLE_FASTER_FP8
 
 
 def sink_in_kernel(dims=None, sink_keys=None) -> bool:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-#: every environment knob a plan or the kernel's verdict on a call depends on (tests/test_plan_cache.py
+#: every environment knob a plan or the kernel's verdict on a call depends on (tests/test_hopper_host.py
 #: checks the list against the hopper package's sources)
 KNOBS = (
     "LEANFA_HOPPER_KERNEL", "LEANFA_HOPPER_BLOCK_N", "LEANFA_HOPPER_CONSUMERS", "LEANFA_HOPPER_PV_IN_MMA",
