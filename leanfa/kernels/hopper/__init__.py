@@ -9,7 +9,8 @@ store per warpgroup; the LSE's K-mean term), :mod:`.sink` (BF16 sink keys in v3)
 :mod:`.trace` (SM-clock trace of the key loop); the kernels :mod:`.kernel_pingpong` (v3,
 the default: producer warp + two consumer warpgroups in their own partitions), :mod:`.kernel`
 (v1, one partition) and :mod:`.kernel_ws` (v2, one 8-warp consumer partition); :mod:`.launch`
-(host: descriptors, knobs, launch), :mod:`.aot` (compile for sm90 without a GPU) and
+(host: descriptors, knobs, launch), :mod:`.plan_cache` (a dense call's plan kept per call signature, and
+the compiled kernel launched directly on later calls), :mod:`.aot` (compile for sm90 without a GPU) and
 :mod:`.emulate` (run a kernel's own source on the CPU, checking the mbarrier/TMA protocol).
 
 :func:`supports` says whether a validated :class:`leanfa.api.Problem` can run here, and why
@@ -170,8 +171,7 @@ def _signature(problem):
     key = None
     if not problem.varlen:
         knobs = plan_cache.knob_values()
-        named = dict(zip(plan_cache.KNOBS, knobs))
-        if named["LEANFA_HOPPER_PLAN_CACHE"] not in ("0", b"0") and not named["LEANFA_HOPPER_ABLATE"]:
+        if plan_cache.enabled(knobs):
             scalars = (problem.causal, problem.softmax_scale, problem.return_lse, problem.sink_keys, problem.out_dtype)
             key = plan_cache.signature(_inputs(problem), scalars, knobs)
     _memo.last = (weakref.ref(problem), key)

@@ -52,6 +52,16 @@ def knob_values() -> tuple:
     return tuple(map(_ENV.get, _KEYS))
 
 
+_OFF = KNOBS.index("LEANFA_HOPPER_PLAN_CACHE")
+_ABLATE = KNOBS.index("LEANFA_HOPPER_ABLATE")
+
+
+def enabled(knobs: tuple) -> bool:
+    """Whether plans may be kept with these knob values: not with ``LEANFA_HOPPER_PLAN_CACHE=0``, and not for
+    a timing ablation (``LEANFA_HOPPER_ABLATE``, which warns on every plan it builds)."""
+    return knobs[_OFF] not in ("0", b"0") and not knobs[_ABLATE]
+
+
 def _tensor_key(t):
     if t is None:
         return None
