@@ -128,6 +128,12 @@ run_steps() {
                   --sweep standard --dims d128,mla --seqlens 1k,2k --causal true \
                   --impl 'leanfa-hopper-fp8,leanfa-hopper-fp8-kernel,leanfa-hopper-bf16,cudnn-fp8,cudnn-bf16' \
                   --name "short-e2e$c" --out "$OUT/r/short_e2e$c"; done ;;
+      prepared_cache) step prepared_cache 420 16 env LEANFA_HOPPER_PLAN_CACHE=2 LEANFA_FUZZ_PROFILE=ci python3 -m pytest \
+                -q -p no:cacheprovider -rfEs -n "$WORKERS" tests/test_hopper_host.py tests/test_hopper.py \
+                tests/test_attention.py tests/test_edge_cases.py tests/test_fuzz.py ;;  # varlen / copied-V plans kept
+      host_prepared) for c in 1 2; do  # varlen plans kept (2) or not (1): host time per call
+                step "host_prepared$c" 120 14 env LEANFA_HOPPER_PLAN_CACHE=$c python3 scripts/host_time.py \
+                  --shapes 16x1024,4x4096; done ;;
       host_time) step host_time 200 20 python3 scripts/host_time.py --profile --shapes 16x1024,4x4096,1x16384 ;;  # CPU time per call vs GPU time
       quant_time) step quant_time 200 40 python3 scripts/quant_time.py ;;  # FP8 end-to-end: quantizer kernels, GB/s
       ablate) step ablate 300 60 python3 scripts/hopper_v2_gpu.py --check "" \

@@ -8,8 +8,9 @@ synchronization (the GPU queue never fills: a few kernels per call) -- and the G
 call (``triton.testing.do_bench``, median). A call whose host time exceeds its GPU time is
 host-bound: the GPU waits for the CPU. Parts: ``quantize_fp8``, the Hopper plan alone
 (``hopper.plan``: checks, descriptors, arguments), the kernel launch alone (a plan built once),
-``flash_attn_func`` on pre-quantized inputs, ``attention(precision="fp8")``, and BF16
-``flash_attn_func``. ``--profile``: the top functions (own time) of 200 ``flash_attn_func`` FP8 and 200 end-to-end calls
+``flash_attn_func`` on pre-quantized inputs, ``attention(precision="fp8")``, BF16
+``flash_attn_func``, and ``flash_attn_varlen_func`` (FP8 pre-quantized and BF16) on the same tokens packed as b
+sequences. ``--profile``: the top functions (own time) of 200 ``flash_attn_func`` FP8 and 200 end-to-end calls
 under cProfile, at the first shape.
 """
 
@@ -58,6 +59,10 @@ def main():
                                  max_seqlen_q=None, max_seqlen_k=None, softmax_scale=None, causal=True,
                                  return_lse=False, out_dtype=None, **kw)
         plan, _, _ = hopper.plan(problem)
+        # the same tokens as one packed varlen batch of b sequences (what serving engines call for prefill)
+        cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device="cuda")
+        flat = [t.reshape(b * s, 16, 128) for t in (q, k, v)]
+        qv = leanfa.quantize_fp8(*flat, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=s, max_seqlen_k=s)
         parts = {
             "quantize_fp8": lambda: leanfa.quantize_fp8(q, k, v),
             "hopper.plan (no launch)": lambda: hopper.plan(problem),
@@ -65,6 +70,9 @@ def main():
             "flash_attn_func fp8": lambda: leanfa.flash_attn_func(qq.q, qq.k, qq.v, causal=True, **kw),
             "attention(precision=fp8)": lambda: leanfa.attention(q, k, v, causal=True, precision="fp8"),
             "flash_attn_func bf16": lambda: leanfa.flash_attn_func(q, k, v, causal=True),
+            "varlen fp8": lambda: leanfa.flash_attn_varlen_func(qv.q, qv.k, qv.v, cu, cu, s, s, causal=True,
+                                                               **qv.descales()),
+            "varlen bf16": lambda: leanfa.flash_attn_varlen_func(*flat, cu, cu, s, s, causal=True),
         }
         for name, fn in parts.items():
             gpu = do_bench(fn, return_mode="median") if name != "hopper.plan (no launch)" else float("nan")

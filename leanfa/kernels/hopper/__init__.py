@@ -159,21 +159,23 @@ _memo = threading.local()  # the last problem's key: supports() and plan() of on
 
 def _inputs(problem) -> tuple:
     return (problem.q, problem.k, problem.v, problem.q_scale, problem.k_scale, problem.v_scale, problem.k_mean,
-            problem.sink_q, problem.sink_k, problem.sink_v)
+            problem.sink_q, problem.sink_k, problem.sink_v, problem.cu_seqlens_q, problem.cu_seqlens_k)
 
 
 def _signature(problem):
-    """The cache key of a dense call's inputs, scalars, knobs and device, or None when its plan is rebuilt
-    every call (varlen, ``LEANFA_HOPPER_PLAN_CACHE=0``, a timing ablation)."""
+    """The cache key of a call's inputs, scalars, knobs and device, or None when its plan is rebuilt every call
+    (``LEANFA_HOPPER_PLAN_CACHE=0``, a timing ablation; and until :data:`.plan_cache.PREPARED_VALIDATED`, a
+    call whose plan works on prepared inputs: varlen, or FP8 with a V the plan copies)."""
     last = getattr(_memo, "last", None)
     if last is not None and last[0]() is problem:
         return last[1]
     key = None
-    if not problem.varlen:
-        knobs = plan_cache.knob_values()
-        if plan_cache.enabled(knobs):
-            scalars = (problem.causal, problem.softmax_scale, problem.return_lse, problem.sink_keys, problem.out_dtype)
-            key = plan_cache.signature(_inputs(problem), scalars, knobs)
+    knobs = plan_cache.knob_values()
+    prepared = problem.varlen or problem.is_fp8 and not _launch.v_is_kmajor(problem.v)
+    if plan_cache.enabled(knobs) and (not prepared or plan_cache.prepared_enabled(knobs)):
+        scalars = (problem.causal, problem.softmax_scale, problem.return_lse, problem.sink_keys, problem.out_dtype,
+                   problem.max_seqlen_q, problem.max_seqlen_k)
+        key = plan_cache.signature(_inputs(problem), scalars, knobs)
     _memo.last = (weakref.ref(problem), key)
     return key
 
@@ -181,20 +183,28 @@ def _signature(problem):
 def plan(problem):
     """The launch plan of a problem :func:`supports` accepted, with its ``(out, lse or None)``
     (any per-call copy of an input, e.g. a permuted V, is made here: timing ``launch(plan)``
-    alone times the kernel alone). A signature seen before reuses its plan (:mod:`.plan_cache`)."""
-    q, k, v = problem.q, problem.k, problem.v
+    alone times the kernel alone). A signature seen before reuses its plan (:mod:`.plan_cache`): the plan's
+    tensors are then this call's inputs as the kernel reads them (packed varlen tensors as a batch of one,
+    V as :func:`.launch.prepare_v` makes it), bound into the template."""
     out, lse = allocate_outputs(problem)
-    inputs = (*_inputs(problem), out, lse)
     key = _signature(problem)
     _memo.last = None  # (a later call on this problem object reads the knobs again)
+    v, cu_v = _launch.prepare_v(problem.q, problem.v, problem.cu_seqlens_k)
+    q, k, v, sq, sk, sv = (t if t is None else _launch.as_bshd(t)
+                           for t in (problem.q, problem.k, v, problem.sink_q, problem.sink_k, problem.sink_v))
+    inputs = (q, k, v, problem.q_scale, problem.k_scale, problem.v_scale, problem.k_mean, sq, sk, sv,
+              problem.cu_seqlens_q, problem.cu_seqlens_k, cu_v, out, lse)
     if key is not None:
-        key = plan_cache.extend(key, (out, lse))
+        key = plan_cache.extend(key, (v, cu_v, out, lse), inputs)
         template = PLANS.get(key)
         if template is not None:
             return template.bind(inputs), out, lse
-    p = _launch.make_plan(q, k, v, out, lse, problem.q_scale, problem.k_scale, problem.v_scale,
+    kw = plan_kwargs(problem)
+    if problem.sink_keys:
+        kw["sink"] = (problem.sink_keys, sq, sk, sv)
+    p = _launch.make_plan(q, k, None, out, lse, problem.q_scale, problem.k_scale, problem.v_scale,
                           problem.k_mean, causal=problem.causal, softmax_scale=problem.softmax_scale,
-                          return_lse=problem.return_lse, **plan_kwargs(problem))
+                          return_lse=problem.return_lse, prepared_v=(v, cu_v), **kw)
     template = plan_cache.Template.of(p, inputs) if key is not None else None
     if template is not None:
         PLANS.put(key, template)

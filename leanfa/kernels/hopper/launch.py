@@ -361,23 +361,31 @@ def _sink_descs(sink, q_rows: int, block_n: int):
     return descs, (2 * q_rows * dqk + block_n * (dqk + dv)) * sq.element_size()
 
 
+def prepare_v(q: torch.Tensor, v: torch.Tensor, cu_seqlens_k=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The V the kernel reads, and the varlen FP8 sequence starts ``cu_seqlens_v`` (else None): the FP8 wgmma
+    reads V K-major (tokens innermost), 16-byte aligned, so an FP8 varlen V is re-packed (:func:`align_varlen_v`,
+    from either layout) and a dense token-major one transposed (:func:`transpose_fp8_v`); one copy per call."""
+    if q.dtype != torch.float8_e4m3fn:
+        return v, None
+    if cu_seqlens_k is not None:
+        return align_varlen_v(v, cu_seqlens_k)
+    return (v, None) if v_is_kmajor(v) else (transpose_fp8_v(v), None)
+
+
 def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: bool,
               softmax_scale: float, return_lse: bool, version: str | None = None,
-              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, sink=None) -> Plan:
+              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, sink=None,
+              prepared_v=None) -> Plan:
     """Kernel arguments for dense (B, S, H, D) tensors (``out`` (B, Sq, Hq, Dv)), or packed varlen
     (total, H, D) ones with ``cu_seqlens_*`` / ``max_seqlen_*`` (``out`` (total_q, Hq, Dv); v3 only).
     ``sink``: ``(sink_keys, q16, k16, v16)``, FP8 with the first keys attended from the 16-bit inputs
-    (:mod:`.sink`; :func:`sink_problem` says what is supported)."""
+    (:mod:`.sink`; :func:`sink_problem` says what is supported). ``prepared_v``: :func:`prepare_v`'s result
+    when the caller made it (``v`` is then unused); else it is made here."""
     version = version or kernel_version()
     varlen = cu_seqlens_q is not None
     if varlen and version != "v3":
         raise ValueError(f"varlen inputs need the v3 Hopper kernel (LEANFA_HOPPER_KERNEL={version})")
-    cu_seqlens_v = None
-    if q.dtype == torch.float8_e4m3fn:  # the FP8 wgmma reads V K-major (tokens innermost), 16-byte aligned
-        if varlen:
-            v, cu_seqlens_v = align_varlen_v(v, cu_seqlens_k)  # (from either layout)
-        elif not v_is_kmajor(v):
-            v = transpose_fp8_v(v)
+    v, cu_seqlens_v = prepared_v if prepared_v is not None else prepare_v(q, v, cu_seqlens_k)
     q, k, v = as_bshd(q), as_bshd(k), as_bshd(v)
     B, Sq, Hq, Dqk = q.shape
     Sk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]

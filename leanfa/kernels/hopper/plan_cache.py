@@ -16,9 +16,12 @@ Later calls put their own tensors back in (:meth:`Template.bind`: descriptors co
 base, no re-validation: the signature is what was validated), and launch Triton's compiled kernel
 of the first launch directly (:meth:`Template.launch`).
 
-Only plans whose every tensor argument is one of the call's inputs are kept: a plan that made a
-tensor of its own (a transposed or re-packed FP8 V, a permuted V, the clock-trace buffer) is rebuilt
-every call, as are varlen calls (views over the packed tensors) and timing ablations.
+The inputs a plan is bound from are the call's tensors as the kernel reads them: packed varlen tensors
+viewed as a batch of one, and V as :func:`.launch.prepare_v` makes it (an FP8 V re-packed or transposed:
+that copy is made every call, before the lookup). Only plans whose every tensor argument is one of those
+inputs are kept: a plan that made a tensor of its own (a permuted V, the clock-trace buffer) is rebuilt
+every call, as are timing ablations; varlen calls and copied FP8 V's only with
+``LEANFA_HOPPER_PLAN_CACHE=2`` until validated on the GPU (:data:`PREPARED_VALIDATED`).
 ``LEANFA_HOPPER_PLAN_CACHE=0`` turns the cache off.
 """
 
@@ -56,6 +59,18 @@ _OFF = KNOBS.index("LEANFA_HOPPER_PLAN_CACHE")
 _ABLATE = KNOBS.index("LEANFA_HOPPER_ABLATE")
 
 
+#: Calls whose plan works on prepared inputs (varlen: packed tensors viewed as a batch of one; FP8 with a V
+#: the plan re-packs or transposes every call) are kept only with ``LEANFA_HOPPER_PLAN_CACHE=2`` until a GPU run
+#: has checked them: their bound plans equal ``make_plan``'s on the CPU (tests/test_hopper_host.py), the
+#: direct launch was checked on the GPU for dense calls only (runs 51-52).
+PREPARED_VALIDATED = False
+
+
+def prepared_enabled(knobs: tuple) -> bool:
+    """Whether plans over prepared inputs may be kept (:data:`PREPARED_VALIDATED`, or the knob at 2)."""
+    return PREPARED_VALIDATED or knobs[_OFF] in ("2", b"2")
+
+
 def enabled(knobs: tuple) -> bool:
     """Whether plans may be kept with these knob values: not with ``LEANFA_HOPPER_PLAN_CACHE=0``, and not for
     a timing ablation (``LEANFA_HOPPER_ABLATE``, which warns on every plan it builds)."""
@@ -73,9 +88,13 @@ def signature(inputs: tuple, scalars: tuple, knobs: tuple):
     return (inputs[0].device, scalars, knobs, *map(_tensor_key, inputs))
 
 
-def extend(key: tuple, tensors: tuple) -> tuple:
-    """``key`` with more tensors' layouts (the outputs, allocated after the inputs' key was taken)."""
-    return (*key, *map(_tensor_key, tensors))
+def extend(key: tuple, tensors: tuple, inputs: tuple) -> tuple:
+    """``key`` with more tensors' layouts (the outputs and prepared inputs, made after the inputs' key was taken)
+    and which of ``inputs`` are one tensor (e.g. one ``cu_seqlens`` for queries and keys): a template binds an
+    argument from the first input it was, which is right only for calls that alias the same inputs."""
+    first: dict = {}
+    aliases = tuple(first.setdefault(id(t), i) for i, t in enumerate(inputs) if t is not None)
+    return (*key, *map(_tensor_key, tensors), aliases)
 
 
 @dataclass
@@ -91,11 +110,14 @@ class Template:
     @classmethod
     def of(cls, plan, inputs: tuple):
         """The template of ``plan`` (built by ``make_plan`` from ``inputs``), or None when a tensor argument
-        is not one of the inputs, or when two inputs are one tensor (an input index would be ambiguous)."""
-        ids = [id(t) for t in inputs if t is not None]
-        if len(set(ids)) != len(ids) or plan.trace is not None:
+        is not one of the inputs. An argument that is several inputs (one tensor passed twice) is bound from
+        the first of them: the key says which inputs a call aliases (:func:`extend`)."""
+        if plan.trace is not None:
             return None
-        where = {id(t): i for i, t in enumerate(inputs) if t is not None}
+        where: dict = {}
+        for i, t in enumerate(inputs):
+            if t is not None:
+                where.setdefault(id(t), i)
         args, tensors, descs = list(plan.args), [], []
         for pos, a in enumerate(args):
             if isinstance(a, TensorDescriptor):
