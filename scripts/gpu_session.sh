@@ -106,7 +106,9 @@ run_steps() {
                   bench --quick --no-progress --sweep standard --dims d128,mla --seqlens 1k,2k,4k,16k --causal true \
                   --impl 'leanfa-hopper-fp8-kernel,cudnn-fp8' --name "short-t${tma}p$p" --out "$OUT/r/short_t${tma}p$p"; done; done ;;
       short_time) step short_time 200 20 python3 scripts/short_time.py ;;  # kernel alone: grid/persistent x epilogue
-      short_bf16) step short_bf16 200 20 python3 scripts/short_time.py --dtype bf16 ;;  # BF16: grid vs persistent
+      short_bf16) step short_bf16 200 20 python3 scripts/short_time.py --dtype bf16 ;;  # BF16: grid/persistent x epilogue
+      bf16_tma) step bf16_tma 300 16 env LEANFA_HOPPER_STORE_TMA=2 LEANFA_CHECK_DTYPES=bf16 python3 scripts/hopper_v2_gpu.py \
+                --check v3-tma2,v3-tma2-persist:small --check-timeout 240 --no-bench --sanitize ;;  # BF16 TMA store
       tma_sync) step tma_sync 150 12 env LEANFA_CHECK_DTYPES=fp8 LEANFA_HOPPER_STORE_TMA=1 LEANFA_HOPPER_PERSISTENT=1 \
                 /usr/local/cuda/bin/compute-sanitizer --tool synccheck --error-exitcode 3 python3 scripts/hopper_v2_gpu.py \
                 --child v3-tma-persist --small --child-sanitize ;;

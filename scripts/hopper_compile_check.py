@@ -81,6 +81,11 @@ def variants():
                                  (64, 64, True, False)):
         out.append(Variant("fp8", dqk, dv, causal, return_lse=lse, k_mean=lse, version="v3", env=tma_store))
     out.append(Variant("fp8", 128, 128, True, version="v3", env=tma_store + (("LEANFA_HOPPER_PERSISTENT", 1),)))
+    bf16_tma = (("LEANFA_HOPPER_STORE_TMA", 2),)  # BF16 through the same epilogue (until GPU-validated: =2)
+    for d, causal, lse, persistent in ((128, True, False, 0), (128, False, True, 0), (128, True, False, 1),
+                                       (64, True, False, 1)):
+        out.append(Variant("bf16", d, d, causal, return_lse=lse, version="v3",
+                           env=bf16_tma + (("LEANFA_HOPPER_PERSISTENT", persistent),)))
     return out
 
 

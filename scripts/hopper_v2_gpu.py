@@ -50,6 +50,9 @@ CONFIGS = {  # name -> env
     # FP8 output through shared memory and one TMA store per warpgroup (epilogue.stage_and_store)
     "v3-tma": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_STORE_TMA": "1", "LEANFA_HOPPER_PERSISTENT": "0"},
     "v3-tma-persist": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_STORE_TMA": "1", "LEANFA_HOPPER_PERSISTENT": "1"},
+    # ... and BF16 through it too (=2: not yet validated on the GPU for BF16)
+    "v3-tma2": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_STORE_TMA": "2", "LEANFA_HOPPER_PERSISTENT": "0"},
+    "v3-tma2-persist": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_STORE_TMA": "2", "LEANFA_HOPPER_PERSISTENT": "1"},
     # 64x256 S tile per warpgroup (cuDNN's FP8 shape): PV in the wgmma accumulator, permuted V
     "v3-wide": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_BLOCK_N": "256", "LEANFA_HOPPER_PV_IN_MMA": "1",
                 "LEANFA_HOPPER_V_PERMUTED": "1"},

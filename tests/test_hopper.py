@@ -302,6 +302,26 @@ def test_v3_store_tma_equals_register_stores(shape, persistent, monkeypatch):
 
 @gpu
 @needs_sm90
+@pytest.mark.parametrize("shape", [(2, 300, 700, 8, 2, 128, 128), (3, 129, 129, 4, 1, 64, 64),
+                                   (1, 4096, 4096, 8, 2, 128, 128)])
+@pytest.mark.parametrize("persistent", ["0", "1"])
+def test_v3_bf16_store_tma_equals_register_stores(shape, persistent, monkeypatch):
+    """LEANFA_HOPPER_STORE_TMA=2 (BF16 through the TMA-store epilogue, launch.BF16_STORE_TMA_VALIDATED): output
+    and LSE, poisoned first, bit for bit the register stores'."""
+    monkeypatch.setenv("LEANFA_POISON_OUTPUTS", "1")
+    monkeypatch.setenv("LEANFA_HOPPER_PERSISTENT", persistent)
+    B, Sq, Sk, Hq, Hkv, dqk, dv = shape
+    q, k, v = _inputs(B, Sq, Sk, Hq, Hkv, dqk, dv)
+    outs = []
+    for tma in ("1", "2"):  # (1: BF16 keeps the register stores)
+        monkeypatch.setenv("LEANFA_HOPPER_STORE_TMA", tma)
+        outs.append(leanfa.flash_attn_func(q, k, v, causal=True, return_lse=True, backend="hopper"))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert _rel(outs[1][0], attention_ref(q, k, v, causal=True)) < 1e-2
+
+
+@gpu
+@needs_sm90
 def test_fully_masked_rows_give_zero_and_minus_inf():
     q, k, v = _inputs(1, 300, 50, 4, 4, 128, 128)  # causal, Sq > Sk: the first 250 rows see nothing
     out, lse = leanfa.flash_attn_func(q, k, v, causal=True, return_lse=True, backend="hopper")

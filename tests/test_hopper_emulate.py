@@ -1010,6 +1010,30 @@ def test_v3_store_tma_equals_register_stores(shape, dims, causal, persistent, mo
         assert torch.equal(l0, l1), order
 
 
+#: BF16 (LEANFA_HOPPER_STORE_TMA=2 until GPU-validated): the output boxes fit next to Q and the 2-slot ring at
+#: d64 and d128, not at MLA
+BF16_TMA_STORE_CASES = [c for c in TMA_STORE_CASES if c[1] != (192, 128)]
+
+
+@pytest.mark.parametrize("persistent", ["0", "1"])
+@pytest.mark.parametrize("shape,dims,causal", BF16_TMA_STORE_CASES)
+def test_v3_bf16_store_tma_equals_register_stores(shape, dims, causal, persistent, monkeypatch):
+    """LEANFA_HOPPER_STORE_TMA=2 (BF16 inputs too): the same bit-for-bit equality as FP8's, both partition
+    orders, one tile per program or persistent."""
+    monkeypatch.setenv("LEANFA_HOPPER_PERSISTENT", persistent)
+    p = _problem(*_inputs(*shape, *dims), causal)
+    monkeypatch.setenv("LEANFA_HOPPER_STORE_TMA", "1")
+    o0, l0, _ = emulate(p, version="v3")
+    assert not torch.isnan(o0).any()
+    assert not emulate_mod._make_plan_cpu(L, p, o0.clone(), l0.clone()).constexprs["STORE_TMA"]
+    monkeypatch.setenv("LEANFA_HOPPER_STORE_TMA", "2")
+    assert emulate_mod._make_plan_cpu(L, p, o0.clone(), l0.clone()).constexprs["STORE_TMA"]
+    for order in ("consumer-first", "producer-first"):
+        o1, l1, _ = emulate(p, version="v3", ws_order=order)
+        assert torch.equal(o0, o1), order
+        assert torch.equal(l0, l1), order
+
+
 def test_v3_store_tma_plan(monkeypatch):
     """Where the TMA store applies: dense FP8 with a 16-bit output of head dim <= 128, no sink, the knob on;
     everything else keeps the register stores (and its ring depth)."""
@@ -1027,6 +1051,12 @@ def test_v3_store_tma_plan(monkeypatch):
                                           None).constexprs["STORE_TMA"]  # head dim 256
     monkeypatch.setenv("LEANFA_HOPPER_STORE_TMA", "0")
     assert not emulate_mod._make_plan_cpu(L, p, out, None).constexprs["STORE_TMA"]
+    # =2: BF16 too, where the boxes fit (d128: two K/V slots, as without them); not MLA's 192-wide Q
+    monkeypatch.setenv("LEANFA_HOPPER_STORE_TMA", "2")
+    plan16 = emulate_mod._make_plan_cpu(L, _problem(*_inputs(1, 200, 200, 2, 1, 128, 128), True), out, None)
+    assert plan16.constexprs["STORE_TMA"] and plan16.constexprs["STAGES"] == 2
+    assert not emulate_mod._make_plan_cpu(L, _problem(*_inputs(1, 200, 200, 2, 1, 192, 128), True), out,
+                                          None).constexprs["STORE_TMA"]
 
 
 def _caught_against(p, ref_out, orders=("producer-first", "consumer-first")):

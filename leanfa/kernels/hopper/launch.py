@@ -300,19 +300,40 @@ def _short_tile_case(is_fp8: bool, varlen: bool, sink_mode: int, dv: int, block_
     """The calls the TMA-store epilogue and the persistent default were built and measured for (runs 46-48):
     dense FP8 without the sink at head dim <= 128, in the default tile (128-key blocks, two consumer
     warpgroups)."""
-    return is_fp8 and not varlen and sink_mode == 0 and dv <= 128 and block_n == BLOCK_N and wgs == 2
+    return is_fp8 and _dense_default_tile(varlen, sink_mode, dv, block_n, wgs)
+
+
+def _dense_default_tile(varlen: bool, sink_mode: int, dv: int, block_n: int, wgs: int) -> bool:
+    return not varlen and sink_mode == 0 and dv <= 128 and block_n == BLOCK_N and wgs == 2
+
+
+#: 16-bit inputs through the TMA-store epilogue: the kernel code is the FP8 path's (dtype-generic), checked on
+#: the CPU (the emulator: bit for bit the register stores; AOT sm90) but not yet on the GPU, so only with
+#: ``LEANFA_HOPPER_STORE_TMA=2`` until a GPU run has (``gpu_session.sh bf16_tma``).
+BF16_STORE_TMA_VALIDATED = False
 
 
 def store_tma(version: str, is_fp8: bool, varlen: bool, out: torch.Tensor, sink_mode: int, block_n: int = BLOCK_N,
-              wgs: int = 2) -> bool:
+              wgs: int = 2, dqk: int = 128) -> bool:
     """Whether the v3 epilogue writes O through shared memory and TMA (:func:`.epilogue.stage_and_store`):
     dense FP8 calls with a 16-bit output of head dim <= 128 whose (B, H, S, D) view TMA can address, no sink
     (its buffers take that shared memory), not the experiments (other key blocks, three warpgroups).
     ``LEANFA_HOPPER_STORE_TMA=0``: the register stores (128
-    ``STG.E.U16`` per thread, ~2100-2900 cycles per tile against ~800; validated on the H200 in runs 46-48)."""
-    if not (version == "v3" and _short_tile_case(is_fp8, varlen, sink_mode, out.shape[-1], block_n, wgs)
-            and _flag("LEANFA_HOPPER_STORE_TMA", True)):
+    ``STG.E.U16`` per thread, ~2100-2900 cycles per tile against ~800; validated on the H200 in runs 46-48).
+    ``=2``: BF16/FP16 calls too (:data:`BF16_STORE_TMA_VALIDATED`), where the 64 x Dv output boxes fit next to
+    Q and the two-slot ring (d64, d128; not MLA's 192-wide Q)."""
+    knob = os.environ.get("LEANFA_HOPPER_STORE_TMA", "1").strip()
+    if version != "v3" or knob in ("0", "", "false", "no"):
         return False
+    dv = out.shape[-1]
+    if not _dense_default_tile(varlen, sink_mode, dv, block_n, wgs):
+        return False
+    if not is_fp8:
+        if not (BF16_STORE_TMA_VALIDATED or knob == "2"):
+            return False
+        elt = 2
+        if 64 * wgs * (dqk + dv) * elt + 2 * block_n * (dqk + dv) * elt + 8 * 1024 > SMEM_LIMIT:
+            return False  # Q, the output boxes and two K/V slots
     if out.dtype not in (torch.bfloat16, torch.float16):
         return False
     return tma_layout_problem("out", out, *_bshd_as_bhsd(out)) is None
@@ -431,7 +452,7 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
         sink_descs, sink_bytes = _sink_descs(sink, q_rows, block_n)
         sink_mode = 2 if k_mean is not None else 1  # 2: K was smoothed, the sink's scores shift by q . mean
     has_kmean = k_mean is not None and return_lse
-    o_tma = store_tma(version, is_fp8, varlen, out, sink_mode, block_n, wgs)
+    o_tma = store_tma(version, is_fp8, varlen, out, sink_mode, block_n, wgs, Dqk)
     out_desc = _desc(out, *_bshd_as_bhsd(out), [1, 1, 64, Dv]) if o_tma else None
     out_bytes = wgs * 64 * Dv * out.element_size() if o_tma else 0
     km = k_mean if has_kmean or sink_mode == 2 else v_scale  # any float32 pointer; unused
