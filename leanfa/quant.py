@@ -37,6 +37,7 @@ import torch
 import triton
 
 from .kernels.fp8 import E4M3_MAX
+from .kernels.launcher import DirectLaunch
 from .kernels.quantize import channel_stats, finish_kv_stats, kv_stats, quantize_blocks, quantize_qkv
 from .scales import SCALE_BLOCK, broadcast_strides, num_scale_blocks
 
@@ -217,6 +218,12 @@ FINISH_CHANNELS = 32
 FINISH_ROWS = 128
 
 
+#: the fused quantizer's three launches, directly on their compiled kernels on repeat calls (kernels/launcher.py)
+_DIRECT_KV_STATS = DirectLaunch(kv_stats)
+_DIRECT_FINISH_KV_STATS = DirectLaunch(finish_kv_stats)
+_DIRECT_QUANTIZE_QKV = DirectLaunch(quantize_qkv)
+
+
 def _quantize_block_fused(q, k, v, sq: _Seqs, sk: _Seqs, smooth_k: bool):
     """``granularity="block"`` in three launches: per-block K/V statistics, their reduction to
     the K mean and V descales, then Q, K, V together."""
@@ -239,17 +246,17 @@ def _quantize_block_fused(q, k, v, sq: _Seqs, sk: _Seqs, smooth_k: bool):
     bd_qk, bd_v = triton.next_power_of_2(dqk), triton.next_power_of_2(dv)
     cu_k = sk.cu_arg(vamax)
     if n_kv:
-        kv_stats[(nblk_k, n_kv)](
+        _DIRECT_KV_STATS[(nblk_k, n_kv)](
             k, v, cu_k, ksum, vamax, sk.seqlen_dense, sk.heads, *_strides(k, sk.varlen), *_strides(v, sk.varlen),
             DQK=dqk, BLOCK_DQK=bd_qk, DV=dv, BLOCK_DV=bd_v, BLOCK_S=SCALE_BLOCK, VARLEN=sk.varlen,
             WANT_KSUM=smooth_k, num_warps=STATS_WARPS)
-        finish_kv_stats[(n_kv, triton.cdiv(max(dqk, dv), FINISH_CHANNELS))](
+        _DIRECT_FINISH_KV_STATS[(n_kv, triton.cdiv(max(dqk, dv), FINISH_CHANNELS))](
             ksum, vamax, cu_k, k_mean if k_mean is not None else v_descale, v_descale,
             sk.seqlen_dense, sk.heads, nblk_k, DQK=dqk, DV=dv, BLOCK_C=FINISH_CHANNELS, ROWS=FINISH_ROWS,
             BLOCK_S=SCALE_BLOCK, VARLEN=sk.varlen, WANT_KSUM=smooth_k)
     programs = sq.batch * sq.heads + 2 * n_kv
     if programs:
-        quantize_qkv[(max(nblk_q, nblk_k), programs)](
+        _DIRECT_QUANTIZE_QKV[(max(nblk_q, nblk_k), programs)](
             q, k, v, q8, k8, v8, sq.cu_arg(vamax), cu_k, q_descale, k_descale,
             k_mean if k_mean is not None else v_descale, v_descale,
             sq.seqlen_dense, sk.seqlen_dense, sq.batch, sq.heads, sk.heads, nblk_q, nblk_k,

@@ -136,6 +136,11 @@ run_steps() {
       host_prepared) for c in 1 2; do  # varlen plans kept (2) or not (1): host time per call
                 step "host_prepared$c" 120 14 env LEANFA_HOPPER_PLAN_CACHE=$c python3 scripts/host_time.py \
                   --shapes 16x1024,4x4096; done ;;
+      direct_launch) step direct_launch 300 16 env LEANFA_DIRECT_LAUNCH=1 python3 -m pytest -q -p no:cacheprovider -rfEs \
+                -n "$WORKERS" tests/test_launcher.py tests/test_quant.py tests/test_attention.py tests/test_accuracy_levers.py ;;
+      host_direct) for c in 0 1; do  # the quantizer's launches through the JIT (0) or direct (1): host time per call
+                step "host_direct$c" 120 14 env LEANFA_DIRECT_LAUNCH=$c python3 scripts/host_time.py \
+                  --shapes 16x1024,4x4096; done ;;
       host_time) step host_time 200 20 python3 scripts/host_time.py --profile --shapes 16x1024,4x4096,1x16384 ;;  # CPU time per call vs GPU time
       quant_time) step quant_time 200 40 python3 scripts/quant_time.py ;;  # FP8 end-to-end: quantizer kernels, GB/s
       ablate) step ablate 300 60 python3 scripts/hopper_v2_gpu.py --check "" \

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import torch
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ..launcher import grid3, parameter_tail
+
 #: every environment knob a plan or the kernel's verdict on a call depends on (tests/test_hopper_host.py
 #: checks the list against the hopper package's sources)
 KNOBS = (
@@ -155,16 +157,11 @@ class Template:
         """Remember the compiled kernel of this signature, and the constexpr arguments that follow
         ``plan.args`` in ``kernel``'s signature (Triton's compiled launcher takes every parameter, in order,
         as its binder would pass them: keyword or default). A parameter with neither keeps the Triton path."""
-        tail = []
-        for p in kernel.params[len(self.plan.args):]:
-            if p.name in constexprs:
-                tail.append(constexprs[p.name])
-            elif p.has_default:
-                tail.append(p.default)
-            else:
-                return
-        self.tail = tuple(tail)
-        self.grid = (*self.plan.grid, 1, 1)[:3]  # a compiled kernel's launcher reads all three dims
+        tail = parameter_tail(kernel, len(self.plan.args), constexprs)
+        if tail is None:
+            return
+        self.tail = tail
+        self.grid = grid3(self.plan.grid)
         self.compiled = compiled
 
 
