@@ -141,6 +141,8 @@ run_steps() {
       host_direct) for c in 0 1; do  # the quantizer's launches through the JIT (0) or direct (1): host time per call
                 step "host_direct$c" 120 14 env LEANFA_DIRECT_LAUNCH=$c python3 scripts/host_time.py \
                   --shapes 16x1024,4x4096; done ;;
+      overlap) step overlap 420 40 env LEANFA_CHECK_DTYPES=fp8 python3 scripts/hopper_v2_gpu.py --check v3-overlap \
+                --check-timeout 240 --time v3,v3-pvmma-default,v3-overlap ;;  # the softmax under PV (P in smem)
       host_time) step host_time 200 20 python3 scripts/host_time.py --profile --shapes 16x1024,4x4096,1x16384 ;;  # CPU time per call vs GPU time
       quant_time) step quant_time 200 40 python3 scripts/quant_time.py ;;  # FP8 end-to-end: quantizer kernels, GB/s
       ablate) step ablate 300 60 python3 scripts/hopper_v2_gpu.py --check "" \

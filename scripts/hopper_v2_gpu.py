@@ -50,6 +50,9 @@ CONFIGS = {  # name -> env
     # FP8 output through shared memory and one TMA store per warpgroup (epilogue.stage_and_store)
     "v3-tma": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_STORE_TMA": "1", "LEANFA_HOPPER_PERSISTENT": "0"},
     "v3-tma-persist": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_STORE_TMA": "1", "LEANFA_HOPPER_PERSISTENT": "1"},
+    # FP8: the softmax of block j + 1 under PV_j, P through shared memory (an experiment, CPU-checked)
+    "v3-overlap": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_PV_IN_MMA": "1", "LEANFA_HOPPER_OVERLAP": "1"},
+    "v3-pvmma-default": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_PV_IN_MMA": "1"},
     # ... and BF16 through it too (=2: not yet validated on the GPU for BF16)
     "v3-tma2": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_STORE_TMA": "2", "LEANFA_HOPPER_PERSISTENT": "0"},
     "v3-tma2-persist": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_STORE_TMA": "2", "LEANFA_HOPPER_PERSISTENT": "1"},
@@ -75,7 +78,8 @@ CONFIGS = {  # name -> env
 }
 KNOBS = ("LEANFA_HOPPER_KERNEL", "LEANFA_HOPPER_PIPE", "LEANFA_HOPPER_RESCALE_SKIP", "LEANFA_HOPPER_PINGPONG",
          "LEANFA_HOPPER_POLY", "LEANFA_HOPPER_PV_IN_MMA", "LEANFA_HOPPER_PERSISTENT", "LEANFA_HOPPER_V_PERMUTED",
-         "LEANFA_HOPPER_BLOCK_N", "LEANFA_HOPPER_ABLATE", "LEANFA_HOPPER_CONSUMERS", "LEANFA_HOPPER_STORE_TMA")
+         "LEANFA_HOPPER_BLOCK_N", "LEANFA_HOPPER_ABLATE", "LEANFA_HOPPER_CONSUMERS", "LEANFA_HOPPER_STORE_TMA",
+         "LEANFA_HOPPER_OVERLAP")
 
 
 def _set_env(cfg):

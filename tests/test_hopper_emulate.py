@@ -1122,3 +1122,72 @@ def test_v3_early_q_release_mutation_caught(monkeypatch):
         assert _caught_against(p, ref_out), "release before the loop not caught"
     finally:
         reset_shadows()
+
+
+# ----------------------------------------------------------------------------- OVERLAP (the softmax under PV)
+
+OVERLAP_SHAPES = V2_SHAPES + [(2, 385, 385, 2, 2), (1, 300, 700, 2, 1)]
+
+
+@pytest.mark.parametrize("persistent", ["0", "1"])
+@pytest.mark.parametrize("order", ["consumer-first", "producer-first"])
+@pytest.mark.parametrize("causal,lse", [(True, False), (False, True)])
+@pytest.mark.parametrize("shape", OVERLAP_SHAPES)
+def test_v3_overlap_equals_pv_in_mma(shape, causal, lse, order, persistent, monkeypatch):
+    """LEANFA_HOPPER_OVERLAP=1 (FP8, PV in the wgmma accumulator; P through shared memory, the softmax of block
+    j + 1 while PV_j runs): the same arithmetic in another order of issue, so output and LSE equal PV_IN_MMA's
+    bit for bit, whichever partition runs first, one tile per program or persistent (odd and even block counts,
+    tiles with one block, rows past the sequence; with the LSE's K-mean term Q is handed back late)."""
+    monkeypatch.setenv("LEANFA_HOPPER_PV_IN_MMA", "1")
+    monkeypatch.setenv("LEANFA_HOPPER_PERSISTENT", persistent)
+    qq = leanfa.quantize_fp8(*_inputs(*shape, 128, 128))
+    p = _problem(qq.q, qq.k, qq.v, causal, lse=lse, **qq.descales())
+    o0, l0, _ = emulate(p, version="v3")
+    monkeypatch.setenv("LEANFA_HOPPER_OVERLAP", "1")
+    assert emulate_mod._make_plan_cpu(L, p, o0.clone(), l0.clone() if lse else None).constexprs["OVERLAP"]
+    o1, l1, _ = emulate(p, version="v3", ws_order=order)
+    assert torch.equal(o0, o1)
+    if lse:
+        assert torch.equal(l0, l1)
+
+
+def test_v3_overlap_plan_checks(monkeypatch):
+    """OVERLAP needs FP8 with PV in the accumulator (two-level PV would hold a second 64-register tile under the
+    softmax), the default tile, and no sink or trace: anything else is an error, not a silent fallback."""
+    monkeypatch.setenv("LEANFA_HOPPER_OVERLAP", "1")
+    qq = leanfa.quantize_fp8(*_inputs(1, 200, 200, 2, 1, 128, 128))
+    p = _problem(qq.q, qq.k, qq.v, True, **qq.descales())
+    out = torch.empty(1, 200, 2, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="PV_IN_MMA"):
+        emulate_mod._make_plan_cpu(L, p, out, None)
+    monkeypatch.setenv("LEANFA_HOPPER_PV_IN_MMA", "1")
+    plan = emulate_mod._make_plan_cpu(L, p, out, None)
+    assert plan.constexprs["OVERLAP"] and plan.constexprs["STAGES"] == 4  # Q 16 + output 32 + P 32 + ring 4 x 32 KB
+    with pytest.raises(ValueError, match="OVERLAP"):
+        emulate_mod._make_plan_cpu(L, _problem(*_inputs(1, 200, 200, 2, 1, 128, 128), True), out, None)  # BF16
+
+
+@pytest.mark.parametrize("fn,old,new", [
+    # both of a warpgroup's blocks in one P buffer: P_{j+1} overwrites P_j under the in-flight PV_j
+    ("_consumer_blocks_overlapped", "p_smem.index(2 * W + (j + 1) % 2)", "p_smem.index(2 * W + j % 2)"),
+    # PV_j issued from P_j's buffer before every warp has written its rows
+    ("_consumer_blocks_overlapped", "        fence_async_shared()\n        gl.thread_barrier()\n", ""),
+    # the slot of block j released before PV_j retired
+    ("_consumer_blocks_overlapped", "        acc = warpgroup_mma_wait(0, deps=(pv_acc, ))\n"
+                                    "        release_slot(empty_bars, (ring + j) % STAGES)",
+     "        release_slot(empty_bars, (ring + j) % STAGES)\n        acc = warpgroup_mma_wait(0, deps=(pv_acc, ))"),
+])
+def test_v3_overlap_mutations_caught(fn, old, new, monkeypatch):
+    """What the shared-memory P and the overlapped batch must keep: two buffers per warpgroup, the fence and
+    barrier before PV reads P, the slot released only after its PV retired."""
+    monkeypatch.setenv("LEANFA_HOPPER_PV_IN_MMA", "1")
+    qq = leanfa.quantize_fp8(*_inputs(1, 385, 700, 2, 1, 128, 128))
+    p = _problem(qq.q, qq.k, qq.v, True, **qq.descales())
+    ref, _, _ = emulate(p, version="v3")
+    monkeypatch.setenv("LEANFA_HOPPER_OVERLAP", "1")
+    reset_shadows()
+    try:
+        _mutated(getattr(KP, fn), old, new)
+        assert _caught_against(p, ref), "mutation not caught"
+    finally:
+        reset_shadows()

@@ -245,7 +245,14 @@ class SmemView:
 
     def read(self, what):
         b = self.buf()
-        if b.state != "visible":
+        if b.state != "visible" and what.startswith("wgmma") and b.staged:
+            # written by the warpgroup's own generic stores (OVERLAP's P): the async proxy sees them only
+            # after fence_async_shared, and every warp's rows only after a barrier behind the fence
+            if b.staged == "written":
+                M.err(f"{what} reads shared memory written by generic stores with no fence_async_shared")
+            if b.fence_epoch >= M.epoch:
+                M.err(f"{what} reads fenced shared memory with no barrier over the warps after the fence")
+        elif b.state != "visible":
             M.err(f"{what} reads shared memory that is {b.state} (copy {b.desc_name}{b.coords}; "
                   "not landed, or landed but not observed through its mbarrier)")
         b.reader(M.part)[0] += 1
@@ -258,7 +265,7 @@ class SmemView:
         return t
 
     def store(self, value):
-        """A generic shared-memory write (the TMA-store epilogue's staging buffer)."""
+        """A generic shared-memory write (the TMA-store epilogue's staging buffer; OVERLAP's P)."""
         b = self.buf()
         if b.state in ("pending", "landed") or b.readers:
             M.err("a generic store into shared memory a TMA load or a wgmma is still using")

@@ -46,9 +46,13 @@ at 128 with its wgmmas serialized) -- correct (130/130 on the H200), 0.95-1.04x 
 The key loop runs blocks ``[0, n_end - 1)`` with the next block's S issued alongside their PV and
 the last block peeled off (:func:`_consumer_block`), so that every loop value has one definition
 per iteration (a conditional QK made ptxas copy S's 64 registers at every block). The softmax of
-block j + 1 under PV_j (FA3's intra-warpgroup overlap, ``OVERLAP``) was built twice and removed
-twice: run 14 (ptxas hoisted the PV wait) and run 20 (it ran as designed, but 12-21% slower;
-docs/perf-notes.md).
+block j + 1 under PV_j (FA3's intra-warpgroup overlap) was built twice with P in registers and removed
+twice: run 14 (ptxas hoisted the PV wait) and run 20 (as designed, but 12-21% slower: P, carried across
+the loop's back edge, was scalarized into 64 byte registers, ~140 byte permutes per block). ``OVERLAP``
+(FP8 with ``PV_IN_MMA``; an experiment, off, CPU-checked only) is the third build: P goes through two
+shared-memory buffers per warpgroup (:func:`_consumer_blocks_overlapped`), so nothing of P crosses the back
+edge or stays pinned under an in-flight wgmma (AOT: no byte permutes, 0-128 B of spills, the softmax
+between ``DEPBAR.LE gsb0, 0x1`` and ``0x0``).
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
     mbarrier,
     tma,
     warpgroup_mma,
@@ -66,7 +71,7 @@ from .epilogue import kmean_lse_term, load_v_scale, stage_and_store, write_rows
 from .exp2 import ABLATE_ONEWG, ablates
 from .layouts import PERMUTED_KEYS, a_operand_layout, p_operand, wgmma_layout
 from .masking import kv_block_range, mask_scores
-from .pipeline import (alloc_barriers, invalidate_barriers, load_q, produce_kv, qk_async, release_slot, v_tile,
+from .pipeline import (alloc_barriers, as_2d, invalidate_barriers, load_q, produce_kv, qk_async, release_slot, v_tile,
                        wait_k)
 from .schedule import program_tiles, round_tile, sequence_bounds, tile_coords
 from .sink import load_sink, sink_block
@@ -290,14 +295,73 @@ def _consumer_block(s, j, c, c_hi, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seq
 
 
 @gluon.jit
+def _p_to_smem(s, j, c, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, p_buf, CAUSAL: gl.constexpr,
+               P_OFFSET: gl.constexpr, RESCALE_SKIP: gl.constexpr, POLY: gl.constexpr):
+    """``OVERLAP``: Lean P of key block ``j`` written to ``p_buf`` (shared memory: PV reads its A operand there, so
+    no register of P stays pinned under an in-flight wgmma); returns ``(m_i, l_i, alpha)``."""
+    BLOCK_N: gl.constexpr = s.shape[1]
+    if j >= n_full:
+        s = mask_scores(s, offs_m, j * BLOCK_N + offs_n0, seqlen_q, seqlen_k, CAUSAL)
+    p, m_i, l_i, alpha = online_softmax_step_lazy(s, c, m_i, l_i, P_OFFSET, RESCALE_SKIP, POLY)
+    as_2d(p_buf).store(p.to(p_buf.dtype))
+    return m_i, l_i, alpha
+
+
+@gluon.jit
+def _consumer_blocks_overlapped(s, acc, m_i, l_i, c_q, k_scale_row, stride_ksblk, offs_m, offs_n0, seqlen_q, seqlen_k,
+                                n_full, n_end, q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, q_empty, p_smem,
+                                ring, s_zero, v_scale_row, stride_vsd, o_layout: gl.constexpr, CAUSAL: gl.constexpr,
+                                V_KMAJOR: gl.constexpr, P_OFFSET: gl.constexpr, RESCALE_SKIP: gl.constexpr,
+                                POLY: gl.constexpr, EARLY_Q: gl.constexpr, W: gl.constexpr):
+    """``OVERLAP`` (FP8 with PV in the wgmma accumulator): key blocks ``[0, n_end)``, ``n_end >= 1``, ``s`` = S_0
+    retired. Block ``j`` issues ``[QK_{j+1}, PV_j]`` and waits for all but the newest wgmma group: S_{j+1} is
+    retired while PV_j is still on the tensor cores, and the softmax of block ``j + 1`` runs under it (FA3's
+    intra-warpgroup overlap); PV_j is waited for after that softmax, before O's rescale and the next batch.
+    P goes through shared memory, two buffers per warpgroup (``p_smem[2 W + j % 2]``): in registers, P crossed
+    the loop's back edge as 64 separate bytes (run 20's ~140 byte permutes per block; AOT this session: 1.1 KB
+    of spills unrolled). Returns ``(acc, m_i, l_i, v_scale)``."""
+    QK_CHUNKS: gl.constexpr = k_bufs.shape[0] // v_bufs.shape[0]
+    STAGES: gl.constexpr = v_bufs.shape[0]
+    BLOCK_N: gl.constexpr = k_bufs.shape[3]
+    k_sc, _ = _k_scales(k_scale_row, stride_ksblk, 0, n_end, seqlen_k, BLOCK_N)
+    m_i, l_i, alpha = _p_to_smem(s, 0, c_q * k_sc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full,
+                                 p_smem.index(2 * W), CAUSAL, P_OFFSET, RESCALE_SKIP, POLY)
+    alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    fence_async_shared()
+    gl.thread_barrier()  # every warp's P rows written before one wgmma reads them all
+    for j in range(0, n_end - 1):
+        k_next, _ = _k_scales(k_scale_row, stride_ksblk, j + 1, n_end, seqlen_k, BLOCK_N)
+        v = v_tile(v_bufs, v_bars, ring + j, STAGES, V_KMAJOR)
+        s_acc = _issue_qk(q_smem, k_bufs, k_bars, ring + j + 1, s_zero, W, QK_CHUNKS)
+        pv_acc = warpgroup_mma(as_2d(p_smem.index(2 * W + j % 2)), v, acc * alpha_o, is_async=True)
+        s = warpgroup_mma_wait(1, deps=(s_acc, ))
+        m_i, l_i, alpha = _p_to_smem(s, j + 1, c_q * k_next, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k,
+                                     n_full, p_smem.index(2 * W + (j + 1) % 2), CAUSAL, P_OFFSET, RESCALE_SKIP, POLY)
+        alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        acc = warpgroup_mma_wait(0, deps=(pv_acc, ))
+        release_slot(empty_bars, (ring + j) % STAGES)  # (its barrier also orders P_{j+1}'s writes)
+        fence_async_shared()
+        gl.thread_barrier()
+    if EARLY_Q:  # the last QK has retired
+        release_slot(q_empty, 0)
+    last = n_end - 1
+    v = v_tile(v_bufs, v_bars, ring + last, STAGES, V_KMAJOR)
+    pv_acc = warpgroup_mma(as_2d(p_smem.index(2 * W + last % 2)), v, acc * alpha_o, is_async=True)
+    v_sc = load_v_scale(v_scale_row, stride_vsd, acc.shape[1], o_layout)
+    acc = warpgroup_mma_wait(0, deps=(pv_acc, ))
+    release_slot(empty_bars, (ring + last) % STAGES)
+    return acc, m_i, l_i, v_sc
+
+
+@gluon.jit
 def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars, q_empty,
                    out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
                    seqlen_q, seqlen_k, qk_scale, sm_scale,
-                   b, h, hkv, q_start, m_start, n_full, n_end, ring, batch, tr, sink_t, qi, ostore,
+                   b, h, hkv, q_start, m_start, n_full, n_end, ring, batch, tr, sink_t, qi, ostore, p_smem,
                    HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
                    RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, RESCALE_SKIP: gl.constexpr,
                    PINGPONG: gl.constexpr, POLY: gl.constexpr, TWO_LEVEL: gl.constexpr, WGS: gl.constexpr,
-                   SINK: gl.constexpr, STORE_TMA: gl.constexpr, W: gl.constexpr):
+                   SINK: gl.constexpr, STORE_TMA: gl.constexpr, OVERLAP: gl.constexpr, W: gl.constexpr):
     """Warpgroup ``W`` (of ``WGS``) on one tile: rows ``[m_start + 64 W, + 64)`` of sequence ``b`` against its key
     blocks ``[0, n_end)``, which sit at ring positions ``ring + j``; its wgmma batches are numbered
     from ``batch``. Output row ``r`` is token ``q_start + r`` of ``out`` (and of the LSE). ``out_t``,
@@ -353,34 +417,46 @@ def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars
     # Blocks [0, n_end - 1) issue the next block's S with their PV; the last one is peeled off, so
     # S has one definition per iteration (with a conditional second QK, ptxas copied all 64 S
     # registers at every block). The K scale is loaded a block ahead, off the softmax's path.
-    k_sc, k_hi = _k_scales(k_scale_row, stride_ksblk, FIRST, n_end, seqlen_k, BLOCK_N)
-    for j in range(FIRST, n_end - 1):
-        k_sc_next, k_hi_next = _k_scales(k_scale_row, stride_ksblk, j + 1, n_end, seqlen_k, BLOCK_N)
-        acc, m_i, l_i, s, _ = _consumer_block(
-            s, j, c_q * k_sc, c_q * k_hi, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, q_smem, k_bufs,
-            v_bufs, k_bars, v_bars, empty_bars, turn_bars, ring, batch, s_zero, tr, v_scale_row, stride_vsd, p_layout,
-            o_layout, CAUSAL, V_KMAJOR, P_OFFSET, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, True, False, W)
-        k_sc = k_sc_next
-        k_hi = k_hi_next
-    # Q's last reader, the QK of block n_end - 1, has retired
-    EARLY_Q: gl.constexpr = not SINK and not HAS_KMEAN
-    if EARLY_Q:
+    if OVERLAP:  # (FP8, PV in the accumulator, no sink, 128-key blocks: launch.make_plan checks)
+        gl.static_assert(IS_FP8 and not TWO_LEVEL and not SINK and BLOCK_N == SCALE_BLOCK, "OVERLAP: see make_plan")
+        EARLY_Q: gl.constexpr = not HAS_KMEAN
+        VS_EARLY: gl.constexpr = True
         if n_end > 0:
-            release_slot(q_empty, 0)
-    # the last block also reads V's descale, under its PV (in the epilogue it was a global load on the
-    # tile's critical path); not at head dim 256 (O's 128 registers leave no room: AOT spills 52 -> 144 B)
-    # or with the sink (its block follows: 4 -> 40 B)
-    VS_EARLY: gl.constexpr = HEAD_DV <= 128 and not SINK
-    if n_end > FIRST:
-        acc, m_i, l_i, s, v_sc = _consumer_block(
-            s, n_end - 1, c_q * k_sc, c_q * k_hi, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, q_smem,
-            k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars, ring, batch, s_zero, tr, v_scale_row, stride_vsd,
-            p_layout, o_layout, CAUSAL, V_KMAJOR, P_OFFSET, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, False, VS_EARLY, W)
-    else:
-        if VS_EARLY:
-            v_sc = load_v_scale(v_scale_row, stride_vsd, HEAD_DV, o_layout)
+            acc, m_i, l_i, v_sc = _consumer_blocks_overlapped(
+                s, acc, m_i, l_i, c_q, k_scale_row, stride_ksblk, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, n_end,
+                q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, q_empty, p_smem, ring, s_zero, v_scale_row,
+                stride_vsd, o_layout, CAUSAL, V_KMAJOR, P_OFFSET, RESCALE_SKIP, POLY, EARLY_Q, W)
         else:
-            v_sc = 0.0
+            v_sc = load_v_scale(v_scale_row, stride_vsd, HEAD_DV, o_layout)
+    else:
+        k_sc, k_hi = _k_scales(k_scale_row, stride_ksblk, FIRST, n_end, seqlen_k, BLOCK_N)
+        for j in range(FIRST, n_end - 1):
+            k_sc_next, k_hi_next = _k_scales(k_scale_row, stride_ksblk, j + 1, n_end, seqlen_k, BLOCK_N)
+            acc, m_i, l_i, s, _ = _consumer_block(
+                s, j, c_q * k_sc, c_q * k_hi, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, q_smem, k_bufs,
+                v_bufs, k_bars, v_bars, empty_bars, turn_bars, ring, batch, s_zero, tr, v_scale_row, stride_vsd, p_layout,
+                o_layout, CAUSAL, V_KMAJOR, P_OFFSET, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, True, False, W)
+            k_sc = k_sc_next
+            k_hi = k_hi_next
+        # Q's last reader, the QK of block n_end - 1, has retired
+        EARLY_Q: gl.constexpr = not SINK and not HAS_KMEAN
+        if EARLY_Q:
+            if n_end > 0:
+                release_slot(q_empty, 0)
+        # the last block also reads V's descale, under its PV (in the epilogue it was a global load on the
+        # tile's critical path); not at head dim 256 (O's 128 registers leave no room: AOT spills 52 -> 144 B)
+        # or with the sink (its block follows: 4 -> 40 B)
+        VS_EARLY: gl.constexpr = HEAD_DV <= 128 and not SINK
+        if n_end > FIRST:
+            acc, m_i, l_i, s, v_sc = _consumer_block(
+                s, n_end - 1, c_q * k_sc, c_q * k_hi, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, q_smem,
+                k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars, ring, batch, s_zero, tr, v_scale_row, stride_vsd,
+                p_layout, o_layout, CAUSAL, V_KMAJOR, P_OFFSET, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, False, VS_EARLY, W)
+        else:
+            if VS_EARLY:
+                v_sc = load_v_scale(v_scale_row, stride_vsd, HEAD_DV, o_layout)
+            else:
+                v_sc = 0.0
 
     if SINK:
         q_shift = gl.zeros_like(m_i)
@@ -425,11 +501,11 @@ def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars
 def _consumer_step(t, ring, batch, qi, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars,
                    out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
                    seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k,
-                   num_bh, num_heads, group_size, num_m_tiles, num_tiles, trace, sink_t, ostore,
+                   num_bh, num_heads, group_size, num_m_tiles, num_tiles, trace, sink_t, ostore, p_smem,
                    HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
                    RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, RESCALE_SKIP: gl.constexpr,
                    PINGPONG: gl.constexpr, POLY: gl.constexpr, TWO_LEVEL: gl.constexpr, VARLEN: gl.constexpr,
-                   WGS: gl.constexpr, SINK: gl.constexpr, STORE_TMA: gl.constexpr, W: gl.constexpr):
+                   WGS: gl.constexpr, SINK: gl.constexpr, STORE_TMA: gl.constexpr, OVERLAP: gl.constexpr, W: gl.constexpr):
     """Tile ``t``; ``ring``, ``batch``, ``qi``: key blocks, wgmma batches and Q tiles of the
     program's earlier tiles (ring position, turn-barrier phase, ``q_bars`` phase). Returns them updated.
     ``trace``: the clock-trace buffer (:mod:`.trace`), or ``None``."""
@@ -446,9 +522,9 @@ def _consumer_step(t, ring, batch, qi, q_smem, k_bufs, v_bufs, q_bars, q_empty, 
     _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars, q_empty,
                    out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
                    sq, sk, qk_scale, sm_scale,
-                   b, h, hkv, q_start, m_start, n_full, n_end, ring, batch, tr, sink_t, qi, ostore,
+                   b, h, hkv, q_start, m_start, n_full, n_end, ring, batch, tr, sink_t, qi, ostore, p_smem,
                    HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY,
-                   TWO_LEVEL, WGS, SINK, STORE_TMA, W)
+                   TWO_LEVEL, WGS, SINK, STORE_TMA, OVERLAP, W)
     loaded = gl.minimum(n_end, 1)  # this tile had a Q tile
     n_fp8 = _fp8_blocks(n_end, SINK)  # ... and, with FP8 blocks, a batch 0 and n_fp8 ring positions
     return ring + n_fp8, batch + gl.minimum(n_fp8, 1) + n_fp8, qi + loaded
@@ -459,7 +535,7 @@ def _consumer(args, trace, sink_t, ostore, HEAD_DV: gl.constexpr, CAUSAL: gl.con
               V_KMAJOR: gl.constexpr, RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, RESCALE_SKIP: gl.constexpr,
               PINGPONG: gl.constexpr, POLY: gl.constexpr, TWO_LEVEL: gl.constexpr, VARLEN: gl.constexpr,
               PERSISTENT: gl.constexpr, WGS: gl.constexpr, SINK: gl.constexpr, STORE_TMA: gl.constexpr,
-              W: gl.constexpr):
+              OVERLAP: gl.constexpr, W: gl.constexpr):
     """Warpgroup ``W`` over this program's tiles; in each it hands its Q box back (``q_empty``
     counts every consumer warpgroup), so the producer can load the next tile's. Tiles with no key block to
     visit (causal rows before the first key, varlen tiles past a sequence) load no Q. One tile per
@@ -469,7 +545,11 @@ def _consumer(args, trace, sink_t, ostore, HEAD_DV: gl.constexpr, CAUSAL: gl.con
     (q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars,
      out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
      seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k,
-     num_bh, num_heads, group_size, num_m_tiles, first_tile, tile_step, num_tiles) = args
+     num_bh, num_heads, group_size, num_m_tiles, first_tile, tile_step, num_tiles) = args[:28]
+    if OVERLAP:
+        p_smem = args[28]
+    else:
+        p_smem = q_smem  # (unused)
     if W > 0 and ablates(POLY, ABLATE_ONEWG):
         pass
     elif PERSISTENT:
@@ -481,17 +561,17 @@ def _consumer(args, trace, sink_t, ostore, HEAD_DV: gl.constexpr, CAUSAL: gl.con
                 round_tile(r, first_tile, tile_step), ring, batch, qi, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars,
                 out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
                 seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k,
-                num_bh, num_heads, group_size, num_m_tiles, num_tiles, trace, sink_t, ostore,
+                num_bh, num_heads, group_size, num_m_tiles, num_tiles, trace, sink_t, ostore, p_smem,
                 HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL,
-                VARLEN, WGS, SINK, STORE_TMA, W)
+                VARLEN, WGS, SINK, STORE_TMA, OVERLAP, W)
     else:
         _consumer_step(
             first_tile, 0, 0, 0, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars,
             out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
             seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k,
-            num_bh, num_heads, group_size, num_m_tiles, num_tiles, trace, sink_t, ostore,
+            num_bh, num_heads, group_size, num_m_tiles, num_tiles, trace, sink_t, ostore, p_smem,
             HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL,
-            VARLEN, WGS, SINK, STORE_TMA, W)
+            VARLEN, WGS, SINK, STORE_TMA, OVERLAP, W)
     if STORE_TMA:
         tma.store_wait(0)  # the last tile's output store has read its shared memory
 
@@ -502,25 +582,25 @@ def _partitions(cargs, pargs, trace, cu_seqlens_v, psink, csink, ostore,
                 RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, RESCALE_SKIP: gl.constexpr, PINGPONG: gl.constexpr,
                 POLY: gl.constexpr, TWO_LEVEL: gl.constexpr, VARLEN: gl.constexpr, PERSISTENT: gl.constexpr,
                 CONSUMER_WGS: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                PRODUCER_REGS: gl.constexpr, SINK: gl.constexpr, STORE_TMA: gl.constexpr):
+                PRODUCER_REGS: gl.constexpr, SINK: gl.constexpr, STORE_TMA: gl.constexpr, OVERLAP: gl.constexpr):
     """The warp-specialized body: ``CONSUMER_WGS`` consumer warpgroups (the first in the default
     partition) and the producer warp. ``psink``/``csink``: the BF16 sink keys' tuples, or None."""
     if CONSUMER_WGS == 3:
         gl.warp_specialize([
             (_consumer, (cargs, trace, csink, ostore, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN,
-                         RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, SINK, STORE_TMA, 0)),
+                         RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, SINK, STORE_TMA, OVERLAP, 0)),
             (_consumer, (cargs, trace, csink, ostore, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN,
-                         RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, SINK, STORE_TMA, 1)),
+                         RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, SINK, STORE_TMA, OVERLAP, 1)),
             (_consumer, (cargs, trace, csink, ostore, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN,
-                         RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, SINK, STORE_TMA, 2)),
+                         RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, SINK, STORE_TMA, OVERLAP, 2)),
             (_producer, (pargs, cu_seqlens_v, psink, CAUSAL, V_KMAJOR, VARLEN, CONSUMER_WGS, CONSUMERS, SINK)),
         ], [WG_WARPS, WG_WARPS, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (cargs, trace, csink, ostore, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN,
-                         RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, SINK, STORE_TMA, 0)),
+                         RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, SINK, STORE_TMA, OVERLAP, 0)),
             (_consumer, (cargs, trace, csink, ostore, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN,
-                         RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, SINK, STORE_TMA, 1)),
+                         RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, SINK, STORE_TMA, OVERLAP, 1)),
             (_producer, (pargs, cu_seqlens_v, psink, CAUSAL, V_KMAJOR, VARLEN, CONSUMER_WGS, CONSUMERS, SINK)),
         ], [WG_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -555,6 +635,7 @@ def attn_fwd_pingpong_kernel(
     CONSUMER_WGS: gl.constexpr,  # consumer warpgroups (64 query rows each): 2, or 3 (experiment)
     SINK: gl.constexpr,  # 0; BF16 sink keys [0, 128): 1, or 2 when K was smoothed (sink.py)
     STORE_TMA: gl.constexpr,  # dense: the output leaves through shared memory and TMA (epilogue.stage_and_store)
+    OVERLAP: gl.constexpr,  # FP8: the softmax of block j + 1 under PV_j, P through shared memory (an experiment)
     num_warps: gl.constexpr,
 ):
     gl.static_assert(num_warps == WG_WARPS, "v3 launches with num_warps=4 (the first consumer warpgroup)")
@@ -584,6 +665,12 @@ def attn_fwd_pingpong_kernel(
              (v_scale_ptr, stride_vsb, stride_vsh, stride_vsd), (k_mean_ptr, stride_kmb, stride_kmh, stride_kmd),
              seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k,
              num_bh, num_heads, group_size, num_m_tiles, first_tile, tile_step, num_tiles)
+    if OVERLAP:  # two P buffers per consumer warpgroup (the PV A operand from shared memory): 64 rows of 128
+        # FP8 keys, the row width and swizzle of a (K-major) V box, so V's layout serves
+        gl.static_assert(V_KMAJOR, "OVERLAP: FP8 V is K-major")
+        p_smem = gl.allocate_shared_memory(v_desc.dtype, [CONSUMER_WGS * 2, 1, 1, WG_ROWS, v_desc.block_type.shape[3]],
+                                           v_desc.layout)
+        cargs = cargs + (p_smem, )
     pargs = (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars,
              seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, num_bh, num_heads, group_size, num_m_tiles,
              first_tile, tile_step, num_tiles)
@@ -603,12 +690,12 @@ def attn_fwd_pingpong_kernel(
                     (sink_q_desc, sink_k_desc, sink_v_desc, qs_smem, ks_smem, vs_smem, sink_bar),
                     (qs_smem, ks_smem, vs_smem, sink_bar), ostore,
                     HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL,
-                    VARLEN, PERSISTENT, CONSUMER_WGS, CONSUMERS, CONSUMER_REGS, PRODUCER_REGS, SINK, STORE_TMA)
+                    VARLEN, PERSISTENT, CONSUMER_WGS, CONSUMERS, CONSUMER_REGS, PRODUCER_REGS, SINK, STORE_TMA, OVERLAP)
         invalidate_barriers(sink_bar, 1)
     else:  # (the None sink_q_desc stands for both sink tuples: a None made here cannot be passed on)
         _partitions(cargs, pargs, trace, cu_seqlens_v, sink_q_desc, sink_q_desc, ostore,
                     HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL,
-                    VARLEN, PERSISTENT, CONSUMER_WGS, CONSUMERS, CONSUMER_REGS, PRODUCER_REGS, SINK, STORE_TMA)
+                    VARLEN, PERSISTENT, CONSUMER_WGS, CONSUMERS, CONSUMER_REGS, PRODUCER_REGS, SINK, STORE_TMA, OVERLAP)
 
     invalidate_barriers(q_bars, CONSUMER_WGS)
     invalidate_barriers(q_empty, 1)
