@@ -38,3 +38,16 @@ def qkv(b, sq, sk, hq, hkv, dqk, dv, dtype, device, k_outliers=False, seed=None)
 def cu_seqlens(lengths, device="cpu") -> torch.Tensor:
     """flash-attn's ``cu_seqlens``: int32 ``[0, l0, l0 + l1, ...]`` for sequence ``lengths``."""
     return torch.tensor([0, *lengths], device=device).cumsum(0).to(torch.int32)
+
+
+class FakeCompiled:
+    """What a direct launch needs of Triton's ``CompiledKernel``: ``kernel[grid](*every_parameter)``, whose
+    launcher reads ``grid[0]``, ``grid[1]`` and ``grid[2]``; records ``(grid, args)`` per launch."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        def runner(*args, stream=None):
+            self.calls.append(((grid[0], grid[1], grid[2]), args))
+        return runner

@@ -998,11 +998,17 @@ def test_v3_store_tma_equals_register_stores(shape, dims, causal, persistent, mo
     stores' (the same arithmetic; rows past the sequence clipped by TMA), the LSE too, whichever partition runs
     first, one tile per program or persistent (a program's tiles reuse its staging buffers)."""
     monkeypatch.setenv("LEANFA_HOPPER_PERSISTENT", persistent)
-    p = _fp8(shape, dims, causal)
-    monkeypatch.setenv("LEANFA_HOPPER_STORE_TMA", "0")
+    _store_tma_bit_for_bit(_fp8(shape, dims, causal), "0", "1", monkeypatch)
+
+
+def _store_tma_bit_for_bit(p, off: str, on: str, monkeypatch):
+    """With LEANFA_HOPPER_STORE_TMA=``on`` the plan stores through TMA, with ``off`` it does not, and output and
+    LSE are the same bits, whichever partition runs first."""
+    monkeypatch.setenv("LEANFA_HOPPER_STORE_TMA", off)
     o0, l0, _ = emulate(p, version="v3")
     assert not torch.isnan(o0).any()
-    monkeypatch.setenv("LEANFA_HOPPER_STORE_TMA", "1")
+    assert not emulate_mod._make_plan_cpu(L, p, o0.clone(), l0.clone()).constexprs["STORE_TMA"]
+    monkeypatch.setenv("LEANFA_HOPPER_STORE_TMA", on)
     assert emulate_mod._make_plan_cpu(L, p, o0.clone(), l0.clone()).constexprs["STORE_TMA"]
     for order in ("consumer-first", "producer-first"):
         o1, l1, _ = emulate(p, version="v3", ws_order=order)
@@ -1021,17 +1027,7 @@ def test_v3_bf16_store_tma_equals_register_stores(shape, dims, causal, persisten
     """LEANFA_HOPPER_STORE_TMA=2 (BF16 inputs too): the same bit-for-bit equality as FP8's, both partition
     orders, one tile per program or persistent."""
     monkeypatch.setenv("LEANFA_HOPPER_PERSISTENT", persistent)
-    p = _problem(*_inputs(*shape, *dims), causal)
-    monkeypatch.setenv("LEANFA_HOPPER_STORE_TMA", "1")
-    o0, l0, _ = emulate(p, version="v3")
-    assert not torch.isnan(o0).any()
-    assert not emulate_mod._make_plan_cpu(L, p, o0.clone(), l0.clone()).constexprs["STORE_TMA"]
-    monkeypatch.setenv("LEANFA_HOPPER_STORE_TMA", "2")
-    assert emulate_mod._make_plan_cpu(L, p, o0.clone(), l0.clone()).constexprs["STORE_TMA"]
-    for order in ("consumer-first", "producer-first"):
-        o1, l1, _ = emulate(p, version="v3", ws_order=order)
-        assert torch.equal(o0, o1), order
-        assert torch.equal(l0, l1), order
+    _store_tma_bit_for_bit(_problem(*_inputs(*shape, *dims), causal), "1", "2", monkeypatch)  # (1: FP8 only)
 
 
 def test_v3_store_tma_plan(monkeypatch):
@@ -1057,6 +1053,16 @@ def test_v3_store_tma_plan(monkeypatch):
     assert plan16.constexprs["STORE_TMA"] and plan16.constexprs["STAGES"] == 2
     assert not emulate_mod._make_plan_cpu(L, _problem(*_inputs(1, 200, 200, 2, 1, 192, 128), True), out,
                                           None).constexprs["STORE_TMA"]
+
+
+def _assert_caught(jit_fn, old, new, p, ref_out):
+    """``jit_fn`` with ``old`` replaced by ``new`` is caught on ``p`` (see :func:`_caught_against`)."""
+    reset_shadows()
+    try:
+        _mutated(jit_fn, old, new)
+        assert _caught_against(p, ref_out), "mutation not caught"
+    finally:
+        reset_shadows()
 
 
 def _caught_against(p, ref_out, orders=("producer-first", "consumer-first")):
@@ -1093,12 +1099,7 @@ def test_v3_store_tma_mutations_caught(mod, fn, old, new, monkeypatch):
     monkeypatch.setenv("LEANFA_HOPPER_STORE_TMA", "0")
     ref_out, _, _ = emulate(p, version="v3")
     monkeypatch.setenv("LEANFA_HOPPER_STORE_TMA", "1")
-    reset_shadows()
-    try:
-        _mutated(getattr(mod, fn), old, new)
-        assert _caught_against(p, ref_out), "mutation not caught"
-    finally:
-        reset_shadows()
+    _assert_caught(getattr(mod, fn), old, new, p, ref_out)
 
 
 def test_v3_early_q_release_mutation_caught(monkeypatch):
@@ -1109,16 +1110,19 @@ def test_v3_early_q_release_mutation_caught(monkeypatch):
     excludes that case by construction.)"""
     monkeypatch.setenv("LEANFA_HOPPER_PERSISTENT", "1")
     src = inspect.getsource(KP._consumer_tile.fn)
-    early = "    EARLY_Q: gl.constexpr = not SINK and not HAS_KMEAN\n    if EARLY_Q:\n        if n_end > 0:\n            release_slot(q_empty, 0)\n"
-    loop = "    for j in range(FIRST, n_end - 1):\n"
+    ind = "        "  # (the key loop sits in the not-OVERLAP branch)
+    early = (f"{ind}EARLY_Q: gl.constexpr = not SINK and not HAS_KMEAN\n{ind}if EARLY_Q:\n{ind}    if n_end > 0:\n"
+             f"{ind}        release_slot(q_empty, 0)\n")
+    loop = f"{ind}for j in range(FIRST, n_end - 1):\n"
     assert early in src and loop in src
     qq = leanfa.quantize_fp8(*_inputs(1, 700, 700, 2, 1, 128, 128))
     p = _problem(qq.q, qq.k, qq.v, True, lse=False, **qq.descales())  # no LSE: the early release applies
     ref_out, _, _ = emulate(p, version="v3")
     reset_shadows()
     try:
-        shadow(KP._consumer_tile, source=src.replace(early, "    EARLY_Q: gl.constexpr = not SINK and not HAS_KMEAN\n")
-               .replace(loop, "    if not SINK and not HAS_KMEAN:\n        if n_end > 0:\n            release_slot(q_empty, 0)\n" + loop))
+        shadow(KP._consumer_tile, source=src.replace(early, f"{ind}EARLY_Q: gl.constexpr = not SINK and not HAS_KMEAN\n")
+               .replace(loop, f"{ind}if not SINK and not HAS_KMEAN:\n{ind}    if n_end > 0:\n"
+                              f"{ind}        release_slot(q_empty, 0)\n" + loop))
         assert _caught_against(p, ref_out), "release before the loop not caught"
     finally:
         reset_shadows()
@@ -1185,9 +1189,4 @@ def test_v3_overlap_mutations_caught(fn, old, new, monkeypatch):
     p = _problem(qq.q, qq.k, qq.v, True, **qq.descales())
     ref, _, _ = emulate(p, version="v3")
     monkeypatch.setenv("LEANFA_HOPPER_OVERLAP", "1")
-    reset_shadows()
-    try:
-        _mutated(getattr(KP, fn), old, new)
-        assert _caught_against(p, ref), "mutation not caught"
-    finally:
-        reset_shadows()
+    _assert_caught(getattr(KP, fn), old, new, p, ref)

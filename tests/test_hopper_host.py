@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import leanfa
+from helpers import FakeCompiled
 from leanfa.api import _build_problem
 
 hopper = pytest.importorskip("leanfa.kernels.hopper")
@@ -214,25 +215,12 @@ def test_copies_are_not_cached_and_aliases_get_their_own_plan():
     assert len(hopper.PLANS._templates) == 3
 
 
-class _FakeCompiled:
-    """What ``launch`` needs of Triton's CompiledKernel: ``kernel[grid](*every_parameter)``, whose launcher
-    reads ``grid[0]``, ``grid[1]`` and ``grid[2]``."""
-
-    def __init__(self):
-        self.calls = []
-
-    def __getitem__(self, grid):
-        def runner(*args, stream=None):
-            self.calls.append(((grid[0], grid[1], grid[2]), args))
-        return runner
-
-
 @pytest.mark.parametrize("fp8", [True, False])
 def test_cached_launch_passes_every_parameter(fp8, monkeypatch):
     """After the first launch (Triton's JIT, faked: it returns the compiled kernel), a bound plan calls the
     compiled kernel with the plan's arguments followed by each remaining parameter as Triton's binder binds it
     (the constexpr keywords, ``num_warps`` included, else the default), on a three-dimensional grid."""
-    fake = _FakeCompiled()
+    fake = FakeCompiled()
     jit_calls = []
 
     class _Jit:

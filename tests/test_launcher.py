@@ -10,21 +10,12 @@ import torch
 
 from triton.runtime.jit import JITFunction
 
+from helpers import FakeCompiled
 from leanfa.kernels import launcher
 from leanfa.kernels.quantize import quantize_qkv as _kernel
 
 #: the real quantizer kernel's parameters (under the interpreter the module holds an InterpretedFunction)
 quantize_qkv = JITFunction(getattr(_kernel, "fn", _kernel))
-
-
-class _Compiled:
-    def __init__(self):
-        self.calls = []
-
-    def __getitem__(self, grid):
-        def runner(*args, stream=None):
-            self.calls.append(((grid[0], grid[1], grid[2]), args))
-        return runner
 
 
 class _Jit:
@@ -33,7 +24,7 @@ class _Jit:
     def __init__(self):
         self.params = quantize_qkv.params  # what DirectLaunch reads of a JIT kernel
         self.launches = []
-        self.compiled = _Compiled()
+        self.compiled = FakeCompiled()
 
     def __getitem__(self, grid):
         def run(*args, **kw):
@@ -44,7 +35,7 @@ class _Jit:
 
 @pytest.fixture
 def jit(monkeypatch):
-    monkeypatch.setattr(launcher, "CompiledKernel", _Compiled)
+    monkeypatch.setattr(launcher, "CompiledKernel", FakeCompiled)
     return _Jit()
 
 
