@@ -76,13 +76,11 @@ CONFIGS = {  # name -> env
     "v3-bn64": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_BLOCK_N": "64"},
     "v3-bn64-pvmma": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_BLOCK_N": "64", "LEANFA_HOPPER_PV_IN_MMA": "1"},
 }
-KNOBS = ("LEANFA_HOPPER_KERNEL", "LEANFA_HOPPER_PIPE", "LEANFA_HOPPER_RESCALE_SKIP", "LEANFA_HOPPER_PINGPONG",
-         "LEANFA_HOPPER_POLY", "LEANFA_HOPPER_PV_IN_MMA", "LEANFA_HOPPER_PERSISTENT", "LEANFA_HOPPER_V_PERMUTED",
-         "LEANFA_HOPPER_BLOCK_N", "LEANFA_HOPPER_ABLATE", "LEANFA_HOPPER_CONSUMERS", "LEANFA_HOPPER_STORE_TMA",
-         "LEANFA_HOPPER_OVERLAP")
 
 
 def _set_env(cfg):
+    from leanfa.kernels.hopper.plan_cache import KNOBS  # every knob a plan reads: none leaks between configs
+
     for k in KNOBS:
         os.environ.pop(k, None)
     os.environ.update(CONFIGS[cfg])
