@@ -1155,6 +1155,28 @@ def test_v3_overlap_equals_pv_in_mma(shape, causal, lse, order, persistent, monk
         assert torch.equal(l0, l1)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_v3_overlap_varlen_equals_pv_in_mma(causal, monkeypatch):
+    """OVERLAP on packed FP8 varlen batches (V re-packed; sequences of one token, empty ones, several tiles):
+    bit for bit PV_IN_MMA's output and LSE."""
+    from leanfa.api import _build_problem
+
+    lens = [300, 0, 1, 200, 77]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    q, k, v = (torch.randn(sum(lens), h, 128, generator=torch.Generator().manual_seed(h)).to(torch.bfloat16)
+               for h in (4, 2, 2))
+    kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=300, max_seqlen_k=300)
+    qq = leanfa.quantize_fp8(q, k, v, **kw)
+    p = _build_problem(qq.q, qq.k, qq.v, varlen=True, **kw, softmax_scale=None, causal=causal, return_lse=True,
+                       out_dtype=None, **qq.descales())
+    monkeypatch.setenv("LEANFA_HOPPER_PV_IN_MMA", "1")
+    o0, l0, _ = emulate(p, version="v3")
+    monkeypatch.setenv("LEANFA_HOPPER_OVERLAP", "1")
+    for order in ("consumer-first", "producer-first"):
+        o1, l1, _ = emulate(p, version="v3", ws_order=order)
+        assert torch.equal(o0, o1) and torch.equal(l0, l1), order
+
+
 def test_v3_overlap_plan_checks(monkeypatch):
     """OVERLAP needs FP8 with PV in the accumulator (two-level PV would hold a second 64-register tile under the
     softmax), the default tile, and no sink or trace: anything else is an error, not a silent fallback."""
