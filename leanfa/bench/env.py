@@ -50,8 +50,8 @@ def git_tree(cwd: str | None = None) -> str | None:
         with tempfile.TemporaryDirectory() as d:
             tmp = os.path.join(d, "index")
             src = index if os.path.isabs(index) else os.path.join(cwd, index)
-            if os.path.exists(src):
-                shutil.copy(src, tmp)
+            if os.path.exists(src):  # copy2 keeps the index's mtime: git's check for racily-clean entries
+                shutil.copy2(src, tmp)  # (a file rewritten at the same size within the index's timestamp) needs it
             env = dict(os.environ, GIT_INDEX_FILE=tmp)
             if subprocess.run(["git", "add", "-A"], cwd=root, env=env, capture_output=True, timeout=60).returncode:
                 return None
