@@ -133,13 +133,16 @@ def qk_chunk(dqk: int) -> int:
 def stages_for(dqk: int, dv: int, elt: int, block_n: int = BLOCK_N, block_m: int = BLOCK_M, extra: int = 0) -> int:
     """Deepest K/V ring that fits shared memory (with room for layout-conversion scratch) next to Q and
     ``extra`` bytes (the BF16 sink keys' buffers)."""
-    q_bytes = block_m * dqk * elt + extra
-    stage = block_n * (dqk + dv) * elt
-    scratch = 8 * 1024
     stages = 4
-    while stages > 2 and q_bytes + stages * stage + scratch > SMEM_LIMIT:
+    while stages > 2 and _smem_bytes(dqk, dv, elt, stages, block_n, block_m, extra) > SMEM_LIMIT:
         stages -= 1
     return stages
+
+
+def _smem_bytes(dqk: int, dv: int, elt: int, stages: int, block_n: int = BLOCK_N, block_m: int = BLOCK_M,
+                extra: int = 0) -> int:
+    """Shared memory of Q, ``stages`` K/V slots, ``extra`` bytes and 8 KB for layout-conversion scratch."""
+    return block_m * dqk * elt + extra + stages * block_n * (dqk + dv) * elt + 8 * 1024
 
 
 def wide_head(dv: int) -> bool:
@@ -324,17 +327,15 @@ def store_tma(version: str, is_fp8: bool, varlen: bool, out: torch.Tensor, sink_
     ``STG.E.U16`` per thread, ~2100-2900 cycles per tile against ~800; validated on the H200 in runs 46-48).
     ``=2``: BF16/FP16 calls too (:data:`BF16_STORE_TMA_VALIDATED`), where the 64 x Dv output boxes fit next to
     Q and the two-slot ring (d64, d128; not MLA's 192-wide Q)."""
-    knob = os.environ.get("LEANFA_HOPPER_STORE_TMA", "1").strip()
-    if version != "v3" or knob in ("0", "", "false", "no"):
+    if version != "v3" or not _flag("LEANFA_HOPPER_STORE_TMA", True):
         return False
     dv = out.shape[-1]
     if not _dense_default_tile(varlen, sink_mode, dv, block_n, wgs):
         return False
     if not is_fp8:
-        if not (BF16_STORE_TMA_VALIDATED or knob == "2"):
+        if not (BF16_STORE_TMA_VALIDATED or os.environ.get("LEANFA_HOPPER_STORE_TMA", "").strip() == "2"):
             return False
-        elt = 2
-        if 64 * wgs * (dqk + dv) * elt + 2 * block_n * (dqk + dv) * elt + 8 * 1024 > SMEM_LIMIT:
+        if _smem_bytes(dqk, dv, 2, 2, block_n, 64 * wgs, 64 * wgs * dv * 2) > SMEM_LIMIT:
             return False  # Q, the output boxes and two K/V slots
     if out.dtype not in (torch.bfloat16, torch.float16):
         return False
@@ -516,8 +517,7 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
             raise ValueError("LEANFA_HOPPER_PERSISTENT and LEANFA_HOPPER_PINGPONG cannot be combined yet")
         if wgs != 2 and pingpong:
             raise ValueError("LEANFA_HOPPER_PINGPONG alternates two consumer warpgroups (LEANFA_HOPPER_CONSUMERS=2)")
-        constexprs.update(OVERLAP=overlap)
-        constexprs.update(PINGPONG=pingpong, POLY=poly, PV_IN_MMA=pv_flag,
+        constexprs.update(OVERLAP=overlap, PINGPONG=pingpong, POLY=poly, PV_IN_MMA=pv_flag,
                           PERSISTENT=persistent, VARLEN=varlen, CONSUMER_WGS=wgs, SINK=sink_mode, STORE_TMA=o_tma,
                           CONSUMER_REGS=V3_CONSUMER_REGS if wgs == 2 else V3_CONSUMER_REGS_3WG,
                           num_warps=NUM_WARPS // 2)
