@@ -53,7 +53,8 @@ class FP8QKV:
 
     ``q``/``k``: ``(B, S, H, D)`` (or packed ``(total, H, D)``) float8_e4m3fn. ``v``: same
     logical shape, stored transposed. Descales: per-block ``(B, H, ceil(S/128))``, per-head
-    ``(B, H)`` or a 0-d tensor; ``v_descale`` ``(B, Hkv, Dv)`` or 0-d. ``k_mean``:
+    ``(B, H)`` or a 0-d tensor (in a packed batch, the blocks past a shorter sequence's end hold 1);
+    ``v_descale`` ``(B, Hkv, Dv)`` or 0-d. ``k_mean``:
     ``(B, Hkv, Dqk)`` float32 mean subtracted from K (in the rotated space when ``rotation``
     is set), or None.
     """
@@ -159,6 +160,8 @@ def _quantize_qk(x: torch.Tensor, seqs: _Seqs, granularity: str, mean):
     nblk = num_scale_blocks(seqs.max_seqlen)
     table = torch.empty((seqs.batch, seqs.heads, nblk), dtype=torch.float32, device=x.device)
     if granularity == "block":
+        if seqs.varlen:  # blocks past a shorter sequence's end: descale 1 (the fused path's value), not garbage
+            table.fill_(1.0)
         _quantize_launch(x, y, seqs, mean=mean, scale=table, compute_scale=True)
         return y, table
     # head / tensor: block amax first (descales written to `table`), then reduce and apply

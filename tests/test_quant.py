@@ -127,10 +127,7 @@ def test_fused_block_path_matches_per_tensor_kernels(device, varlen, smooth_k):
     assert torch.equal(fused.q.view(torch.uint8), q8.view(torch.uint8))
     assert torch.equal(fused.v.view(torch.uint8), v8.view(torch.uint8))
     assert torch.equal(fused.v_descale, vd)
-    # scale tables: only entries of blocks inside a sequence are defined
-    nb = lambda ls: [-(-n // 128) for n in ls] if varlen else [-(-shape_q[1] // 128)] * 2  # noqa: E731
-    for b, n in enumerate(nb(lens_q) if varlen else nb(None)):
-        assert torch.equal(fused.q_descale[b, :, :n], qd[b, :, :n])
+    assert torch.equal(fused.q_descale, qd)  # (blocks past a sequence's end: 1 in both)
     if smooth_k:
         torch.testing.assert_close(fused.k_mean, k_mean, rtol=1e-5, atol=1e-6)
     else:
@@ -138,9 +135,31 @@ def test_fused_block_path_matches_per_tensor_kernels(device, varlen, smooth_k):
     diff = (fused.k.float() - k8.float()).abs()
     step = k8.float().abs() / 8 + 2.0**-9  # one e4m3 step at that magnitude (3 mantissa bits)
     assert (diff <= step).all() and (diff > 0).float().mean() < 1e-3
-    kn = [-(-n // 128) for n in lens_k] if varlen else [-(-shape_k[1] // 128)] * 2
-    for b, n in enumerate(kn):
-        torch.testing.assert_close(fused.k_descale[b, :, :n], kd[b, :, :n], rtol=1e-5, atol=0)
+    torch.testing.assert_close(fused.k_descale, kd, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("dim", [128, 256])  # the fused quantizer, and the per-tensor kernels (dim > 192)
+def test_blocks_past_a_sequence_end_have_unit_descale(device, monkeypatch, dim):
+    """Packed varlen: a sequence shorter than the longest has block-scale slots past its end; they hold 1, not
+    what the allocator left there (GPU run 53: two calls on equal inputs differed in exactly those slots). Every
+    float32 ``torch.empty`` is NaN-poisoned here, so a slot left unwritten fails."""
+    real_empty = torch.empty
+
+    def poisoned_empty(*args, **kw):
+        t = real_empty(*args, **kw)
+        return t.fill_(float("nan")) if t.dtype == torch.float32 else t
+
+    monkeypatch.setattr(torch, "empty", poisoned_empty)
+    lens = [300, 5, 0, 129]  # (a one-token K smooths to 0: descale 1 in its own block too)
+    cu = cu_seqlens(lens, device)
+    g = torch.Generator().manual_seed(7)
+    q, k, v = ((torch.randn(sum(lens), h, dim, generator=g) * 2).to(torch.bfloat16).to(device) for h in (4, 2, 2))
+    qt = leanfa.quantize_fp8(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=300, max_seqlen_k=300)
+    for table in (qt.q_descale, qt.k_descale):
+        assert table.shape[::2] == (4, 3) and not table.isnan().any()
+        for b, n in enumerate(lens):
+            nblk = -(-n // SCALE_BLOCK)
+            assert (table[b, :, nblk:] == 1).all() and (table[b, :, :nblk] != 1).all()
 
 
 class _PoisonedStats:

@@ -306,6 +306,8 @@ def quantize_qkv(
                           QS + (pid * nblk_q + blk), tl.zeros([BLOCK_DQK], tl.float32),
                           tl.full([BLOCK_DQK], 1.0, tl.float32),
                           DQK, BLOCK_DQK, BLOCK_S, False, True, False, EXACT_ROUND)
+        elif blk < nblk_q:  # a block past a shorter sequence's end: descale 1, not what the allocator left
+            tl.store(QS + (pid * nblk_q + blk), 1.0)
     else:
         kv = pid - nq if pid < nq + nk else pid - nq - nk
         b, h, start, seqlen = _sequence_head(kv, CU_K, seqlen_k_dense, heads_kv, VARLEN)
@@ -320,6 +322,8 @@ def quantize_qkv(
                               s0, seqlen, seqlen, stride_ks, stride_kd, stride_k8s, stride_k8d,
                               KS + (kv * nblk_k + blk), mean, tl.full([BLOCK_DQK], 1.0, tl.float32),
                               DQK, BLOCK_DQK, BLOCK_S, SMOOTH_K, True, False, EXACT_ROUND)
+            elif blk < nblk_k:
+                tl.store(KS + (kv * nblk_k + blk), 1.0)
         else:  # V
             offs_dv = tl.arange(0, BLOCK_DV)
             ch = tl.load(VS + kv * DV + offs_dv, mask=offs_dv < DV, other=1.0)
