@@ -143,6 +143,9 @@ run_steps() {
                   --shapes 16x1024,4x4096; done ;;
       overlap) step overlap 420 40 env LEANFA_CHECK_DTYPES=fp8 python3 scripts/hopper_v2_gpu.py --check v3-overlap \
                 --check-timeout 240 --time v3,v3-pvmma-default,v3-overlap ;;  # the softmax under PV (P in smem)
+      stalls_overlap) for ov in 0 1; do  # where OVERLAP's time goes (run 53: 3-4% slower than PV_IN_MMA alone)
+                step "stalls_ov$ov" 200 50 env LEANFA_HOPPER_PV_IN_MMA=1 LEANFA_HOPPER_OVERLAP=$ov python3 \
+                  scripts/ncu_stalls.py --impl leanfa-hopper-fp8-kernel --out "$OUT/r/stalls_ov$ov"; done ;;
       host_time) step host_time 200 20 python3 scripts/host_time.py --profile --shapes 16x1024,4x4096,1x16384 ;;  # CPU time per call vs GPU time
       quant_time) step quant_time 200 40 python3 scripts/quant_time.py ;;  # FP8 end-to-end: quantizer kernels, GB/s
       ablate) step ablate 300 60 python3 scripts/hopper_v2_gpu.py --check "" \
