@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
+from leanfa.kernels.hopper import launch as L  # noqa: E402
 from leanfa.kernels.hopper.aot import Variant, compile_variant  # noqa: E402
 
 SMEM_LIMIT = 227 * 1024
@@ -96,8 +97,9 @@ def variants():
 
 def spill_budget(v: Variant) -> int:
     """Bytes of spills accepted: v3's consumers (240 registers) may spill a few outside the key loop
-    (tests/test_hopper.py allows 64); the persistent grid's ~330 B (the FP8 default since the tenth session)
-    are tile-invariant epilogue addresses LLVM hoists out of the tile loop (docs/perf-notes.md)."""
+    (tests/test_hopper.py allows 64); the persistent grid's ~330 B (the FP8 default since the tenth session; BF16
+    128/128's since the twelfth, 68-120 B) are tile-invariant epilogue addresses LLVM hoists out of the tile loop
+    (docs/perf-notes.md)."""
     if v.version != "v3":
         return 0
     if v.sink and v.return_lse:  # the LSE's q . mean from the 16-bit Q next to O and the row state (epilogue)
@@ -107,9 +109,10 @@ def spill_budget(v: Variant) -> int:
                                           # 116-132 B with the LSE's K-mean term (epilogue)
     env = dict(v.env)
     persistent = env.get("LEANFA_HOPPER_PERSISTENT")
-    if persistent is None:  # the default: persistent for dense FP8 at head dim <= 128 without the sink
-        persistent = v.dtype == "fp8" and not v.varlen and not v.sink and v.dv <= 128 and not (v.k_mean and v.return_lse) and not any(
-            env.get(f"LEANFA_HOPPER_{k}") for k in ("PINGPONG", "BLOCK_N", "CONSUMERS"))
+    if persistent is None:  # the default (launch.persistent_default), unless an experiment's knob is set
+        persistent = not any(env.get(f"LEANFA_HOPPER_{k}") for k in ("PINGPONG", "BLOCK_N", "CONSUMERS")) and \
+            L.persistent_default(v.dtype == "fp8", v.varlen, int(v.sink), v.dv, False,
+                                 has_kmean=v.k_mean and v.return_lse, dqk=v.dqk)
     return 400 if persistent else 64
 
 

@@ -53,7 +53,7 @@ CONFIGS = {  # name -> env
     # FP8: the softmax of block j + 1 under PV_j, P through shared memory (an experiment, CPU-checked)
     "v3-overlap": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_PV_IN_MMA": "1", "LEANFA_HOPPER_OVERLAP": "1"},
     "v3-pvmma-default": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_PV_IN_MMA": "1"},
-    # ... and BF16 through it too (=2: not yet validated on the GPU for BF16)
+    # ... and BF16 through it too (=2: d64 as well; BF16 128/128 takes it by default since runs 53-54)
     "v3-tma2": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_STORE_TMA": "2", "LEANFA_HOPPER_PERSISTENT": "0"},
     "v3-tma2-persist": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_STORE_TMA": "2", "LEANFA_HOPPER_PERSISTENT": "1"},
     # 64x256 S tile per warpgroup (cuDNN's FP8 shape): PV in the wgmma accumulator, permuted V

@@ -10,8 +10,8 @@ host-bound: the GPU waits for the CPU. Parts: ``quantize_fp8``, the Hopper plan 
 (``hopper.plan``: checks, descriptors, arguments), the kernel launch alone (a plan built once),
 ``flash_attn_func`` on pre-quantized inputs, ``attention(precision="fp8")``, BF16
 ``flash_attn_func``, and ``flash_attn_varlen_func`` (FP8 pre-quantized and BF16) on the same tokens packed as b
-sequences. ``--profile``: the top functions (own time) of 200 ``flash_attn_func`` FP8 and 200 end-to-end calls
-under cProfile, at the first shape.
+sequences, and the varlen FP8 call's V re-pack alone (``align_varlen_v``). ``--profile``: the top functions (own
+time) of 200 calls of ``flash_attn_func`` FP8, end-to-end FP8 and varlen FP8 under cProfile, at the first shape.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from triton.testing import do_bench
 import leanfa
 from leanfa.api import _build_problem
 from leanfa.kernels import hopper
+from leanfa.kernels.hopper.varlen_v import align_varlen_v
 
 
 def host_ms(fn, calls: int = 200) -> float:
@@ -73,12 +74,13 @@ def main():
             "varlen fp8": lambda: leanfa.flash_attn_varlen_func(qv.q, qv.k, qv.v, cu, cu, s, s, causal=True,
                                                                **qv.descales()),
             "varlen bf16": lambda: leanfa.flash_attn_varlen_func(*flat, cu, cu, s, s, causal=True),
+            "varlen V re-pack (FP8)": lambda: align_varlen_v(qv.v, cu, s),
         }
         for name, fn in parts.items():
             gpu = do_bench(fn, return_mode="median") if name != "hopper.plan (no launch)" else float("nan")
             print(f"{shape:>12s} {name:28s} {host_ms(fn):8.3f} {gpu:8.3f}", flush=True)
         if args.profile and shape == args.shapes.split(",")[0]:  # the host work is the same at every shape
-            for name in ("flash_attn_func fp8", "attention(precision=fp8)"):
+            for name in ("flash_attn_func fp8", "attention(precision=fp8)", "varlen fp8"):
                 prof = cProfile.Profile()
                 prof.enable()
                 for _ in range(200):

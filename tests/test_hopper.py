@@ -306,14 +306,14 @@ def test_v3_store_tma_equals_register_stores(shape, persistent, monkeypatch):
                                    (1, 4096, 4096, 8, 2, 128, 128)])
 @pytest.mark.parametrize("persistent", ["0", "1"])
 def test_v3_bf16_store_tma_equals_register_stores(shape, persistent, monkeypatch):
-    """LEANFA_HOPPER_STORE_TMA=2 (BF16 through the TMA-store epilogue, launch.BF16_STORE_TMA_VALIDATED): output
-    and LSE, poisoned first, bit for bit the register stores'."""
+    """BF16 through the TMA-store epilogue (=2; by default at 128/128, launch.bf16_tma_default): output and LSE,
+    poisoned first, bit for bit the register stores' (=0)."""
     monkeypatch.setenv("LEANFA_POISON_OUTPUTS", "1")
     monkeypatch.setenv("LEANFA_HOPPER_PERSISTENT", persistent)
     B, Sq, Sk, Hq, Hkv, dqk, dv = shape
     q, k, v = _inputs(B, Sq, Sk, Hq, Hkv, dqk, dv)
     outs = []
-    for tma in ("1", "2"):  # (1: BF16 keeps the register stores)
+    for tma in ("0", "2"):
         monkeypatch.setenv("LEANFA_HOPPER_STORE_TMA", tma)
         outs.append(leanfa.flash_attn_func(q, k, v, causal=True, return_lse=True, backend="hopper"))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])

@@ -628,7 +628,7 @@ def test_v3_fp8_varlen_unaligned_is_flagged(monkeypatch):
                        out_dtype=None, **qq.descales())
     out, _, _ = emulate(p, version="v3")  # re-packed: runs
     assert not torch.isnan(out).any()
-    monkeypatch.setattr(L, "align_varlen_v", lambda v, cu_k: (v, cu_k))  # V as packed, K's starts
+    monkeypatch.setattr(L, "align_varlen_v", lambda v, cu_k, *_: (v, cu_k))  # V as packed, K's starts
     with pytest.raises(EmulationError, match="16 bytes"):
         emulate(p, version="v3")
 
@@ -680,23 +680,37 @@ def test_transpose_fp8_v():
     assert (padded[..., 37:] == 0).all()
 
 
-@pytest.mark.parametrize("lens", [[5, 295], [0, 16, 1, 17, 130], [128]])
-def test_align_varlen_v(lens):
-    """Every sequence's V tokens land at its 16-aligned start, in order; the gaps are zeros."""
+@pytest.mark.parametrize("lens,layout,max_seqlen", [
+    ([5, 295], "transposed", None), ([0, 16, 1, 17, 130], "transposed", 130), ([128], "transposed", 128),
+    ([0, 16, 1, 17, 130], "token-major", 130),
+    ([5, 295], "transposed", 40),  # a grid smaller than the longest sequence: its programs loop
+    (list(torch.randint(0, 40, (300,), generator=torch.Generator().manual_seed(3))), "transposed", 40),  # > BLOCK_B
+    ([], "transposed", 0)])
+def test_align_varlen_v(lens, layout, max_seqlen, monkeypatch):
+    """Every sequence's V tokens land at its 16-aligned start, in order; the gaps and the rows after the last
+    sequence are zeros. The re-pack's buffers come from a poisoned ``torch.empty`` (0xFF, an e4m3 NaN), so a
+    byte it leaves unwritten fails."""
+    lens = [int(n) for n in lens]
     cu = cu_seqlens(lens)
     total, H, D = int(cu[-1]), 2, 32
     store = torch.randint(1, 100, (H, D, total + 3), dtype=torch.uint8)  # tokens innermost, padded rows
     v = store.view(torch.float8_e4m3fn).permute(2, 0, 1)[:total]
-    out, cu_v = L.align_varlen_v(v, cu)
+    if layout == "token-major":
+        v = v.contiguous()
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: real_empty(*a, **kw).view(torch.uint8).fill_(255)
+                        .view(kw.get("dtype", torch.float32)))
+    out, cu_v = L.align_varlen_v(v, cu, max_seqlen)
     got = out.view(torch.uint8).permute(1, 2, 0)  # (H, D, room)
     assert out.shape[1:] == (H, D) and out.stride(0) == 1 and out.shape[0] % 16 == 0
-    assert cu_v.dtype == torch.int32 and int(cu_v[0]) == 0
+    assert cu_v.dtype == torch.int32 and cu_v.shape == (len(lens) + 1,) and int(cu_v[0]) == 0
     covered = torch.zeros(out.shape[0], dtype=torch.bool)
     for b, n in enumerate(lens):
         start = int(cu_v[b])
         assert start % 16 == 0 and start >= (int(cu_v[b - 1]) + lens[b - 1] if b else 0)
         assert torch.equal(got[:, :, start:start + n], store[:, :, int(cu[b]):int(cu[b]) + n])
         covered[start:start + n] = True
+    assert int(cu_v[-1]) == sum(-(-n // 16) * 16 for n in lens)
     assert (got[:, :, ~covered] == 0).all()
 
 
@@ -772,12 +786,18 @@ def test_hopper_knobs(monkeypatch):
     assert plan.version == "v3"
     assert plan.constexprs["PINGPONG"] is False and plan.constexprs["POLY"] == 0
     assert plan.constexprs["PV_IN_MMA"] is False and plan.constexprs["num_warps"] == 4
-    # dense FP8 at head dim <= 128: persistent, output through TMA (run 48); BF16 (and PINGPONG) the one-tile grid
+    # dense FP8 at head dim <= 128: persistent, output through TMA (run 48); BF16 at 128/128 too (runs 53-54);
+    # BF16 at d64 and MLA, and PINGPONG, the one-tile grid
     assert plan.constexprs["PERSISTENT"] is True and plan.grid == (3, )  # min(tiles = 4, "SMs" = 3)
     assert plan.constexprs["STORE_TMA"] is True
     plan16 = emulate_mod._make_plan_cpu(L, _problem(q, k, v, True), torch.empty(1, 200, 2, 128, dtype=torch.bfloat16),
                                         None)
-    assert plan16.constexprs["PERSISTENT"] is False and len(plan16.grid) == 2 and not plan16.constexprs["STORE_TMA"]
+    assert plan16.constexprs["PERSISTENT"] is True and plan16.grid == (3, ) and plan16.constexprs["STORE_TMA"]
+    for dqk, dv in ((64, 64), (192, 128)):
+        plan16 = emulate_mod._make_plan_cpu(L, _problem(*_inputs(1, 200, 200, 2, 1, dqk, dv), True),
+                                            torch.empty(1, 200, 2, dv, dtype=torch.bfloat16), None)
+        assert plan16.constexprs["PERSISTENT"] is False and len(plan16.grid) == 2, (dqk, dv)
+        assert not plan16.constexprs["STORE_TMA"], (dqk, dv)
     monkeypatch.setenv("LEANFA_HOPPER_PINGPONG", "1")
     plan = emulate_mod._make_plan_cpu(L, p, torch.empty(1, 200, 2, 128, dtype=torch.bfloat16), None)
     assert plan.constexprs["PERSISTENT"] is False and len(plan.grid) == 2
@@ -1016,18 +1036,18 @@ def _store_tma_bit_for_bit(p, off: str, on: str, monkeypatch):
         assert torch.equal(l0, l1), order
 
 
-#: BF16 (LEANFA_HOPPER_STORE_TMA=2 until GPU-validated): the output boxes fit next to Q and the 2-slot ring at
-#: d64 and d128, not at MLA
+#: BF16 (by default at d128, LEANFA_HOPPER_STORE_TMA=2 at d64 too): the output boxes fit next to Q and the 2-slot
+#: ring at d64 and d128, not at MLA
 BF16_TMA_STORE_CASES = [c for c in TMA_STORE_CASES if c[1] != (192, 128)]
 
 
 @pytest.mark.parametrize("persistent", ["0", "1"])
 @pytest.mark.parametrize("shape,dims,causal", BF16_TMA_STORE_CASES)
 def test_v3_bf16_store_tma_equals_register_stores(shape, dims, causal, persistent, monkeypatch):
-    """LEANFA_HOPPER_STORE_TMA=2 (BF16 inputs too): the same bit-for-bit equality as FP8's, both partition
-    orders, one tile per program or persistent."""
+    """LEANFA_HOPPER_STORE_TMA=2 (BF16 inputs, d64 and d128): the same bit-for-bit equality as FP8's, both
+    partition orders, one tile per program or persistent."""
     monkeypatch.setenv("LEANFA_HOPPER_PERSISTENT", persistent)
-    _store_tma_bit_for_bit(_problem(*_inputs(*shape, *dims), causal), "1", "2", monkeypatch)  # (1: FP8 only)
+    _store_tma_bit_for_bit(_problem(*_inputs(*shape, *dims), causal), "0", "2", monkeypatch)
 
 
 def test_v3_store_tma_plan(monkeypatch):
@@ -1040,17 +1060,24 @@ def test_v3_store_tma_plan(monkeypatch):
     assert plan.constexprs["STORE_TMA"] and plan.args[-1].block_shape == [1, 1, 64, 128]
     assert plan.constexprs["STAGES"] == 4  # 32 KB of staging next to the 4-slot FP8 ring
     assert not emulate_mod._make_plan_cpu(L, p, out.float(), None).constexprs["STORE_TMA"]  # fp32 output
-    assert not emulate_mod._make_plan_cpu(L, _problem(*_inputs(1, 200, 200, 2, 1, 128, 128), True), out,
-                                          None).constexprs["STORE_TMA"]  # BF16 inputs
+    assert emulate_mod._make_plan_cpu(L, _problem(*_inputs(1, 200, 200, 2, 1, 128, 128), True), out,
+                                      None).constexprs["STORE_TMA"]  # BF16 inputs at 128/128 (runs 53-54)
+    assert not emulate_mod._make_plan_cpu(L, _problem(*_inputs(1, 200, 200, 2, 1, 64, 64), True),
+                                          torch.empty(1, 200, 2, 64, dtype=torch.bfloat16),
+                                          None).constexprs["STORE_TMA"]  # BF16 at d64: =2 only
     assert not emulate_mod._make_plan_cpu(L, _fp8((1, 200, 200, 2, 1), (256, 256), True),
                                           torch.empty(1, 200, 2, 256, dtype=torch.bfloat16),
                                           None).constexprs["STORE_TMA"]  # head dim 256
     monkeypatch.setenv("LEANFA_HOPPER_STORE_TMA", "0")
     assert not emulate_mod._make_plan_cpu(L, p, out, None).constexprs["STORE_TMA"]
-    # =2: BF16 too, where the boxes fit (d128: two K/V slots, as without them); not MLA's 192-wide Q
+    assert not emulate_mod._make_plan_cpu(L, _problem(*_inputs(1, 200, 200, 2, 1, 128, 128), True), out,
+                                          None).constexprs["STORE_TMA"]  # (=0: BF16 off too)
+    # =2: BF16 wherever the boxes fit (d128: two K/V slots, as without them; d64); not MLA's 192-wide Q
     monkeypatch.setenv("LEANFA_HOPPER_STORE_TMA", "2")
     plan16 = emulate_mod._make_plan_cpu(L, _problem(*_inputs(1, 200, 200, 2, 1, 128, 128), True), out, None)
     assert plan16.constexprs["STORE_TMA"] and plan16.constexprs["STAGES"] == 2
+    assert emulate_mod._make_plan_cpu(L, _problem(*_inputs(1, 200, 200, 2, 1, 64, 64), True),
+                                      torch.empty(1, 200, 2, 64, dtype=torch.bfloat16), None).constexprs["STORE_TMA"]
     assert not emulate_mod._make_plan_cpu(L, _problem(*_inputs(1, 200, 200, 2, 1, 192, 128), True), out,
                                           None).constexprs["STORE_TMA"]
 

@@ -134,12 +134,14 @@ def _fresh_varlen_plan(p, out, lse):
 @pytest.mark.parametrize("fp8", [True, False])
 @pytest.mark.parametrize("lse", [False, True])
 def test_prepared_inputs_cached_only_when_enabled(fp8, lse, monkeypatch):
-    """Varlen calls (packed tensors viewed as a batch of one; FP8: V re-packed every call) keep a template only
-    with LEANFA_HOPPER_PLAN_CACHE=2 (PREPARED_VALIDATED is False until a GPU run): then a bound plan equals
-    make_plan's for fresh inputs of the same signature, its re-packed V made from this call's V."""
+    """Varlen calls (packed tensors viewed as a batch of one; FP8: V re-packed every call) keep a template by
+    default (PREPARED_VALIDATED, H200 run 53) or with LEANFA_HOPPER_PLAN_CACHE=2, not with =1: a bound plan
+    equals make_plan's for fresh inputs of the same signature, its re-packed V made from this call's V."""
+    assert hopper.plan_cache.PREPARED_VALIDATED
+    monkeypatch.setenv("LEANFA_HOPPER_PLAN_CACHE", "1")
     p = _varlen_problem([300, 90, 1, 200], 4, 2, 128, fp8, 0, lse=lse)
     assert hopper.plan(p)[0].template is None
-    monkeypatch.setenv("LEANFA_HOPPER_PLAN_CACHE", "2")
+    monkeypatch.delenv("LEANFA_HOPPER_PLAN_CACHE")
     for seed in (0, 1, 2):
         p = _varlen_problem([300, 90, 1, 200], 4, 2, 128, fp8, seed, lse=lse)
         plan, out, lse_t = hopper.plan(p)
@@ -195,13 +197,16 @@ def test_knob_change_rebuilds(monkeypatch):
     assert hopper.plan(_problem(tensors, kw))[0].template is None
 
 
-def test_copies_are_not_cached_and_aliases_get_their_own_plan():
-    # FP8 V token-major: the plan transposes a copy of V every call
+def test_copies_are_not_cached_and_aliases_get_their_own_plan(monkeypatch):
+    # FP8 V token-major: the plan transposes a copy of V every call (kept only with plans over prepared inputs,
+    # the default; not with LEANFA_HOPPER_PLAN_CACHE=1)
+    monkeypatch.setenv("LEANFA_HOPPER_PLAN_CACHE", "1")
     (q, k, v), kw = _inputs(1, 300, 4, 4, 128, 128, True, 0)
     v_tok = v.contiguous()
     assert not L.v_is_kmajor(v_tok)
     assert hopper.plan(_problem((q, k, v_tok), kw))[0].template is None
     assert len(hopper.PLANS._templates) == 0
+    monkeypatch.delenv("LEANFA_HOPPER_PLAN_CACHE")
     # one tensor as several inputs: a template of its own (an argument binds from the first input it was)
     (q, k, v), _ = _inputs(1, 300, 4, 4, 128, 128, False, 0)
     (q2, k2, v2), _ = _inputs(1, 300, 4, 4, 128, 128, False, 1)
@@ -286,8 +291,8 @@ def test_cached_launch_equals_uncached(fp8, causal, monkeypatch):
 @pytest.mark.parametrize("form", ["varlen", "token-major-v"])
 def test_cached_launch_of_prepared_inputs_equals_uncached(fp8, form, monkeypatch):
     """LEANFA_HOPPER_PLAN_CACHE=2 (plans over prepared inputs: varlen views, an FP8 V re-packed or transposed per
-    call): outputs and LSE equal the uncached launch's bit for bit, for fresh inputs each call. What a GPU run
-    must pass before PREPARED_VALIDATED turns on."""
+    call): outputs and LSE equal the uncached launch's bit for bit, for fresh inputs each call (H200 run 53:
+    passed; PREPARED_VALIDATED since)."""
     if form == "token-major-v" and not fp8:
         pytest.skip("a BF16 V is read as it is")
     monkeypatch.setenv("LEANFA_POISON_OUTPUTS", "1")

@@ -20,10 +20,11 @@ try:
 except ImportError:  # pragma: no cover - an older Triton
     CompiledKernel = ()
 
-#: the quantizer's launches through :class:`DirectLaunch`: checked on the CPU only (the Hopper plan cache's
-#: direct launch, the same mechanism, passed on the H200 in runs 51-52), so only with ``LEANFA_DIRECT_LAUNCH=1``
-#: until a GPU run has checked them (``gpu_session.sh direct_launch``)
-VALIDATED = False
+#: the launches through :class:`DirectLaunch` (the quantizer's, the varlen V re-pack): on by default since H200
+#: run 54 (``gpu_session.sh direct_launch``: 93 GPU tests, every quantizer output bit for bit the JIT launch's;
+#: run 53 had found the block-scale slots past a packed sequence's end left unwritten, fixed in the quantizer);
+#: ``LEANFA_DIRECT_LAUNCH=0`` sends every launch through the JIT
+VALIDATED = True
 MAX_KEYS = 256
 
 

@@ -164,8 +164,9 @@ def _inputs(problem) -> tuple:
 
 def _signature(problem):
     """The cache key of a call's inputs, scalars, knobs and device, or None when its plan is rebuilt every call
-    (``LEANFA_HOPPER_PLAN_CACHE=0``, a timing ablation; and until :data:`.plan_cache.PREPARED_VALIDATED`, a
-    call whose plan works on prepared inputs: varlen, or FP8 with a V the plan copies)."""
+    (``LEANFA_HOPPER_PLAN_CACHE=0``, a timing ablation; and with ``=1``, or without
+    :data:`.plan_cache.PREPARED_VALIDATED`, a call whose plan works on prepared inputs: varlen, or FP8 with a V
+    the plan copies)."""
     last = getattr(_memo, "last", None)
     if last is not None and last[0]() is problem:
         return last[1]
@@ -189,7 +190,7 @@ def plan(problem):
     out, lse = allocate_outputs(problem)
     key = _signature(problem)
     _memo.last = None  # (a later call on this problem object reads the knobs again)
-    v, cu_v = _launch.prepare_v(problem.q, problem.v, problem.cu_seqlens_k)
+    v, cu_v = _launch.prepare_v(problem.q, problem.v, problem.cu_seqlens_k, problem.max_seqlen_k)
     q, k, v, sq, sk, sv = (t if t is None else _launch.as_bshd(t)
                            for t in (problem.q, problem.k, v, problem.sink_q, problem.sink_k, problem.sink_v))
     inputs = (q, k, v, problem.q_scale, problem.k_scale, problem.v_scale, problem.k_mean, sq, sk, sv,

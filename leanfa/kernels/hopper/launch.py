@@ -28,6 +28,7 @@ from .kernel_pingpong import attn_fwd_pingpong_kernel
 from .kernel_ws import attn_fwd_ws_kernel
 from .layouts import PERMUTED_KEYS
 from .trace import TRACE_BLOCKS, TRACE_EVENTS
+from .varlen_v import align_varlen_v
 
 BLOCK_M = 128
 BLOCK_N = 128
@@ -59,28 +60,6 @@ def permute_v_keys(v: torch.Tensor) -> torch.Tensor:
     # key 16g + 8q + 2t + e goes to slot 16g + 4t + 2q + e: swap the (q, t) digits of each key
     out = padded.view(B, H, Dv, n // 16, 2, 4, 2).transpose(4, 5).reshape(B, H, Dv, n)
     return out.view(v.dtype).permute(0, 3, 1, 2)
-
-
-def align_varlen_v(v: torch.Tensor, cu_seqlens_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A copy of a packed, transposed-storage FP8 V ``(total, H, Dv)`` (tokens innermost) in which every
-    sequence starts on a multiple of ``V_TOKEN_ALIGN`` tokens, and those starts ``cu_seqlens_v`` (int32,
-    ``batch + 1``). A TMA box of key block ``j`` of sequence ``b`` starts at token ``start_b + 128 j``;
-    with ``start_b = cu_seqlens_k[b]`` that is any byte offset, which TMA refuses ("illegal instruction",
-    H200 run 15). Device ops only (no host sync on the lengths): the gaps are zeros, so the keys past a
-    sequence's end that its last box reads are finite (their P is 0)."""
-    total, H, Dv = v.shape
-    batch = cu_seqlens_k.shape[0] - 1
-    cu = cu_seqlens_k.to(torch.int64)
-    padded = (cu[1:] - cu[:-1] + V_TOKEN_ALIGN - 1) // V_TOKEN_ALIGN * V_TOKEN_ALIGN
-    cu_v = torch.nn.functional.pad(padded.cumsum(0), (1, 0))
-    tokens = torch.arange(total, device=v.device)
-    seq = torch.searchsorted(cu[1:], tokens, right=True)  # the sequence of each packed token
-    dest = tokens - cu[seq] + cu_v[seq]
-    # room for the worst case (every sequence padded by 15), a multiple of 16 tokens: TMA strides
-    room = -(-(total + (V_TOKEN_ALIGN - 1) * batch) // V_TOKEN_ALIGN) * V_TOKEN_ALIGN
-    out = torch.zeros((H, Dv, max(room, V_TOKEN_ALIGN)), dtype=torch.uint8, device=v.device)
-    out.index_copy_(2, dest, v.permute(1, 2, 0).view(torch.uint8))
-    return out.view(v.dtype).permute(2, 0, 1), cu_v.to(torch.int32)
 
 
 def transpose_fp8_v(v: torch.Tensor) -> torch.Tensor:
@@ -301,21 +280,23 @@ SINK_KEYS = BLOCK_N
 SINK_HEAD_DIMS = ((64, 64), (128, 128))  # one Q box per warpgroup; room for the sink's buffers
 
 
-def _short_tile_case(is_fp8: bool, varlen: bool, sink_mode: int, dv: int, block_n: int, wgs: int) -> bool:
-    """The calls the TMA-store epilogue and the persistent default were built and measured for (runs 46-48):
-    dense FP8 without the sink at head dim <= 128, in the default tile (128-key blocks, two consumer
-    warpgroups)."""
-    return is_fp8 and _dense_default_tile(varlen, sink_mode, dv, block_n, wgs)
-
-
 def _dense_default_tile(varlen: bool, sink_mode: int, dv: int, block_n: int, wgs: int) -> bool:
     return not varlen and sink_mode == 0 and dv <= 128 and block_n == BLOCK_N and wgs == 2
 
 
-#: 16-bit inputs through the TMA-store epilogue: the kernel code is the FP8 path's (dtype-generic), checked on
-#: the CPU (the emulator: bit for bit the register stores; AOT sm90) but not yet on the GPU, so only with
-#: ``LEANFA_HOPPER_STORE_TMA=2`` until a GPU run has (``gpu_session.sh bf16_tma``).
-BF16_STORE_TMA_VALIDATED = False
+#: 16-bit inputs through the TMA-store epilogue: the kernel code is the FP8 path's (dtype-generic); H200 run 53
+#: checked it (``gpu_session.sh bf16_tma``: the full case set on the one-tile grid, the small one persistent,
+#: d64/d128/MLA, memcheck and synccheck clean), and run 54 timed it (``short_time.py --dtype bf16``, d128
+#: kernel alone, persistent + TMA store against the one-tile grid: 1.25x at S = 1K, 1.10x at 2K, 1.04x at 4K,
+#: 1.01x at 16K). On by default where it was timed: BF16/FP16 head dim 128/128, persistent
+#: (:func:`bf16_tma_default`); ``LEANFA_HOPPER_STORE_TMA=2`` extends it to head dim 64.
+BF16_STORE_TMA_VALIDATED = True
+
+
+def bf16_tma_default(dqk: int, dv: int) -> bool:
+    """Whether a 16-bit call of these head dims takes the TMA-store epilogue and the persistent grid by default
+    (where :data:`BF16_STORE_TMA_VALIDATED`'s timing was made)."""
+    return BF16_STORE_TMA_VALIDATED and dqk == dv == 128
 
 
 def store_tma(version: str, is_fp8: bool, varlen: bool, out: torch.Tensor, sink_mode: int, block_n: int = BLOCK_N,
@@ -325,15 +306,15 @@ def store_tma(version: str, is_fp8: bool, varlen: bool, out: torch.Tensor, sink_
     (its buffers take that shared memory), not the experiments (other key blocks, three warpgroups).
     ``LEANFA_HOPPER_STORE_TMA=0``: the register stores (128
     ``STG.E.U16`` per thread, ~2100-2900 cycles per tile against ~800; validated on the H200 in runs 46-48).
-    ``=2``: BF16/FP16 calls too (:data:`BF16_STORE_TMA_VALIDATED`), where the 64 x Dv output boxes fit next to
-    Q and the two-slot ring (d64, d128; not MLA's 192-wide Q)."""
+    BF16/FP16 calls at head dim 128 (:func:`bf16_tma_default`); ``=2``: at every head dim where the 64 x Dv output
+    boxes fit next to Q and the two-slot ring (d64 too; not MLA's 192-wide Q)."""
     if version != "v3" or not _flag("LEANFA_HOPPER_STORE_TMA", True):
         return False
     dv = out.shape[-1]
     if not _dense_default_tile(varlen, sink_mode, dv, block_n, wgs):
         return False
     if not is_fp8:
-        if not (BF16_STORE_TMA_VALIDATED or os.environ.get("LEANFA_HOPPER_STORE_TMA", "").strip() == "2"):
+        if not (bf16_tma_default(dqk, dv) or os.environ.get("LEANFA_HOPPER_STORE_TMA", "").strip() == "2"):
             return False
         if _smem_bytes(dqk, dv, 2, 2, block_n, 64 * wgs, 64 * wgs * dv * 2) > SMEM_LIMIT:
             return False  # Q, the output boxes and two K/V slots
@@ -343,16 +324,18 @@ def store_tma(version: str, is_fp8: bool, varlen: bool, out: torch.Tensor, sink_
 
 
 def persistent_default(is_fp8: bool, varlen: bool, sink_mode: int, dv: int, pingpong: bool, block_n: int = BLOCK_N,
-                       wgs: int = 2, has_kmean: bool = False) -> bool:
+                       wgs: int = 2, has_kmean: bool = False, dqk: int = 128) -> bool:
     """Whether v3 runs one program per SM by default (``LEANFA_HOPPER_PERSISTENT`` overrides): dense FP8 of
     head dim <= 128 without the sink, i.e. where the TMA-store epilogue applies. With it and the Q box
     handed back after the last QK, a tile's fill + epilogue + turnover fell from ~9,000 to ~1,800-2,400
     cycles at S = 1K-4K (run 46's trace), and the kernel alone (run 48, ``scripts/short_time.py``) ran
     1.38x / 1.35x the one-tile grid at S = 1K (d128 / MLA), 1.25x / 1.20x at 2K, 1.08x / 1.03x at 4K and
-    1.01x / 0.98x at 16K. BF16, varlen, the sink, head dim 256, the LSE with a smoothed K (its K-mean term
-    reads Q in the epilogue, so Q is handed back late, and AOT spills grow to 440-700 B) and the
+    1.01x / 0.98x at 16K. Dense BF16 at head dim 128/128 too, with its TMA-store epilogue
+    (:func:`bf16_tma_default`). Varlen, the sink, head dim 256, MLA and d64 BF16, the LSE with a smoothed K (its
+    K-mean term reads Q in the epilogue, so Q is handed back late, and AOT spills grow to 440-700 B) and the
     experiments (other key-block sizes, three warpgroups, turn barriers) keep the one-tile grid."""
-    return _short_tile_case(is_fp8, varlen, sink_mode, dv, block_n, wgs) and not pingpong and not has_kmean
+    case = is_fp8 or bf16_tma_default(dqk, dv)
+    return case and _dense_default_tile(varlen, sink_mode, dv, block_n, wgs) and not pingpong and not has_kmean
 
 
 def sink_problem(version: str, is_fp8: bool, dims: tuple, sink_keys: int, tensors=()) -> str | None:
@@ -385,14 +368,15 @@ def _sink_descs(sink, q_rows: int, block_n: int):
     return descs, (2 * q_rows * dqk + block_n * (dqk + dv)) * sq.element_size()
 
 
-def prepare_v(q: torch.Tensor, v: torch.Tensor, cu_seqlens_k=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def prepare_v(q: torch.Tensor, v: torch.Tensor, cu_seqlens_k=None, max_seqlen_k=None
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The V the kernel reads, and the varlen FP8 sequence starts ``cu_seqlens_v`` (else None): the FP8 wgmma
     reads V K-major (tokens innermost), 16-byte aligned, so an FP8 varlen V is re-packed (:func:`align_varlen_v`,
     from either layout) and a dense token-major one transposed (:func:`transpose_fp8_v`); one copy per call."""
     if q.dtype != torch.float8_e4m3fn:
         return v, None
     if cu_seqlens_k is not None:
-        return align_varlen_v(v, cu_seqlens_k)
+        return align_varlen_v(v, cu_seqlens_k, max_seqlen_k)
     return (v, None) if v_is_kmajor(v) else (transpose_fp8_v(v), None)
 
 
@@ -409,7 +393,7 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
     varlen = cu_seqlens_q is not None
     if varlen and version != "v3":
         raise ValueError(f"varlen inputs need the v3 Hopper kernel (LEANFA_HOPPER_KERNEL={version})")
-    v, cu_seqlens_v = prepared_v if prepared_v is not None else prepare_v(q, v, cu_seqlens_k)
+    v, cu_seqlens_v = prepared_v if prepared_v is not None else prepare_v(q, v, cu_seqlens_k, max_seqlen_k)
     q, k, v = as_bshd(q), as_bshd(k), as_bshd(v)
     B, Sq, Hq, Dqk = q.shape
     Sk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
@@ -512,7 +496,7 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
         poly = _ablation() or poly
         pingpong = _flag("LEANFA_HOPPER_PINGPONG", False)
         persistent = _flag("LEANFA_HOPPER_PERSISTENT", persistent_default(is_fp8, varlen, sink_mode, Dv, pingpong,
-                                                                                  block_n, wgs, has_kmean))
+                                                                                  block_n, wgs, has_kmean, Dqk))
         if persistent and pingpong:
             raise ValueError("LEANFA_HOPPER_PERSISTENT and LEANFA_HOPPER_PINGPONG cannot be combined yet")
         if wgs != 2 and pingpong:

@@ -20,8 +20,8 @@ The inputs a plan is bound from are the call's tensors as the kernel reads them:
 viewed as a batch of one, and V as :func:`.launch.prepare_v` makes it (an FP8 V re-packed or transposed:
 that copy is made every call, before the lookup). Only plans whose every tensor argument is one of those
 inputs are kept: a plan that made a tensor of its own (a permuted V, the clock-trace buffer) is rebuilt
-every call, as are timing ablations; varlen calls and copied FP8 V's only with
-``LEANFA_HOPPER_PLAN_CACHE=2`` until validated on the GPU (:data:`PREPARED_VALIDATED`).
+every call, as are timing ablations. Varlen calls and copied FP8 V's are kept too since H200 run 53
+(:data:`PREPARED_VALIDATED`); ``LEANFA_HOPPER_PLAN_CACHE=1`` keeps dense ones only.
 ``LEANFA_HOPPER_PLAN_CACHE=0`` turns the cache off.
 """
 
@@ -62,15 +62,16 @@ _ABLATE = KNOBS.index("LEANFA_HOPPER_ABLATE")
 
 
 #: Calls whose plan works on prepared inputs (varlen: packed tensors viewed as a batch of one; FP8 with a V
-#: the plan re-packs or transposes every call) are kept only with ``LEANFA_HOPPER_PLAN_CACHE=2`` until a GPU run
-#: has checked them: their bound plans equal ``make_plan``'s on the CPU (tests/test_hopper_host.py), the
-#: direct launch was checked on the GPU for dense calls only (runs 51-52).
-PREPARED_VALIDATED = False
+#: the plan re-packs or transposes every call) are kept: their bound plans equal ``make_plan``'s on the CPU
+#: (tests/test_hopper_host.py), and H200 run 53 passed 247 GPU tests with them kept (``gpu_session.sh
+#: prepared_cache``: the Hopper, attention, edge-case and fuzz suites). ``LEANFA_HOPPER_PLAN_CACHE=1``: dense only.
+PREPARED_VALIDATED = True
 
 
 def prepared_enabled(knobs: tuple) -> bool:
-    """Whether plans over prepared inputs may be kept (:data:`PREPARED_VALIDATED`, or the knob at 2)."""
-    return PREPARED_VALIDATED or knobs[_OFF] in ("2", b"2")
+    """Whether plans over prepared inputs may be kept (:data:`PREPARED_VALIDATED` unless the knob is 1, or the
+    knob at 2)."""
+    return knobs[_OFF] in ("2", b"2") or (PREPARED_VALIDATED and knobs[_OFF] not in ("1", b"1"))
 
 
 def enabled(knobs: tuple) -> bool:
