@@ -93,12 +93,30 @@ def _skip_v3_only(dims, version):
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dims", DIMS)
 @pytest.mark.parametrize("causal", [True, False])
-def test_bf16_emulated_matches_reference(shape, dims, causal, version):
+def test_bf16_emulated_matches_reference(shape, dims, causal, version, monkeypatch):
+    """On the one-tile grid, whose schedule (program = tile) :func:`_check_schedule` reads; the persistent grid
+    that BF16 128/128 takes by default is checked by the test below."""
     _skip_v3_only(dims, version)
+    monkeypatch.setenv("LEANFA_HOPPER_PERSISTENT", "0")
     reset_shadows()
     p = _problem(*_inputs(*shape, *dims), causal)
     rep = _check(p, 1e-2, version=version)
     _check_schedule(p, rep)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("causal", [True, False])
+def test_bf16_default_path_matches_reference(shape, causal, monkeypatch):
+    """BF16 128/128's default on v3 (twelfth session): the persistent grid with the TMA-store epilogue, output
+    and LSE against the float64 reference."""
+    for name in ("LEANFA_HOPPER_PERSISTENT", "LEANFA_HOPPER_STORE_TMA", "LEANFA_HOPPER_KERNEL"):
+        monkeypatch.delenv(name, raising=False)
+    reset_shadows()
+    p = _problem(*_inputs(*shape, 128, 128), causal)
+    plan = emulate_mod._make_plan_cpu(L, p, torch.empty(*p.q.shape[:3], 128, dtype=torch.bfloat16),
+                                      torch.empty(p.q.shape[0], p.q.shape[2], p.q.shape[1]))
+    assert plan.constexprs["PERSISTENT"] and plan.constexprs["STORE_TMA"]
+    _check(p, 1e-2, version="v3")
 
 
 def _check_schedule(p, rep):
@@ -329,8 +347,11 @@ def test_mutation_q_tile_offset():
 @pytest.mark.parametrize("stages", [2, 3, 4])
 @pytest.mark.parametrize("causal", [True, False])
 def test_ring_depths(monkeypatch, stages, causal, version):
-    """The ring arithmetic (slot = j % STAGES, parity = (j // STAGES) & 1) for every depth."""
+    """The ring arithmetic (slot = j % STAGES, parity = (j // STAGES) & 1) for every depth (on the one-tile grid
+    with register stores, whose schedule :func:`_check_schedule` reads and whose shared memory any depth fits)."""
     reset_shadows()
+    monkeypatch.setenv("LEANFA_HOPPER_PERSISTENT", "0")
+    monkeypatch.setenv("LEANFA_HOPPER_STORE_TMA", "0")
     monkeypatch.setattr(L, "stages_for", lambda *a: stages)
     p = _problem(*_inputs(1, 900, 1300, 2, 1, 128, 128), causal)
     _check_schedule(p, _check(p, 1e-2, version=version))
