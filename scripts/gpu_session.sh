@@ -146,6 +146,7 @@ run_steps() {
       stalls_overlap) for ov in 0 1; do  # where OVERLAP's time goes (run 53: 3-4% slower than PV_IN_MMA alone)
                 step "stalls_ov$ov" 200 50 env LEANFA_HOPPER_PV_IN_MMA=1 LEANFA_HOPPER_OVERLAP=$ov python3 \
                   scripts/ncu_stalls.py --impl leanfa-hopper-fp8-kernel --out "$OUT/r/stalls_ov$ov"; done ;;
+      varlen_v_time) step varlen_v_time 200 40 python3 scripts/varlen_v_time.py ;;  # the FP8 varlen V re-pack per tile
       host_time) step host_time 200 20 python3 scripts/host_time.py --profile --shapes 16x1024,4x4096,1x16384 ;;  # CPU time per call vs GPU time
       quant_time) step quant_time 200 40 python3 scripts/quant_time.py ;;  # FP8 end-to-end: quantizer kernels, GB/s
       ablate) step ablate 300 60 python3 scripts/hopper_v2_gpu.py --check "" \

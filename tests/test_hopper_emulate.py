@@ -706,7 +706,9 @@ def test_transpose_fp8_v():
     ([0, 16, 1, 17, 130], "token-major", 130),
     ([5, 295], "transposed", 40),  # a grid smaller than the longest sequence: its programs loop
     (list(torch.randint(0, 40, (300,), generator=torch.Generator().manual_seed(3))), "transposed", 40),  # > BLOCK_B
-    ([], "transposed", 0)])
+    ([], "transposed", 0),
+    ([5, 295, 0, 17], "transposed-tile-32x16", 40),  # H x D = 64 rows in two row blocks, several column steps
+    ([5, 295, 0, 17], "transposed-tile-128x16", 40)])  # one row block, half of it past the last row
 def test_align_varlen_v(lens, layout, max_seqlen, monkeypatch):
     """Every sequence's V tokens land at its 16-aligned start, in order; the gaps and the rows after the last
     sequence are zeros. The re-pack's buffers come from a poisoned ``torch.empty`` (0xFF, an e4m3 NaN), so a
@@ -721,7 +723,7 @@ def test_align_varlen_v(lens, layout, max_seqlen, monkeypatch):
     real_empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: real_empty(*a, **kw).view(torch.uint8).fill_(255)
                         .view(kw.get("dtype", torch.float32)))
-    out, cu_v = L.align_varlen_v(v, cu, max_seqlen)
+    out, cu_v = L.align_varlen_v(v, cu, max_seqlen, tile=tuple(map(int, layout.split("-")[-1].split("x"))) if "tile" in layout else None)
     got = out.view(torch.uint8).permute(1, 2, 0)  # (H, D, room)
     assert out.shape[1:] == (H, D) and out.stride(0) == 1 and out.shape[0] % 16 == 0
     assert cu_v.dtype == torch.int32 and cu_v.shape == (len(lens) + 1,) and int(cu_v[0]) == 0
