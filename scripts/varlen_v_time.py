@@ -5,8 +5,10 @@ and of the whole varlen FP8 call; every tile's output checked byte for byte agai
 
     python scripts/varlen_v_time.py
 
-Run 55 timed the first kernel (one 128-row x 64-byte tile per program) at ~1 ms for 32 MB; this script
-says which tile shape copies at memory speed. Shapes: B x S packed (d128, 16 KV heads) and the bench's
+Run 55 read ~1 ms for the first kernel (one 128-row x 64-byte tile per program), but on lane 0 next to a
+lane compiling the GPU tests: a short op's do_bench time there includes the host's delay in launching it.
+Run 56 (one lane) timed that tile at 0.12-0.15 ms and 4 x 512 at 0.03 (now the default). Time this on one
+lane. Shapes: B x S packed (d128, 16 KV heads) and the bench's
 uneven batch (8 sequences, 16K tokens, 8 KV heads).
 """
 
