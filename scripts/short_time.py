@@ -2,7 +2,8 @@
 """FP8 kernel time alone at short and long sequences, per per-tile configuration (the one-tile grid or
 the persistent one; register or TMA-store epilogue), against cuDNN FP8 in the same run; with
 ``--dtype bf16`` the BF16 kernel the same four ways against cuDNN BF16 (its TMA store with
-``LEANFA_HOPPER_STORE_TMA=2``, not yet validated for BF16 on the GPU; MLA keeps register stores).
+``LEANFA_HOPPER_STORE_TMA=2``; since run 54 the persistent + TMA-store column is BF16 128/128's default; MLA keeps
+register stores).
 
     python scripts/short_time.py [--seqlens 1024,2048,4096,16384] [--dtype fp8|bf16]
 
