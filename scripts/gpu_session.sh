@@ -146,6 +146,12 @@ run_steps() {
       stalls_overlap) for ov in 0 1; do  # where OVERLAP's time goes (run 53: 3-4% slower than PV_IN_MMA alone)
                 step "stalls_ov$ov" 200 50 env LEANFA_HOPPER_PV_IN_MMA=1 LEANFA_HOPPER_OVERLAP=$ov python3 \
                   scripts/ncu_stalls.py --impl leanfa-hopper-fp8-kernel --out "$OUT/r/stalls_ov$ov"; done ;;
+      varlen_persist) for p in 0 1; do  # varlen on the persistent grid (emulator-checked; varlen keeps the one-tile grid)
+                step "varlen_persist$p" 150 16 env LEANFA_HOPPER_PERSISTENT=$p python3 -m leanfa.cli bench --quick \
+                  --no-progress --sweep varlen --impl 'leanfa-hopper-fp8-kernel,leanfa-hopper-bf16,cudnn-fp8,cudnn-bf16' \
+                  --name "varlen-persist$p" --out "$OUT/r/varlen_persist$p"; done
+                step varlen_persist_check 300 12 env LEANFA_HOPPER_PERSISTENT=1 python3 -m pytest -q -p no:cacheprovider \
+                  -rfEs -n "$WORKERS" -k varlen tests/test_hopper.py tests/test_flash_attn_compat.py tests/test_attention.py ;;
       varlen_v_time) step varlen_v_time 200 40 python3 scripts/varlen_v_time.py ;;  # the FP8 varlen V re-pack per tile
       host_time) step host_time 200 20 python3 scripts/host_time.py --profile --shapes 16x1024,4x4096,1x16384 ;;  # CPU time per call vs GPU time
       quant_time) step quant_time 200 40 python3 scripts/quant_time.py ;;  # FP8 end-to-end: quantizer kernels, GB/s
