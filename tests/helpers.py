@@ -35,6 +35,19 @@ def qkv(b, sq, sk, hq, hkv, dqk, dv, dtype, device, k_outliers=False, seed=None)
     return q.to(dtype).to(device), k.to(dtype).to(device), v.to(dtype).to(device)
 
 
+def poison_empty(monkeypatch):
+    """``torch.empty`` hands out buffers filled with 0xFF bytes (NaN in float32 and e4m3, -1 in int32), so a test
+    sees any element a kernel leaves unwritten (the allocator often hands back zeros, which hide it)."""
+    real_empty = torch.empty
+
+    def empty(*args, **kw):
+        t = real_empty(*args, **kw)
+        t.reshape(-1).view(torch.uint8).fill_(255)
+        return t
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
 def cu_seqlens(lengths, device="cpu") -> torch.Tensor:
     """flash-attn's ``cu_seqlens``: int32 ``[0, l0, l0 + l1, ...]`` for sequence ``lengths``."""
     return torch.tensor([0, *lengths], device=device).cumsum(0).to(torch.int32)

@@ -16,7 +16,7 @@ import torch
 
 import leanfa
 from leanfa.reference import attention_ref
-from helpers import cu_seqlens
+from helpers import cu_seqlens, poison_empty
 
 emulate_mod = pytest.importorskip("leanfa.kernels.hopper.emulate")
 from leanfa.kernels.hopper import kernel as K  # noqa: E402
@@ -720,9 +720,7 @@ def test_align_varlen_v(lens, layout, max_seqlen, monkeypatch):
     v = store.view(torch.float8_e4m3fn).permute(2, 0, 1)[:total]
     if layout == "token-major":
         v = v.contiguous()
-    real_empty = torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *a, **kw: real_empty(*a, **kw).view(torch.uint8).fill_(255)
-                        .view(kw.get("dtype", torch.float32)))
+    poison_empty(monkeypatch)
     out, cu_v = L.align_varlen_v(v, cu, max_seqlen, tile=tuple(map(int, layout.split("-")[-1].split("x"))) if "tile" in layout else None)
     got = out.view(torch.uint8).permute(1, 2, 0)  # (H, D, room)
     assert out.shape[1:] == (H, D) and out.stride(0) == 1 and out.shape[0] % 16 == 0

@@ -6,7 +6,7 @@ import torch
 import leanfa
 from leanfa.quant import E4M3_MAX, FP8_DTYPE, _quantize_launch, _Seqs
 from leanfa.scales import SCALE_BLOCK
-from helpers import cu_seqlens
+from helpers import cu_seqlens, poison_empty
 
 
 def _dequant_qk(x8, descale, seqlen):
@@ -142,14 +142,8 @@ def test_fused_block_path_matches_per_tensor_kernels(device, varlen, smooth_k):
 def test_blocks_past_a_sequence_end_have_unit_descale(device, monkeypatch, dim):
     """Packed varlen: a sequence shorter than the longest has block-scale slots past its end; they hold 1, not
     what the allocator left there (GPU run 53: two calls on equal inputs differed in exactly those slots). Every
-    float32 ``torch.empty`` is NaN-poisoned here, so a slot left unwritten fails."""
-    real_empty = torch.empty
-
-    def poisoned_empty(*args, **kw):
-        t = real_empty(*args, **kw)
-        return t.fill_(float("nan")) if t.dtype == torch.float32 else t
-
-    monkeypatch.setattr(torch, "empty", poisoned_empty)
+    ``torch.empty`` is poisoned here (float32: NaN), so a slot left unwritten fails."""
+    poison_empty(monkeypatch)
     lens = [300, 5, 0, 129]  # (a one-token K smooths to 0: descale 1 in its own block too)
     cu = cu_seqlens(lens, device)
     g = torch.Generator().manual_seed(7)

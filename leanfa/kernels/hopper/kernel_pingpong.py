@@ -49,10 +49,11 @@ per iteration (a conditional QK made ptxas copy S's 64 registers at every block)
 block j + 1 under PV_j (FA3's intra-warpgroup overlap) was built twice with P in registers and removed
 twice: run 14 (ptxas hoisted the PV wait) and run 20 (as designed, but 12-21% slower: P, carried across
 the loop's back edge, was scalarized into 64 byte registers, ~140 byte permutes per block). ``OVERLAP``
-(FP8 with ``PV_IN_MMA``; an experiment, off, CPU-checked only) is the third build: P goes through two
-shared-memory buffers per warpgroup (:func:`_consumer_blocks_overlapped`), so nothing of P crosses the back
-edge or stays pinned under an in-flight wgmma (AOT: no byte permutes, 0-128 B of spills, the softmax
-between ``DEPBAR.LE gsb0, 0x1`` and ``0x0``).
+(FP8 with ``PV_IN_MMA``; an experiment, off) is the third build: P goes through two shared-memory buffers per
+warpgroup (:func:`_consumer_blocks_overlapped`), so nothing of P crosses the back edge or stays pinned under an
+in-flight wgmma (AOT: no byte permutes, 0-128 B of spills, the softmax between ``DEPBAR.LE gsb0, 0x1`` and
+``0x0``). Correct on the H200, but 3-4% slower (runs 53-54): P's shared-memory stores queue with the MUFU
+exponentials in the MIO pipe.
 """
 
 from __future__ import annotations

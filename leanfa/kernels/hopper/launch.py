@@ -201,7 +201,7 @@ def _flag(name: str, default: bool) -> bool:
 #: consumer warpgroup, 192-row tiles, 160 registers each: FP8 needs LEANFA_HOPPER_PV_IN_MMA=1 (64- or
 #: 128-key blocks), BF16/FP16 LEANFA_HOPPER_BLOCK_N=64; an experiment, off: 0.95-1.04x v3, runs 30-31),
 #: LEANFA_HOPPER_OVERLAP=1 (v3 FP8 with LEANFA_HOPPER_PV_IN_MMA=1: the softmax of block j + 1 under PV_j, P
-#: through shared memory; an experiment, off, not yet measured on the GPU: see kernel_pingpong),
+#: through shared memory; an experiment, off: 0.96-0.97x PV_IN_MMA alone, runs 53-54, see kernel_pingpong),
 #: LEANFA_HOPPER_TRACE=1 (v3: each consumer warpgroup records SM clocks at the phases of its key loop
 #: into ``Plan.trace``, see trace.py and scripts/hopper_trace.py; off: without it the PTX is unchanged),
 #: LEANFA_HOPPER_RESCALE_SKIP,
