@@ -39,6 +39,12 @@ run_steps() {
       pytest) step pytest "${PYTEST_LIMIT:-360}" 16 env LEANFA_FUZZ_PROFILE=ci python3 -m pytest -q -p no:cacheprovider -rfEs \
                 -n "$WORKERS" --dist loadfile tests --ignore tests/test_packaging.py \
                 --deselect tests/test_readme.py::test_api_docs_build_without_warnings ;;
+      pytest_hopper) step pytest_hopper "${PYTEST_LIMIT:-420}" 16 env LEANFA_FUZZ_PROFILE=ci python3 -m pytest -q \
+                -p no:cacheprovider -rfEs -n "$WORKERS" --dist loadfile tests/test_hopper.py tests/test_fuzz.py ;;  # half 1
+      pytest_rest) step pytest_rest "${PYTEST_LIMIT:-420}" 16 env LEANFA_FUZZ_PROFILE=ci python3 -m pytest -q \
+                -p no:cacheprovider -rfEs -n "$WORKERS" --dist loadfile tests --ignore tests/test_packaging.py \
+                --ignore tests/test_hopper.py --ignore tests/test_fuzz.py \
+                --deselect tests/test_readme.py::test_api_docs_build_without_warnings ;;  # half 2 of the GPU suite
       pytest_long) step pytest_long 240 10 python3 -m pytest -q -p no:cacheprovider -rfEs \
                 tests/test_edge_cases.py -k "131k or 2_31" ;;
       hopper_v2) step hopper_v2 560 30 python3 scripts/hopper_v2_gpu.py ;;  # v2 child alone up to 300 s
@@ -152,6 +158,8 @@ run_steps() {
                   --name "varlen-persist$p" --out "$OUT/r/varlen_persist$p"; done
                 step varlen_persist_check 300 12 env LEANFA_HOPPER_PERSISTENT=1 python3 -m pytest -q -p no:cacheprovider \
                   -rfEs -n "$WORKERS" -k varlen tests/test_hopper.py tests/test_flash_attn_compat.py tests/test_attention.py ;;
+      pvmma_time) for r in 1 2; do  # FP8 PV in the wgmma accumulator against the default, two samples in one run
+                step "pvmma_time$r" 200 30 python3 scripts/hopper_v2_gpu.py --check "" --time v3,v3-pvmma-default; done ;;
       varlen_v_time) step varlen_v_time 200 40 python3 scripts/varlen_v_time.py ;;  # the FP8 varlen V re-pack per tile
       host_time) step host_time 200 20 python3 scripts/host_time.py --profile --shapes 16x1024,4x4096,1x16384 ;;  # CPU time per call vs GPU time
       quant_time) step quant_time 200 40 python3 scripts/quant_time.py ;;  # FP8 end-to-end: quantizer kernels, GB/s

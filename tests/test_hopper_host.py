@@ -155,6 +155,18 @@ def test_prepared_inputs_cached_only_when_enabled(fp8, lse, monkeypatch):
     assert len(hopper.PLANS._templates) == 2
 
 
+@pytest.mark.parametrize("fp8", [True, False])
+def test_varlen_grid_default(fp8, monkeypatch):
+    """FP8 varlen runs one program per SM by default (H200 run 58: 1.07x), BF16 varlen one program per tile
+    (0.96x); LEANFA_HOPPER_PERSISTENT overrides both ways. The grid follows."""
+    monkeypatch.delenv("LEANFA_HOPPER_PERSISTENT", raising=False)
+    p = _varlen_problem([300, 90, 1, 200], 4, 2, 128, fp8, 0)
+    plan = hopper.plan(p)[0]
+    assert plan.constexprs["PERSISTENT"] == fp8 and len(plan.grid) == (1 if fp8 else 2)
+    monkeypatch.setenv("LEANFA_HOPPER_PERSISTENT", "0" if fp8 else "1")
+    assert hopper.plan(p)[0].constexprs["PERSISTENT"] != fp8
+
+
 def test_token_major_fp8_v_cached_when_enabled(monkeypatch):
     monkeypatch.setenv("LEANFA_HOPPER_PLAN_CACHE", "2")
     for seed in (0, 1):
