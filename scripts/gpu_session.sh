@@ -40,7 +40,8 @@ run_steps() {
                 -n "$WORKERS" --dist loadfile tests --ignore tests/test_packaging.py \
                 --deselect tests/test_readme.py::test_api_docs_build_without_warnings ;;
       pytest_hopper) step pytest_hopper "${PYTEST_LIMIT:-420}" 16 env LEANFA_FUZZ_PROFILE=ci python3 -m pytest -q \
-                -p no:cacheprovider -rfEs -n "$WORKERS" --dist loadfile tests/test_hopper.py tests/test_fuzz.py ;;  # half 1
+                -p no:cacheprovider -rfEs -n "$WORKERS" tests/test_hopper.py tests/test_fuzz.py ;;  # half 1 (not loadfile:
+                # two files, so --dist loadfile ran each on one worker and 400 s did not finish them, run 59)
       pytest_rest) step pytest_rest "${PYTEST_LIMIT:-420}" 16 env LEANFA_FUZZ_PROFILE=ci python3 -m pytest -q \
                 -p no:cacheprovider -rfEs -n "$WORKERS" --dist loadfile tests --ignore tests/test_packaging.py \
                 --ignore tests/test_hopper.py --ignore tests/test_fuzz.py \
