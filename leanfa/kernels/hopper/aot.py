@@ -21,6 +21,7 @@ from triton.runtime.jit import mangle_type
 from ..aot import ptxas_perf_warnings, ptxas_usage
 
 from . import launch as L
+from .varlen_v import repacked_tokens
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -76,10 +77,10 @@ def _fake_problem(v: Variant):
         qs, ks, vs = ones.expand(2, H, 2), ones.expand(2, H, 2), ones.expand(2, H, v.dv)
         km = torch.zeros(2, H, v.dqk, dtype=torch.float32) if v.k_mean else None
         sixteen = [t[0] for t in sixteen]
-        if v.dtype == "fp8":  # launch.prepare_v's re-pack is a kernel launch (needs a driver): its result's shape
-            room = -(-(S + 2 * 15) // 16) * 16
+        if v.dtype == "fp8":  # launch.prepare_v's re-pack is a kernel launch (needs a driver): a stand-in of its
+            room = repacked_tokens(S, 2)  # result's shape, with the starts it would write for lengths 100 and 156
             varlen["prepared_v"] = (torch.zeros(H, v.dv, room, dtype=dt).permute(2, 0, 1),
-                                    torch.tensor([0, 112, room], dtype=torch.int32))
+                                    torch.tensor([0, 112, 272], dtype=torch.int32))
     if v.sink:
         varlen["sink"] = (128, *sixteen)
     with mock.patch.dict(os.environ, {k: str(x) for k, x in v.env}):  # restored on exit

@@ -280,8 +280,10 @@ SINK_KEYS = BLOCK_N
 SINK_HEAD_DIMS = ((64, 64), (128, 128))  # one Q box per warpgroup; room for the sink's buffers
 
 
-def _dense_default_tile(varlen: bool, sink_mode: int, dv: int, block_n: int, wgs: int) -> bool:
-    return not varlen and sink_mode == 0 and dv <= 128 and block_n == BLOCK_N and wgs == 2
+def _default_tile(sink_mode: int, dv: int, block_n: int, wgs: int) -> bool:
+    """The tile the persistent grid and the TMA-store epilogue were built and measured for: no sink, head dim
+    <= 128, 128-key blocks, two consumer warpgroups."""
+    return sink_mode == 0 and dv <= 128 and block_n == BLOCK_N and wgs == 2
 
 
 #: 16-bit inputs through the TMA-store epilogue: the kernel code is the FP8 path's (dtype-generic); H200 run 53
@@ -311,7 +313,7 @@ def store_tma(version: str, is_fp8: bool, varlen: bool, out: torch.Tensor, sink_
     if version != "v3" or not _flag("LEANFA_HOPPER_STORE_TMA", True):
         return False
     dv = out.shape[-1]
-    if not _dense_default_tile(varlen, sink_mode, dv, block_n, wgs):
+    if varlen or not _default_tile(sink_mode, dv, block_n, wgs):
         return False
     if not is_fp8:
         if not (bf16_tma_default(dqk, dv) or os.environ.get("LEANFA_HOPPER_STORE_TMA", "").strip() == "2"):
@@ -325,8 +327,8 @@ def store_tma(version: str, is_fp8: bool, varlen: bool, out: torch.Tensor, sink_
 
 def persistent_default(is_fp8: bool, varlen: bool, sink_mode: int, dv: int, pingpong: bool, block_n: int = BLOCK_N,
                        wgs: int = 2, has_kmean: bool = False, dqk: int = 128) -> bool:
-    """Whether v3 runs one program per SM by default (``LEANFA_HOPPER_PERSISTENT`` overrides): dense FP8 of
-    head dim <= 128 without the sink, i.e. where the TMA-store epilogue applies. With it and the Q box
+    """Whether v3 runs one program per SM by default (``LEANFA_HOPPER_PERSISTENT`` overrides): FP8 of head dim
+    <= 128 without the sink (dense, where the TMA-store epilogue applies, and varlen). With it and the Q box
     handed back after the last QK, a tile's fill + epilogue + turnover fell from ~9,000 to ~1,800-2,400
     cycles at S = 1K-4K (run 46's trace), and the kernel alone (run 48, ``scripts/short_time.py``) ran
     1.38x / 1.35x the one-tile grid at S = 1K (d128 / MLA), 1.25x / 1.20x at 2K, 1.08x / 1.03x at 4K and
@@ -338,7 +340,7 @@ def persistent_default(is_fp8: bool, varlen: bool, sink_mode: int, dv: int, ping
     term reads Q in the epilogue, so Q is handed back late, and AOT spills grow to 440-700 B) and the
     experiments (other key-block sizes, three warpgroups, turn barriers) keep the one-tile grid."""
     case = is_fp8 or (bf16_tma_default(dqk, dv) and not varlen)
-    return case and _dense_default_tile(False, sink_mode, dv, block_n, wgs) and not pingpong and not has_kmean
+    return case and _default_tile(sink_mode, dv, block_n, wgs) and not pingpong and not has_kmean
 
 
 def sink_problem(version: str, is_fp8: bool, dims: tuple, sink_keys: int, tensors=()) -> str | None:

@@ -85,6 +85,12 @@ def align_varlen_v_kernel(V, OUT, CU, CU_V, batch, room, stride_vt, stride_vh, s
 _ALIGN_VARLEN_V = DirectLaunch(align_varlen_v_kernel)
 
 
+def repacked_tokens(total: int, batch: int) -> int:
+    """Token columns of :func:`align_varlen_v`'s rows: room for the worst case (every one of ``batch`` sequences
+    padded by ``V_TOKEN_ALIGN - 1``), a multiple of ``V_TOKEN_ALIGN`` (TMA strides), at least one group."""
+    return max(-(-(total + (V_TOKEN_ALIGN - 1) * batch) // V_TOKEN_ALIGN) * V_TOKEN_ALIGN, V_TOKEN_ALIGN)
+
+
 def align_varlen_v(v: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_k: int | None = None,
                    tile: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A copy of a packed FP8 V ``(total, H, Dv)`` (any layout; :func:`leanfa.quantize_fp8` writes tokens
@@ -93,8 +99,7 @@ def align_varlen_v(v: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_k: in
     sizes the grid (every token is copied whatever it says); ``tile``: (rows, bytes) per program (timing)."""
     total, H, Dv = v.shape
     batch = cu_seqlens_k.shape[0] - 1
-    # room for the worst case (every sequence padded by 15), a multiple of 16 tokens: TMA strides
-    room = max(-(-(total + (V_TOKEN_ALIGN - 1) * batch) // V_TOKEN_ALIGN) * V_TOKEN_ALIGN, V_TOKEN_ALIGN)
+    room = repacked_tokens(total, batch)
     out = torch.empty((H, Dv, room), dtype=torch.uint8, device=v.device)
     cu_v = torch.empty(batch + 1, dtype=torch.int32, device=v.device)
     longest = total if max_seqlen_k is None else min(int(max_seqlen_k), total)
