@@ -29,8 +29,7 @@ ROWS = 64
 REGS = 168  # 3 CTAs x 128 threads x 168 <= 65,536
 
 
-def plan(q8, k8, v8, q_descale, k_descale, v_descale, out, causal, scale, stages, permuted=False, rowsum=False,
-         block_n=128):
+def plan(q8, k8, v8, q_descale, k_descale, v_descale, out, causal, scale, stages, permuted=False, block_n=128):
     """``(args, constexprs, grid)`` of the prototype over :func:`leanfa.quantize_fp8`'s outputs; ``permuted``: V with
     its keys in :func:`leanfa.kernels.hopper.layouts.key_slot_order` (:func:`launch.permute_v_keys`'s copy)."""
     B, Sq, Hq, Dqk = q8.shape
@@ -46,16 +45,16 @@ def plan(q8, k8, v8, q_descale, k_descale, v_descale, out, causal, scale, stages
             v_descale, *broadcast_strides(v_descale),
             Sq, Sk, Hq, Hq // Hkv, num_m_tiles, float(scale * L.LOG2E))
     constexprs = dict(HEAD_DQK=Dqk, HEAD_DV=Dv, CAUSAL=bool(causal), STAGES=stages,
-                      V_KMAJOR=PERMUTED_KEYS.value if permuted else True, ROWSUM_MMA=rowsum, num_warps=4)
+                      V_KMAJOR=PERMUTED_KEYS.value if permuted else True, num_warps=4)
     return args, constexprs, (B * Hq, num_m_tiles)
 
 
-def launcher(q8, k8, v8, kw, out, causal, scale, stages, permuted=False, rowsum=False):
+def launcher(q8, k8, v8, kw, out, causal, scale, stages, permuted=False):
     """A zero-argument launch (the permuted V copy is made here, once, outside the timed call)."""
     if permuted:
         v8 = L.permute_v_keys(v8)
     args, c, grid = plan(q8, k8, v8, kw["q_descale"], kw["k_descale"], kw["v_descale"], out, causal, scale, stages,
-                         permuted, rowsum)
+                         permuted)
     return lambda: attn_fwd_onewg_kernel[grid](*args, **c, maxnreg=REGS)
 
 
@@ -64,8 +63,7 @@ def aot(stages_list):
     import triton
     from leanfa.kernels.aot import ptxas_usage
     from leanfa.kernels.hopper.aot import TARGET, _signature
-    for dqk, dv, permuted, rowsum in ((128, 128, False, False), (128, 128, True, False), (128, 128, True, True),
-                                      (192, 128, True, True)):
+    for dqk, dv, permuted in ((128, 128, False), (128, 128, True), (192, 128, True)):
         for stages in stages_list:
             B, S, H = 1, 256, 2
             f8 = torch.float8_e4m3fn
@@ -75,7 +73,7 @@ def aot(stages_list):
             out = torch.zeros(B, S, H, dv, dtype=torch.bfloat16)
             ones = torch.ones(1, 1, 1)
             args, c, _ = plan(q, k, v, ones.expand(B, H, 2), ones.expand(B, H, 2), ones.expand(B, H, dv), out, True,
-                              dqk ** -0.5, stages, permuted, rowsum)
+                              dqk ** -0.5, stages, permuted)
             sig, consts = _signature(attn_fwd_onewg_kernel, args, c)
             src = GluonASTSource(attn_fwd_onewg_kernel, sig, constexprs=consts)
             ck = triton.compile(src, target=TARGET, options={"num_warps": 4, "maxnreg": REGS})
@@ -83,40 +81,15 @@ def aot(stages_list):
             regs, ss, sl = ptxas_usage(ptx)
             smem = ck.metadata.shared
             ctas = min(65536 // (128 * max(regs, 1)), (227 * 1024) // max(smem + 1024, 1))
-            print(f"d{dqk}/{dv}{' permuted V' if permuted else ''}{' rowsum-mma' if rowsum else ''} stages {stages}: {regs} regs, spills {ss}/{sl} B, {smem} B shared -> "
+            print(f"d{dqk}/{dv}{' permuted V' if permuted else ''} stages {stages}: {regs} regs, spills {ss}/{sl} B, {smem} B shared -> "
                   f"{ctas} CTAs/SM; wgmma in PTX {ptx.count('wgmma.mma_async')}", flush=True)
             if os.environ.get("V4_DUMP"):
-                with open(f"/tmp/onewg_d{dqk}_s{stages}{'_perm' if permuted else ''}{'_sum' if rowsum else ''}.cubin", "wb") as f:
+                with open(f"/tmp/onewg_d{dqk}_s{stages}{'_perm' if permuted else ''}.cubin", "wb") as f:
                     f.write(ck.asm["cubin"])
 
 
-def timed(fn):
-    """``(ms, MHz)``: the do_bench median and the median SM clock that NVML read every 2 ms meanwhile."""
-    import threading
-    import statistics
-    import pynvml
-    import triton
-    pynvml.nvmlInit()
-    h = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
-    clocks, stop = [], threading.Event()
-
-    def sample():
-        while not stop.is_set():
-            clocks.append(pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM))
-            stop.wait(0.002)
-    fn()
-    torch.cuda.synchronize()
-    t = threading.Thread(target=sample)
-    t.start()
-    ms = triton.testing.do_bench(fn, warmup=25, rep=300, return_mode="median")
-    stop.set()
-    t.join()
-    return ms, int(statistics.median(clocks)) if clocks else None
-
-
-def gpu(seqlens, variants, rounds=2, dims=((128, True), (192, True), (128, False))):
+def gpu(seqlens, variants):
     import hopper_gpu_check as H
-    H.bench = timed
     from hopper_v2_gpu import kernel_only
     from leanfa.bench import cudnn_graphs, impls
     from leanfa.bench.inputs import Inputs
@@ -135,13 +108,13 @@ def gpu(seqlens, variants, rounds=2, dims=((128, True), (192, True), (128, False
         ref = ref.float()
         v3 = leanfa.flash_attn_func(qq, causal=causal, backend="hopper")
         e3 = ((v3.float() - ref).norm() / ref.norm()).item()
-        for stages, perm, rs in variants:
+        for stages, perm in variants:
             out = torch.full((B, S, Hq, 128), float("nan"), dtype=torch.bfloat16, device="cuda")
-            launcher(qq.q, qq.k, qq.v, kw, out, causal, dqk ** -0.5, stages, perm, rs)()
+            launcher(qq.q, qq.k, qq.v, kw, out, causal, dqk ** -0.5, stages, perm)()
             torch.cuda.synchronize()
             err = ((out.float() - ref).norm() / ref.norm()).item()
             ok = bool(torch.isfinite(out).all()) and err < 1.5 * e3 + 1e-3
-            print(f"  B{B} S{S} H{Hq}/{Hkv} d{dqk} {'causal' if causal else 'full'} {_name(stages, perm, rs)}: "
+            print(f"  B{B} S{S} H{Hq}/{Hkv} d{dqk} {'causal' if causal else 'full'} {_name(stages, perm)}: "
                   f"{err:.3e} (v3 {e3:.3e}) {'OK' if ok else 'FAIL'}", flush=True)
 
     have_cudnn = cudnn_graphs.available()[0]
@@ -151,8 +124,8 @@ def gpu(seqlens, variants, rounds=2, dims=((128, True), (192, True), (128, False
     except ImportError as e:
         print("no FA3:", e)
     print(f"{'shape':22s} {'cuDNN':>14s} {'FA3':>14s} {'v3':>14s} " + " ".join(f"{_name(*x):>20s}" for x in variants))
-    for S, (dqk, causal), _ in ((S, d, r) for r in range(rounds) for S in seqlens for d in dims):
-        if True:
+    for S in seqlens:
+        for dqk, causal in ((128, True), (192, True), (128, False)):
             if not causal and S < 4096:
                 continue
             B, Hh = max(16384 // S, 1), 16
@@ -187,15 +160,15 @@ def gpu(seqlens, variants, rounds=2, dims=((128, True), (192, True), (128, False
                               (lambda: leanfa.flash_attn_func(qq, causal=False, backend="hopper")))
             cells.append(f"{flops / ms / 1e9:5.0f} {best / ms:4.2f}x@{clk}")
             out = torch.empty(B, S, Hh, 128, dtype=torch.bfloat16, device="cuda")
-            for stages, perm, rs in variants:
-                ms, clk = H.bench(launcher(qq.q, qq.k, qq.v, kw, out, causal, dqk ** -0.5, stages, perm, rs))
+            for stages, perm in variants:
+                ms, clk = H.bench(launcher(qq.q, qq.k, qq.v, kw, out, causal, dqk ** -0.5, stages, perm))
                 cells.append(f"{flops / ms / 1e9:5.0f} {best / ms:4.2f}x@{clk}")
             print(f"S{S:<6d} B{B:<3d} d{dqk} {'c' if causal else 'n'}  " + " | ".join(f"{c:>14s}" for c in cells),
                   flush=True)
 
 
-def _name(stages, perm, rowsum=False):
-    return f"onewg s{stages}{'p' if perm else ''}{'s' if rowsum else ''}"
+def _name(stages, perm):
+    return f"onewg s{stages}{'p' if perm else ''}"
 
 
 def fa3_fp8(q, k, v):
@@ -229,9 +202,9 @@ def one(impl, S=16384, dqk=128):
         if impl == "v3":
             fn = kernel_only(qq.q, qq.k, qq.v, dqk ** -0.5, qq.descales())
         else:  # onewg-s2p etc.
-            stages, perm, rs = int(impl[7]), "p" in impl[8:], "s" in impl[8:]
+            stages, perm = int(impl[7]), impl.endswith("p")
             out = torch.empty(B, S, Hh, 128, dtype=torch.bfloat16, device="cuda")
-            fn = launcher(qq.q, qq.k, qq.v, qq.descales(), out, True, dqk ** -0.5, stages, perm, rs)
+            fn = launcher(qq.q, qq.k, qq.v, qq.descales(), out, True, dqk ** -0.5, stages, perm)
     fn()
     fn()
     torch.cuda.synchronize()
@@ -248,15 +221,13 @@ def main():
     ap.add_argument("--stages", default="2,3")
     ap.add_argument("--variants", default="2,2p,3p", help="GPU: onewg variants, stages + 'p' for permuted V")
     ap.add_argument("--one", help="fa3 | cudnn | v3 | onewg-s2p ...: one kernel for ncu")
-    ap.add_argument("--rounds", type=int, default=2, help="GPU: time every row this many times (interleaved)")
     a = ap.parse_args()
     if a.aot:
         aot([int(s) for s in a.stages.split(",")])
     elif a.one:
         one(a.one)
     else:
-        gpu([int(s) for s in a.seqlens.split(",")], [(int(v[0]), "p" in v[1:], "s" in v[1:]) for v in a.variants.split(",")],
-            a.rounds)
+        gpu([int(s) for s in a.seqlens.split(",")], [(int(v[0]), v.endswith("p")) for v in a.variants.split(",")])
 
 
 if __name__ == "__main__":

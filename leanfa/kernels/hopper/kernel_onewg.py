@@ -22,63 +22,37 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
-                                                                warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from .epilogue import load_v_scale, write_rows
 from .layouts import PERMUTED_KEYS, a_operand_layout, p_operand, wgmma_layout
 from .masking import kv_block_range, mask_scores
 from .pipeline import alloc_barriers, invalidate_barriers, load_kv, load_q, qk_async, v_tile, wait_k
 from .softmax import finish_rows
-from .softmax_ws import _new_row_max, online_softmax_step_lazy
+from .softmax_ws import online_softmax_step_lazy
 
 ROWS = gl.constexpr(64)  # query rows per CTA: one wgmma M
 SCALE_BLOCK = gl.constexpr(128)  # tokens per Q/K scale block (leanfa.scales.SCALE_BLOCK)
 P_OFFSET = gl.constexpr(8.0)  # FP8: P scaled by 2^8 into the e4m3 range
-SUM_COLS = gl.constexpr(8)  # ROWSUM_MMA: the row sum's wgmma is 64 x 8 (the narrowest N)
 
 
 @gluon.jit
-def _p_and_max(s, c, m_i):
-    """Lean P of one block without its row sum (``ROWSUM_MMA``: the tensor cores add P up): ``(p, m_new,
-    alpha)``."""
-    m_new, m_sub, alpha = _new_row_max(m_i, gl.max(s, axis=1) * c, 0.0, False)
-    p = gl.exp2(gl.fma(s, c, (P_OFFSET - m_sub)[:, None]))
-    return p, m_new, alpha
-
-
-@gluon.jit
-def _block(s, j, c, acc, m_i, l_i, l_acc, ones_smem, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, n_end, q_smem, k_bufs, v_bufs,
+def _block(s, j, c, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, n_end, q_smem, k_bufs, v_bufs,
            k_bars, v_bars, s_zero, k_desc, v_desc, b, hkv, p_layout: gl.constexpr, o_layout: gl.constexpr,
-           l_layout: gl.constexpr, CAUSAL: gl.constexpr, V_KMAJOR: gl.constexpr, ROWSUM_MMA: gl.constexpr,
-           MASK: gl.constexpr, NEXT: gl.constexpr):
+           CAUSAL: gl.constexpr, V_KMAJOR: gl.constexpr, MASK: gl.constexpr, NEXT: gl.constexpr):
     """Key block ``j`` with scores ``s``: its softmax (``MASK``: the diagonal and tail blocks), PV_j (and QK_{j+1}
-    when ``NEXT``), then the refill of its ring slot. ``ROWSUM_MMA``: the row sums accumulate in ``l_acc`` (a
-    64 x 8 wgmma of P against ones, fed ``l_acc * alpha`` like O) instead of ``l_i``. Returns
-    ``(acc, m_i, l_i, l_acc, S_{j+1})``."""
+    when ``NEXT``), then the refill of its ring slot. Returns ``(acc, m_i, l_i, S_{j+1})``."""
     STAGES: gl.constexpr = v_bufs.shape[0]
     QK_CHUNKS: gl.constexpr = k_bufs.shape[0] // STAGES
     BLOCK_N: gl.constexpr = s.shape[1]
     if MASK:
         s = mask_scores(s, offs_m, j * BLOCK_N + offs_n0, seqlen_q, seqlen_k, CAUSAL)
-    if ROWSUM_MMA:
-        p, m_i, alpha = _p_and_max(s, c, m_i)
-    else:
-        p, m_i, l_i, alpha = online_softmax_step_lazy(s, c, m_i, l_i, P_OFFSET, False)
+    p, m_i, l_i, alpha = online_softmax_step_lazy(s, c, m_i, l_i, P_OFFSET, False)
     alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     p_op = p_operand(p.to(v_bufs.dtype), p_layout, V_KMAJOR == PERMUTED_KEYS)
     v = v_tile(v_bufs, v_bars, j, STAGES, True)
     pv = warpgroup_mma(p_op, v, acc * alpha_o, is_async=True)
-    if ROWSUM_MMA:
-        alpha_l = gl.convert_layout(alpha, gl.SliceLayout(1, l_layout))[:, None]
-        p_l = gl.convert_layout(p_op, a_operand_layout(l_layout, 8), assert_trivial=True)
-        lsum = warpgroup_mma(p_l, ones_smem.permute((1, 0)), l_acc * alpha_l, is_async=True)
-        if NEXT:
-            s_acc = qk_async(q_smem, 0, k_bufs, wait_k(k_bars, j + 1, STAGES), s_zero, QK_CHUNKS)
-            acc, l_acc, s = warpgroup_mma_wait(0, deps=(pv, lsum, s_acc))
-        else:
-            acc, l_acc = warpgroup_mma_wait(0, deps=(pv, lsum))
-    elif NEXT:
+    if NEXT:
         s_acc = qk_async(q_smem, 0, k_bufs, wait_k(k_bars, j + 1, STAGES), s_zero, QK_CHUNKS)
         acc, s = warpgroup_mma_wait(0, deps=(pv, s_acc))
     else:
@@ -86,7 +60,7 @@ def _block(s, j, c, acc, m_i, l_i, l_acc, ones_smem, offs_m, offs_n0, seqlen_q, 
     if j + STAGES < n_end:
         gl.thread_barrier()  # every warp's wgmmas that read slot j % STAGES have retired
         load_kv(k_desc, v_desc, b, hkv, j + STAGES, k_bufs, v_bufs, k_bars, v_bars, STAGES, True, QK_CHUNKS)
-    return acc, m_i, l_i, l_acc, s
+    return acc, m_i, l_i, s
 
 
 @gluon.jit
@@ -105,7 +79,6 @@ def attn_fwd_onewg_kernel(
     qk_scale,  # softmax_scale * log2(e)
     HEAD_DQK: gl.constexpr, HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
     V_KMAJOR: gl.constexpr,  # True, or PERMUTED_KEYS: V's keys in layouts.key_slot_order (P needs no shuffle)
-    ROWSUM_MMA: gl.constexpr,  # the softmax row sums on the tensor cores (P against a ones tile)
     num_warps: gl.constexpr,
 ):
     gl.static_assert(num_warps == 4, "one warpgroup per CTA")
@@ -132,15 +105,6 @@ def attn_fwd_onewg_kernel(
     s_layout: gl.constexpr = wgmma_layout(num_warps, BLOCK_N, 8)
     o_layout: gl.constexpr = wgmma_layout(num_warps, HEAD_DV, 8)
     p_layout: gl.constexpr = a_operand_layout(o_layout, 8)
-    l_layout: gl.constexpr = wgmma_layout(num_warps, SUM_COLS, 8)
-    l_acc = gl.zeros([ROWS, SUM_COLS], gl.float32, l_layout)
-    ones_smem = gl.allocate_shared_memory(v_desc.dtype, [SUM_COLS, BLOCK_N],
-                                          gl.NVMMASharedLayout.get_default_for([SUM_COLS, BLOCK_N], v_desc.dtype))
-    if ROWSUM_MMA:
-        ones_smem.store(gl.full([SUM_COLS, BLOCK_N], 1.0, gl.float32,
-                                gl.BlockedLayout([1, 16], [4, 8], [num_warps, 1], [1, 0])).to(v_desc.dtype))
-        fence_async_shared()
-        gl.thread_barrier()
     offs_m = m_start + gl.arange(0, ROWS, gl.SliceLayout(1, s_layout))
     offs_n0 = gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
@@ -161,23 +125,21 @@ def attn_fwd_onewg_kernel(
         # that the steady state carries no mask code (one loop with `if j >= n_full` kept it behind a branch)
         n_plain = gl.minimum(n_full, n_end - 1)
         for j in range(0, n_plain):
-            acc, m_i, l_i, l_acc, s = _block(s, j, c_q * _k_scale(k_scale_row, stride_ksblk, j, BLOCK_N), acc, m_i, l_i, l_acc, ones_smem,
+            acc, m_i, l_i, s = _block(s, j, c_q * _k_scale(k_scale_row, stride_ksblk, j, BLOCK_N), acc, m_i, l_i,
                                       offs_m, offs_n0, seqlen_q, seqlen_k, n_full, n_end, q_smem, k_bufs, v_bufs,
-                                      k_bars, v_bars, s_zero, k_desc, v_desc, b, hkv, p_layout, o_layout, l_layout,
-                                      CAUSAL, V_KMAJOR, ROWSUM_MMA, False, True)
+                                      k_bars, v_bars, s_zero, k_desc, v_desc, b, hkv, p_layout, o_layout, CAUSAL,
+                                      V_KMAJOR, False, True)
         for j in range(n_plain, n_end - 1):
-            acc, m_i, l_i, l_acc, s = _block(s, j, c_q * _k_scale(k_scale_row, stride_ksblk, j, BLOCK_N), acc, m_i, l_i, l_acc, ones_smem,
+            acc, m_i, l_i, s = _block(s, j, c_q * _k_scale(k_scale_row, stride_ksblk, j, BLOCK_N), acc, m_i, l_i,
                                       offs_m, offs_n0, seqlen_q, seqlen_k, n_full, n_end, q_smem, k_bufs, v_bufs,
-                                      k_bars, v_bars, s_zero, k_desc, v_desc, b, hkv, p_layout, o_layout, l_layout,
-                                      CAUSAL, V_KMAJOR, ROWSUM_MMA, True, True)
+                                      k_bars, v_bars, s_zero, k_desc, v_desc, b, hkv, p_layout, o_layout, CAUSAL,
+                                      V_KMAJOR, True, True)
         last = n_end - 1
-        acc, m_i, l_i, l_acc, s = _block(s, last, c_q * _k_scale(k_scale_row, stride_ksblk, last, BLOCK_N), acc, m_i, l_i, l_acc, ones_smem,
+        acc, m_i, l_i, s = _block(s, last, c_q * _k_scale(k_scale_row, stride_ksblk, last, BLOCK_N), acc, m_i, l_i,
                                   offs_m, offs_n0, seqlen_q, seqlen_k, n_full, n_end, q_smem, k_bufs, v_bufs,
-                                  k_bars, v_bars, s_zero, k_desc, v_desc, b, hkv, p_layout, o_layout, l_layout,
-                                  CAUSAL, V_KMAJOR, ROWSUM_MMA, True, False)
+                                  k_bars, v_bars, s_zero, k_desc, v_desc, b, hkv, p_layout, o_layout, CAUSAL,
+                                  V_KMAJOR, True, False)
 
-    if ROWSUM_MMA:  # every column of l_acc holds the row sum
-        l_i = gl.convert_layout(gl.max(l_acc, axis=1), gl.SliceLayout(1, s_layout))
     inv_l, _ = finish_rows(m_i, l_i, P_OFFSET)
     v_sc = load_v_scale(v_scale_ptr + b * stride_vsb + hkv * stride_vsh, stride_vsd, HEAD_DV, o_layout)
     write_rows(acc, inv_l, v_sc, m_start, out_ptr, stride_ob, stride_os, stride_oh, b, h, seqlen_q)
