@@ -88,8 +88,33 @@ def aot(stages_list):
                     f.write(ck.asm["cubin"])
 
 
-def gpu(seqlens, variants):
+def timed(fn):
+    """``(ms, MHz)``: the do_bench median and the median SM clock that NVML read every 2 ms meanwhile."""
+    import statistics
+    import threading
+    import pynvml
+    import triton
+    pynvml.nvmlInit()
+    h = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+    clocks, stop = [], threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            clocks.append(pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM))
+            stop.wait(0.002)
+    fn()
+    torch.cuda.synchronize()
+    t = threading.Thread(target=sample)
+    t.start()
+    ms = triton.testing.do_bench(fn, warmup=25, rep=300, return_mode="median")
+    stop.set()
+    t.join()
+    return ms, int(statistics.median(clocks)) if clocks else None
+
+
+def gpu(seqlens, variants, rounds=2, dims=((128, True), (192, True), (128, False))):
     import hopper_gpu_check as H
+    H.bench = timed
     from hopper_v2_gpu import kernel_only
     from leanfa.bench import cudnn_graphs, impls
     from leanfa.bench.inputs import Inputs
@@ -124,8 +149,8 @@ def gpu(seqlens, variants):
     except ImportError as e:
         print("no FA3:", e)
     print(f"{'shape':22s} {'cuDNN':>14s} {'FA3':>14s} {'v3':>14s} " + " ".join(f"{_name(*x):>20s}" for x in variants))
-    for S in seqlens:
-        for dqk, causal in ((128, True), (192, True), (128, False)):
+    for S, (dqk, causal), _ in ((S, d, r) for r in range(rounds) for S in seqlens for d in dims):
+        if True:
             if not causal and S < 4096:
                 continue
             B, Hh = max(16384 // S, 1), 16
@@ -221,13 +246,15 @@ def main():
     ap.add_argument("--stages", default="2,3")
     ap.add_argument("--variants", default="2,2p,3p", help="GPU: onewg variants, stages + 'p' for permuted V")
     ap.add_argument("--one", help="fa3 | cudnn | v3 | onewg-s2p ...: one kernel for ncu")
+    ap.add_argument("--rounds", type=int, default=2, help="GPU: time every row this many times (interleaved)")
     a = ap.parse_args()
     if a.aot:
         aot([int(s) for s in a.stages.split(",")])
     elif a.one:
         one(a.one)
     else:
-        gpu([int(s) for s in a.seqlens.split(",")], [(int(v[0]), v.endswith("p")) for v in a.variants.split(",")])
+        gpu([int(s) for s in a.seqlens.split(",")], [(int(v[0]), v.endswith("p")) for v in a.variants.split(",")],
+            a.rounds)
 
 
 if __name__ == "__main__":
