@@ -437,6 +437,7 @@ def test_profile_orchestration_with_fake_ncu(tmp_path, monkeypatch):
     assert payload["metric_names"]["xu_pct"] is None and payload["metric_names"]["duration_us"]
     (k,) = payload["kernels"]
     assert k["metrics"]["tensor_gmma_pct"] == 71.25
+    assert payload["kind"] == "profile"  # leanfa report can render it
     assert (tmp_path / "out" / "prof.md").exists() and len(files) == 2
 
 

@@ -415,6 +415,8 @@ def load_result(path: str) -> dict:
                          f"{type(payload).__name__}; leanfa bench/accuracy/profile write an object "
                          f"with 'kind' {' / '.join(KINDS)})")
     kind = payload.get("kind")
+    if kind is None and isinstance(payload.get("kernels"), list) and "impl" in payload:
+        kind = payload["kind"] = "profile"  # written by leanfa profile before it named its kind
     if kind not in KINDS:
         raise ValueError(f"{path}: not a leanfa result file (kind={kind!r}; expected one of "
                          f"{', '.join(KINDS)})")
