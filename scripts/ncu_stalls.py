@@ -34,8 +34,8 @@ SECTIONS = ("SpeedOfLight", "WarpStateStats", "SchedulerStats", "SourceCounters"
 KERNEL_FILTERS = (
     ("leanfa-hopper", ["--kernel-name", "regex:attn_fwd"]),
     # FA3 launches cutlass::device_kernel<flash::...FlashAttnFwdSm90<...>>, after a fill of its
-    # tile semaphore (causal) or its varlen scheduler kernel
-    ("fa3-", ["--kernel-name-base", "demangled", "--kernel-name", "regex:FlashAttnFwd"]),
+    # tile semaphore (causal) or its varlen scheduler kernel (neither is a cutlass device_kernel)
+    ("fa3-", ["--kernel-name-base", "demangled", "--kernel-name", "regex:FlashAttnFwd|device_kernel"]),
 )
 
 

@@ -395,7 +395,15 @@ def test_ncu_stalls_selects_each_attention_kernel():
     ncu = _load_script("ncu_stalls")
     assert ncu.kernel_filter("leanfa-hopper-fp8-kernel") == ["--kernel-name", "regex:attn_fwd"]
     f = ncu.kernel_filter("fa3-fp8")
-    assert f[f.index("--kernel-name") + 1] == "regex:FlashAttnFwd" and "demangled" in f
+    regex = f[f.index("--kernel-name") + 1]
+    assert regex.startswith("regex:") and "demangled" in f
+    pattern = re.compile(regex[len("regex:"):])
+    fa3_kernel = ("void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttnFwdSm90<"
+                  "flash::CollectiveMainloopFwdSm90<2, cute::tuple<...>, true, false>>>>(T1::Params)")
+    assert pattern.search(fa3_kernel)
+    for before in ("void flash::prepare_varlen_num_blocks_kernel<1, false>(int, int, int, int const*)",
+                   "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<int>>(int, T2, T3)"):
+        assert not pattern.search(before), before
     assert ncu.kernel_filter("cudnn-fp8") == []
 
 
@@ -408,3 +416,30 @@ def test_gpu_session_fa3_steps_name_real_implementations():
         assert re.search(rf"^\s+{step}\) step {step} ", text, re.M), step
     assert "--target /tmp/site" in text and "export PYTHONPATH=/tmp/site:" in text
     assert leanfa.__version__
+
+
+# ------------------------------------------------------------------ on a Hopper GPU with FA3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_gpu_real_fa3_rows_match_the_reference(varlen):
+    """The installed FA3 (fa3-fwd wheel) through the fa3-* rows: BF16 near exact, FP8 with the
+    per-(sequence, KV head) descales at e4m3 rounding error, on uneven magnitudes and GQA."""
+    for name in ("fa3-bf16", "fa3-fp8"):
+        ok, why = _by_name(name).available()
+        if not ok:
+            pytest.skip(why)
+    case = (shapes.Case("varlen", "d128", "gaussian", 3, 1000, 8, 2, 128, 128, True, (1000, 300, 77)) if varlen
+            else shapes.Case("standard", "d128", "gaussian", 3, 512, 8, 2, 128, 128, True))
+    cpu = _uneven_inputs(case)
+    x = Inputs(cpu.q.cuda(), cpu.k.cuda(), cpu.v.cuda(),
+               None if cpu.cu_seqlens is None else cpu.cu_seqlens.cuda(), cpu.max_seqlen)
+    kw = dict(cu_seqlens_q=x.cu_seqlens, cu_seqlens_k=x.cu_seqlens) if varlen else {}
+    ref = attention_ref(x.q, x.k, x.v, causal=True, **kw)
+    for name, tol in (("fa3-bf16", 1e-2), ("fa3-fp8", 0.12)):  # FA3 also rounds P to e4m3; wrong descales: > 0.5
+        p = _by_name(name).prepare(case, x)
+        out = p.output(p.run())
+        assert out.dtype == torch.bfloat16 and out.shape == ref.shape
+        err = error_metrics(out, ref)["rel_l2"]
+        assert err < tol, (name, err)
