@@ -1,5 +1,7 @@
-"""The ``leanfa`` command: ``demo`` (the main job, any machine), and the GPU measurement tools
-``bench``, ``accuracy`` and ``profile`` (see ``leanfa <command> --help``)."""
+"""The ``leanfa`` command: ``demo`` (any machine), the GPU measurement tools ``bench``,
+``accuracy`` and ``profile`` (:mod:`leanfa.bench.cli`), ``report`` (any machine) and
+``--version``. Every command's ``--help`` is written for users: what it does, its main options,
+examples."""
 
 from __future__ import annotations
 
@@ -8,15 +10,61 @@ import os
 import sys
 import time
 
-USAGE = """usage: leanfa <command> [options]
+USAGE = """usage: leanfa <command> [options]      (leanfa <command> --help for each one)
 
 commands:
   demo       model-like prefill attention in BF16 and FP8: error vs float64 (and time on a GPU)
-  bench      time leanfa against cuDNN, FlashAttention and others (GPU)
+  bench      time leanfa against cuDNN, FlashAttention-3 and others (GPU)
   accuracy   error vs float64 of every implementation on every activation profile (GPU)
   profile    Nsight Compute counters of one attention call (GPU)
   report     re-render the markdown and plots of result JSON files (any machine)
+
+options:
+  --version  print leanfa's version
+  -h, --help this message
+
+examples:
+  leanfa demo                 # works anywhere; on a CPU through Triton's interpreter
+  leanfa bench --quick        # ~5 min on an H200: leanfa vs cuDNN and FA3
+  leanfa accuracy
 """
+
+DEMO_HELP = """Run leanfa's attention on model-like activations in BF16, FP8, and FP8 with the first
+128 keys kept in BF16 ("fp8+sink"), and print each one's relative L2 error against a float64
+reference (and its time and TFLOP/s on a GPU).
+
+Works on any machine: without a CUDA GPU the kernels run under Triton's CPU interpreter on a
+small problem (errors only, no times)."""
+
+DEMO_EXAMPLES = """examples:
+  leanfa demo                                  # llama3-8b activations, 4096 tokens on a GPU
+  leanfa demo --preset qwen2.5-7b --seqlen 8192
+  leanfa demo --seqlen 192 --heads 4           # a quick check on a CPU
+"""
+
+REPORT_HELP = """Write the markdown tables (and PNG plots) of result files from leanfa bench, accuracy
+or profile again, next to each file and named after it; the JSON itself is not changed. Use it
+after a run that was cut before its plots, or after editing a file's rows. Works anywhere.
+
+A file that is not such a result (another JSON, a list, a file with malformed rows) is refused
+with one line and exit status 2."""
+
+REPORT_EXAMPLES = """examples:
+  leanfa report bench/results/2026-11-30-h200/bench-quick.json
+  leanfa report --no-plots bench/results/*/accuracy.json
+"""
+
+
+def version() -> str:
+    """leanfa's version: the imported package's ``__version__``."""
+    import leanfa
+
+    return leanfa.__version__
+
+
+def _parser(prog: str, description: str, epilog: str) -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(prog=prog, description=description, epilog=epilog,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
 def _use_interpreter_without_gpu() -> bool:
@@ -39,13 +87,15 @@ def _demo_inputs(preset: str, seqlen: int, device: str, heads: int | None):
 
 
 def demo(argv: list[str]) -> int:
-    cpu = _use_interpreter_without_gpu()
-    parser = argparse.ArgumentParser(prog="leanfa demo", description="Model-like prefill attention in BF16 and FP8.")
-    parser.add_argument("--preset", default="llama3-8b", help="activation profile (see leanfa.activations)")
+    parser = _parser("leanfa demo", DEMO_HELP, DEMO_EXAMPLES)
+    parser.add_argument("--preset", default="llama3-8b",
+                        help="activation profile: gaussian, llama3-8b, mistral-7b, qwen2.5-7b, deepseek-v3-mla "
+                             "(default llama3-8b)")
     parser.add_argument("--seqlen", type=int, default=None, help="tokens (default 4096 on a GPU, 256 on a CPU)")
     parser.add_argument("--heads", type=int, default=None,
                         help="use the preset's first HEADS query heads (default: all on a GPU, 8 on a CPU)")
     args = parser.parse_args(argv)
+    cpu = _use_interpreter_without_gpu()  # before triton is imported
 
     import torch
 
@@ -92,19 +142,24 @@ def demo(argv: list[str]) -> int:
 
 
 def report(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="leanfa report",
-                                     description="Re-render the markdown and plots of leanfa result JSON files.")
-    parser.add_argument("files", nargs="+", help="bench/accuracy/profile JSON written by leanfa")
-    parser.add_argument("--no-plots", action="store_true")
+    """``leanfa report FILE...``: 0 when every file was rendered; 2, with one line on stderr,
+    at the first file that cannot be read or is not a result leanfa can render."""
+    parser = _parser("leanfa report", REPORT_HELP, REPORT_EXAMPLES)
+    parser.add_argument("files", nargs="+", metavar="FILE.json",
+                        help="result JSON written by leanfa bench, accuracy or profile")
+    parser.add_argument("--no-plots", action="store_true", help="write the markdown only")
     args = parser.parse_args(argv)
     from .bench.report import rerender
 
     for path in args.files:
         try:
             written = rerender(path, plots=not args.no_plots)
-        except (OSError, ValueError) as e:
+        except ValueError as e:
             print(f"leanfa report: {e}", file=sys.stderr)
-            return 1
+            return 2
+        except OSError as e:
+            print(f"leanfa report: {path}: cannot read ({e.strerror or e})", file=sys.stderr)
+            return 2
         for w in written:
             print(f"wrote {w}")
     return 0
@@ -115,14 +170,20 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
+    if argv[0] in ("--version", "-V"):
+        print(f"leanfa {version()}")
+        return 0
     command, rest = argv[0], argv[1:]
-    if command == "demo":
-        start = time.time()
-        rc = demo(rest)
-        print(f"done in {time.time() - start:.1f} s")
-        return rc
-    if command == "report":
-        return report(rest)
+    try:
+        if command == "demo":
+            start = time.time()
+            rc = demo(rest)
+            print(f"done in {time.time() - start:.1f} s")
+            return rc
+        if command == "report":
+            return report(rest)
+    except SystemExit as e:  # --help (0) or a usage error argparse already printed (2)
+        return e.code if isinstance(e.code, int) else 2
     if command in ("bench", "accuracy", "profile"):
         from .bench.cli import main as bench_main
 

@@ -17,6 +17,18 @@ set -u
 OUT=${OUT:-/tmp/leanfa-gpu-session}
 mkdir -p "$OUT/r"
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:-}:$PWD"
+# Wheels shipped with the checkout (.whl/: the fa3-fwd FlashAttention-3 wheel, the cuDNN frontend)
+# go to /tmp/site, ahead of the image's packages on PYTHONPATH. One pip call per wheel, so a wheel
+# that does not fit this Python (e.g. a cp312-only one) does not keep the others out.
+if compgen -G ".whl/*.whl" > /dev/null; then
+  for w in .whl/*.whl; do
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$w"
+    rc=$?
+    echo "== wheel ${w#.whl/} -> /tmp/site: pip rc=$rc"
+  done
+  export PYTHONPATH=/tmp/site:$PYTHONPATH
+fi
+FA3_IMPLS='leanfa-hopper-fp8-kernel,leanfa-hopper-bf16,cudnn-fp8,cudnn-bf16,fa3-fp8,fa3-bf16'  # kernels vs peers
 WORKERS=${WORKERS:-8}
 WIDE="LEANFA_HOPPER_BLOCK_N=256 LEANFA_HOPPER_PV_IN_MMA=1 LEANFA_HOPPER_V_PERMUTED=1"  # the 64x256 FP8 experiment
 C3="LEANFA_HOPPER_CONSUMERS=3 LEANFA_HOPPER_BLOCK_N=64 LEANFA_HOPPER_PV_IN_MMA=1"  # a third consumer warpgroup
@@ -258,7 +270,21 @@ run_steps() {
                 --out "$OUT/r/bench_varlen" ;;  # the uneven prefill batch: FP8 varlen now on the Hopper kernel
       trace) step trace 420 120 python3 scripts/hopper_trace.py --out "$OUT/r/trace" ;;  # cycles per phase of the key loop
       py:*) f=${s#py:}; step "$(basename "$f" .py)" 150 30 python3 "$f" ;;  # a one-off script
-      models) step models 330 24 python3 -m leanfa.cli bench --no-progress --sweep models,varlen --out "$OUT/r/models" ;;
+      models) step models 420 24 python3 -m leanfa.cli bench --no-progress --sweep models,varlen --out "$OUT/r/models" ;;
+      bench_fa3) step bench_fa3 560 80 python3 -m leanfa.cli bench --quick --no-progress --sweep standard \
+                --dims d128,mla --seqlens 1k,4k,16k,32k --impl "$FA3_IMPLS" --name bench-fa3 \
+                --out "$OUT/r/bench_fa3" ;;  # leanfa kernels vs cuDNN and FA3 (FP8, BF16), causal and not
+      bench_fa3_causal) step bench_fa3_causal 400 50 python3 -m leanfa.cli bench --quick --no-progress \
+                --sweep standard --dims d128,mla --seqlens 1k,4k,16k,32k --causal true --impl "$FA3_IMPLS" \
+                --name bench-fa3-causal --out "$OUT/r/bench_fa3_causal" ;;  # the same, causal only (half the rows)
+      bench_fa3_models) step bench_fa3_models 400 50 python3 -m leanfa.cli bench --quick --no-progress \
+                --sweep models,varlen --models llama3-8b,llama3.1-70b,deepseek-v3-mla --seqlens 4k,16k \
+                --impl "$FA3_IMPLS" --name bench-fa3-models --out "$OUT/r/bench_fa3_models" ;;  # GQA 32/8, 64/8, MLA
+      accuracy_fa3) step accuracy_fa3 200 40 python3 -m leanfa.cli accuracy --no-plots \
+                --impl 'leanfa-hopper-fp8,leanfa-hopper-bf16,cudnn-fp8,cudnn-bf16,fa3-fp8,fa3-bf16' \
+                --out "$OUT/r/accuracy_fa3" ;;  # FA3's error vs float64 beside cuDNN and leanfa
+      stalls_fa3) step stalls_fa3 300 150 python3 scripts/ncu_stalls.py \
+                --impl leanfa-hopper-fp8-kernel,cudnn-fp8,fa3-fp8 --out "$OUT/r/stalls_fa3" ;;  # ncu: all three FP8
     esac
   done
 }

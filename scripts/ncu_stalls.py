@@ -2,8 +2,11 @@
 """Where do a kernel's warps wait? One ncu run per implementation with warp-state sampling, then
 the stall reasons (details page) and the per-SASS-instruction samples (source page) as CSV.
 
-    python scripts/ncu_stalls.py --out DIR [--impl leanfa-hopper-fp8-kernel,cudnn-fp8] [--seqlen 8192]
+    python scripts/ncu_stalls.py --out DIR [--impl leanfa-hopper-fp8-kernel,cudnn-fp8,fa3-fp8] [--seqlen 8192]
 
+Any implementation of ``leanfa bench --list`` can be named (FA3's ``fa3-fp8``/``fa3-bf16`` too);
+:data:`KERNEL_FILTERS` picks its attention kernel out of the profiled call, past the kernels
+launched before it (leanfa's copies/quantizers, FA3's semaphore fill or varlen scheduler).
 Writes ``DIR/<impl>.details.csv.gz``, ``DIR/<impl>.source.csv.gz`` and prints, per implementation, the
 stall reasons and the 40 instructions with the most samples. Aggregate pipe percentages live in
 ``leanfa profile``; this script answers the next question: which instruction waits, and on what.
@@ -27,6 +30,20 @@ SECTIONS = ("SpeedOfLight", "WarpStateStats", "SchedulerStats", "SourceCounters"
             "ComputeWorkloadAnalysis")
 
 
+#: implementation name prefix -> ncu arguments that select its attention kernel (first match wins)
+KERNEL_FILTERS = (
+    ("leanfa-hopper", ["--kernel-name", "regex:attn_fwd"]),
+    # FA3 launches cutlass::device_kernel<flash::...FlashAttnFwdSm90<...>>, after a fill of its
+    # tile semaphore (causal) or its varlen scheduler kernel (neither is a cutlass device_kernel)
+    ("fa3-", ["--kernel-name-base", "demangled", "--kernel-name", "regex:FlashAttnFwd|device_kernel"]),
+)
+
+
+def kernel_filter(impl: str) -> list[str]:
+    """The ncu arguments that pick ``impl``'s attention kernel (none: the first kernel)."""
+    return next((args for prefix, args in KERNEL_FILTERS if impl.startswith(prefix)), [])
+
+
 def run(cmd, timeout=600):
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     return res.returncode, res.stdout, res.stderr
@@ -39,8 +56,7 @@ def profile(ncu, impl, args, out):
              "--head-dim", str(args.head_dim), "--head-dim-v", "128", "--warmup", "3", "--seed", "0"]
     cmd = [ncu, "--clock-control", "none", "--target-processes", "all", "--profile-from-start", "off",
            "--launch-count", "1", "--import-source", "no", "-f", "-o", rep]
-    if impl.startswith("leanfa-hopper"):  # the attention kernel, not a copy or quantize kernel before it
-        cmd += ["--kernel-name", "regex:attn_fwd"]
+    cmd += kernel_filter(impl)
     for s in SECTIONS:
         cmd += ["--section", s]
     rc, so, se = run(cmd + child)
@@ -118,11 +134,18 @@ def main():
     ap.add_argument("--seqlen", type=int, default=8192)
     ap.add_argument("--head-dim", type=int, default=128)
     args = ap.parse_args()
+    from leanfa.bench.impls import all_impls
+
+    known = {i.name for i in all_impls()}
+    impls = [i.strip() for i in args.impl.split(",") if i.strip()]
+    unknown = [i for i in impls if i not in known]
+    if unknown:
+        sys.exit(f"unknown implementation(s) {unknown}; choose from {sorted(known)}")
     ncu = find_ncu()
     if ncu is None:
         sys.exit("ncu not found")
     os.makedirs(args.out, exist_ok=True)
-    for impl in args.impl.split(","):
+    for impl in impls:
         profile(ncu, impl, args, args.out)
 
 

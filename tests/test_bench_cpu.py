@@ -43,8 +43,8 @@ def test_cli_help_unknown_and_bad_args(capsys):
 def test_cli_dry_run_quick_lists_cases(capsys):
     assert cli.main("bench", ["--dry-run", "--quick"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
-    assert out[-1].startswith("25 cases x ")
-    assert sum("/S16384/" in line for line in out) == 8  # 4 standard + 4 models
+    assert out[-1].startswith("28 cases x ")  # 12 standard + 5 models x 3 + 1 varlen
+    assert sum("/S16384/" in line for line in out) == 9  # 4 standard + 5 models
     assert cli.main("bench", ["--dry-run", "--sweep", "standard", "--seqlens", "2k", "--causal", "true",
                               "--impl", "cudnn-*"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
@@ -86,7 +86,7 @@ def test_model_and_varlen_shapes():
     cases = shapes.build_cases(["models", "varlen"])
     models = [c for c in cases if c.sweep == "models"]
     assert {(c.label, c.heads, c.kv_heads, c.head_dim, c.head_dim_v) for c in models} == {
-        ("llama3-8b", 32, 8, 128, 128), ("mistral-7b", 32, 8, 128, 128),
+        ("llama3-8b", 32, 8, 128, 128), ("llama3.1-70b", 64, 8, 128, 128), ("mistral-7b", 32, 8, 128, 128),
         ("qwen2.5-7b", 28, 4, 128, 128), ("deepseek-v3-mla", 128, 128, 192, 128)}
     assert all(c.causal for c in cases)
     (var,) = [c for c in cases if c.varlen]
@@ -437,6 +437,7 @@ def test_profile_orchestration_with_fake_ncu(tmp_path, monkeypatch):
     assert payload["metric_names"]["xu_pct"] is None and payload["metric_names"]["duration_us"]
     (k,) = payload["kernels"]
     assert k["metrics"]["tensor_gmma_pct"] == 71.25
+    assert payload["kind"] == "profile"  # leanfa report can render it
     assert (tmp_path / "out" / "prof.md").exists() and len(files) == 2
 
 

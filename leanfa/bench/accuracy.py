@@ -6,7 +6,9 @@ B=1, S=2048, the preset's heads, causal), the BF16 Q/K/V are fed to every implem
 its output compared with the float64 reference (:func:`leanfa.reference.attention_ref`) on
 all heads: relative L2, max abs error and worst-row relative error
 (:func:`leanfa.bench.errors.error_metrics`). FP8 rows also get ``ratio_cudnn_fp8``: their
-relative L2 over cuDNN FP8's on the same profile.
+relative L2 over cuDNN FP8's on the same profile; every row gets ``best_peer`` and
+``ratio_best_peer``: its relative L2 over that of the most accurate peer of its precision
+(cuDNN or FlashAttention-3, :mod:`leanfa.bench.peers`) on the same profile.
 
 Implementations whose numerics duplicate another row's (``leanfa-*-fp8-kernel`` computes
 what ``leanfa-*-fp8`` does; ``cudnn-fp8-e2e`` what ``cudnn-fp8`` does) are left out by
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import os
 
-from . import errors
+from . import errors, peers
 from .impls import Impl, NotApplicable
 from .inputs import Inputs, make_inputs
 from .shapes import MODELS, Case
@@ -91,7 +93,7 @@ def accuracy_rows(case: Case, x: Inputs, impls: list[Impl]) -> list[dict]:
         for r in rows:
             if r["status"] == "ok" and r["precision"] == "fp8":
                 r["ratio_cudnn_fp8"] = r["rel_l2"] / cudnn["rel_l2"]
-    return rows
+    return peers.add_best_peer_error(rows)
 
 
 def run_accuracy(profiles, files, impls, *, batch: int = 1, seqlen: int = 2048, causal: bool = True,

@@ -3,18 +3,8 @@
 ``leanfa.cli`` dispatches here with :func:`main`. Every command needs a CUDA GPU (profile
 also Nsight Compute); without one it prints a one-line reason and returns 2. ``--help``,
 ``--list`` (implementations and whether they can run here) and ``bench --dry-run`` (the
-cases a run would time) work anywhere.
-
-The one command for a GPU session (about 5 minutes on an H200)::
-
-    leanfa bench --quick                 # standard + models + varlen at S = 1K, 4K, 16K
-
-and the full sweeps (each under 10 minutes)::
-
-    leanfa bench --sweep standard
-    leanfa bench --sweep models,varlen
-    leanfa accuracy
-    leanfa profile --model llama3-8b --seqlen 8192
+cases a run would time) work anywhere. The user-facing help of each command is in
+:data:`HELP` (description) and :data:`EXAMPLES` (epilog).
 """
 
 from __future__ import annotations
@@ -25,6 +15,64 @@ import sys
 
 COMMANDS = ("bench", "accuracy", "profile")
 DEFAULT_PROFILE_IMPLS = "leanfa-hopper-fp8-kernel,leanfa-portable-fp8-kernel,cudnn-fp8,cudnn-bf16"
+
+HELP = {
+    "bench": """Time leanfa's attention against cuDNN and FlashAttention-3 (and others that are
+installed) on this GPU.
+
+Each implementation first runs once and is checked against a float64 reference (a wrong
+result is reported FAILED, not timed), then it is timed: median of CUDA-event timings, inputs
+rotated so they are not served from L2, SM clock and power sampled meanwhile. Sweeps:
+"standard" (16K tokens per batch, 16 heads, head dims 128 and MLA 192/128, causal and not),
+"models" (the heads of Llama-3-8B, Llama-3.1-70B, Mistral-7B, Qwen2.5-7B, DeepSeek-V3 MLA,
+on model-like activations) and "varlen" (one uneven prefill batch).
+
+Each leanfa row is reported in TFLOP/s and as a ratio to the best peer of its precision on
+the same shape (FP8: cuDNN FP8 and FA3 FP8; BF16: cuDNN and FA3 BF16), naming that peer.
+Results: JSON, markdown and PNG plots in bench/results/<date>-<gpu>/ (or --out).
+
+Needs a CUDA GPU (leanfa's Hopper kernels and FA3: an H100/H200). --list shows which
+implementations can run here and why the others cannot; --dry-run lists the cases.""",
+    "accuracy": """Measure every implementation's error against a float64 reference on model-like
+activations (and on captured ones with --inputs).
+
+For each activation profile (gaussian and the model presets: outlier channels, attention
+sinks, RoPE) at one shape (default B=1, S=2048, causal), every implementation gets the same
+BF16 Q/K/V; the table gives relative L2 error, max abs error and the worst row's error, and
+each row's error over that of the most accurate peer of its precision (cuDNN, FA3).
+Results: JSON, markdown and a PNG in bench/results/<date>-<gpu>/ (or --out).
+
+Needs a CUDA GPU.""",
+    "profile": """Read the hardware counters of one attention call under Nsight Compute (ncu): kernel
+time, SM clock, tensor-core, MUFU and issue utilization, registers, shared memory.
+
+The implementations are profiled one after the other on one shape (--model, or --heads,
+--head-dim, --seqlen...), each warmed up first; every kernel of the profiled call is reported
+(--skip-kernels drops quantization kernels and the like). Results: JSON and markdown.
+
+Needs a CUDA GPU and ncu on PATH.""",
+}
+
+EXAMPLES = {
+    "bench": """examples:
+  leanfa bench --quick                  # all sweeps at S = 1K, 4K, 16K: ~5 min on an H200
+  leanfa bench --sweep standard         # the full standard sweep (S = 512 .. 32K)
+  leanfa bench --sweep standard --seqlens 4k,16k --causal true \\
+               --impl 'leanfa-hopper-*,cudnn-*,fa3-*'
+  leanfa bench --sweep models --models llama3.1-70b --seqlens 8k
+  leanfa bench --list                   # implementations, and why any cannot run here
+  leanfa bench --dry-run --quick        # the cases, without running anything
+""",
+    "accuracy": """examples:
+  leanfa accuracy                       # every profile, S = 2048, causal
+  leanfa accuracy --seqlen 8192 --impl leanfa-hopper-fp8,cudnn-fp8,fa3-fp8
+  leanfa accuracy --inputs layer3.safetensors --profiles gaussian
+""",
+    "profile": """examples:
+  leanfa profile --model llama3-8b --seqlen 8192
+  leanfa profile --impl leanfa-hopper-fp8-kernel,cudnn-fp8,fa3-fp8 --seqlen 16384 --keep-report
+""",
+}
 
 
 def _csv(text: str | None) -> list[str] | None:
@@ -57,15 +105,18 @@ def _bool(text: str) -> bool:
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--impl", help="comma list of implementation names, families or globs "
-                                  "(e.g. 'leanfa-*,cudnn-fp8'); default: all")
+                                  "(e.g. 'leanfa-*,cudnn-fp8,fa3-*'; see --list); default: all")
     p.add_argument("--precision", default="fp8,bf16", help="comma list of fp8,bf16 (default both)")
     p.add_argument("--out", help="output folder (default bench/results/<date>-<gpu>/)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--list", action="store_true", help="list implementations and exit")
+    p.add_argument("--seed", type=int, default=0, help="seed of the inputs (default 0)")
+    p.add_argument("--list", action="store_true",
+                   help="list the implementations, whether each can run here (and why not), and exit")
 
 
 def build_parser(command: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=f"leanfa {command}", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=f"leanfa {command}", description=HELP.get(command),
+                                epilog=EXAMPLES.get(command),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     if command == "bench":
         _common(p)
         p.add_argument("--sweep", default="standard,models,varlen",
@@ -74,7 +125,9 @@ def build_parser(command: str) -> argparse.ArgumentParser:
                                          "(e.g. 1k,4k,16k)")
         p.add_argument("--causal", choices=("both", "true", "false"),
                        help="masks to run (default: both for standard, causal for models/varlen)")
-        p.add_argument("--models", help="comma list of model presets for the models sweep")
+        p.add_argument("--models", help="comma list of model presets for the models sweep: "
+                                        "llama3-8b, llama3.1-70b, mistral-7b, qwen2.5-7b, deepseek-v3-mla "
+                                        "(default all)")
         p.add_argument("--dims", help="comma list of head dims for the standard sweep: d128, mla, d64, d256 "
                                       "(default d128,mla)")
         p.add_argument("--quick", action="store_true",
@@ -84,32 +137,33 @@ def build_parser(command: str) -> argparse.ArgumentParser:
         p.add_argument("--tol-bf16", type=float, help="check tolerance, relative L2 (default 2e-2)")
         p.add_argument("--tol-fp8", type=float, help="check tolerance, relative L2 (default 2.5e-1)")
         p.add_argument("--no-gemm", action="store_true", help="skip the GEMM reference rates")
-        p.add_argument("--no-plots", action="store_true")
-        p.add_argument("--no-progress", action="store_true")
+        p.add_argument("--no-plots", action="store_true", help="write JSON and markdown only")
+        p.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
         p.add_argument("--name", help="file stem (default bench[-<sweeps>][-quick])")
         p.add_argument("--dry-run", action="store_true", help="print the cases and exit")
     elif command == "accuracy":
         _common(p)
         p.add_argument("--profiles", help="comma list of activation presets (default: all)")
         p.add_argument("--inputs", action="append", default=[], metavar="FILE.safetensors",
-                       help="captured activations (repeatable)")
-        p.add_argument("--seqlen", type=int, default=2048)
-        p.add_argument("--batch", type=int, default=1)
-        p.add_argument("--causal", type=_bool, default=True)
-        p.add_argument("--no-plots", action="store_true")
+                       help="captured activations (repeatable; see leanfa.activations)")
+        p.add_argument("--seqlen", type=int, default=2048, help="tokens per sequence (default 2048)")
+        p.add_argument("--batch", type=int, default=1, help="sequences (default 1)")
+        p.add_argument("--causal", type=_bool, default=True, help="true or false (default true)")
+        p.add_argument("--no-plots", action="store_true", help="write JSON and markdown only")
     elif command == "profile":
         p.add_argument("--impl", default=DEFAULT_PROFILE_IMPLS,
                        help=f"comma list of implementations, profiled one by one (default "
                             f"{DEFAULT_PROFILE_IMPLS})")
         p.add_argument("--model", help="model preset: sets heads, head dims and the activations")
-        p.add_argument("--preset", default="gaussian")
-        p.add_argument("--seqlen", type=int, default=8192)
+        p.add_argument("--preset", default="gaussian", help="activation profile without --model "
+                                                            "(default gaussian)")
+        p.add_argument("--seqlen", type=int, default=8192, help="tokens per sequence (default 8192)")
         p.add_argument("--batch", type=int, help="default 16384 // seqlen (at least 1)")
-        p.add_argument("--heads", type=int, default=16)
-        p.add_argument("--kv-heads", type=int)
-        p.add_argument("--head-dim", type=int, default=128)
-        p.add_argument("--head-dim-v", type=int)
-        p.add_argument("--causal", type=_bool, default=True)
+        p.add_argument("--heads", type=int, default=16, help="query heads (default 16)")
+        p.add_argument("--kv-heads", type=int, help="key/value heads (default: --heads)")
+        p.add_argument("--head-dim", type=int, default=128, help="Q/K head dim (default 128)")
+        p.add_argument("--head-dim-v", type=int, help="V head dim (default: --head-dim)")
+        p.add_argument("--causal", type=_bool, default=True, help="true or false (default true)")
         p.add_argument("--warmup", type=int, default=3, help="calls before the profiled one")
         p.add_argument("--kernel-regex", help="profile only kernels matching (ncu --kernel-name regex:)")
         p.add_argument("--launch-skip", type=int, default=0)
@@ -118,8 +172,9 @@ def build_parser(command: str) -> argparse.ArgumentParser:
                                               "(e.g. 'quant')")
         p.add_argument("--keep-report", action="store_true", help="keep the .ncu-rep next to the results")
         p.add_argument("--out", help="output folder (default bench/results/<date>-<gpu>/)")
-        p.add_argument("--seed", type=int, default=0)
-        p.add_argument("--list", action="store_true", help="list implementations and exit")
+        p.add_argument("--seed", type=int, default=0, help="seed of the inputs (default 0)")
+        p.add_argument("--list", action="store_true",
+                       help="list the implementations, whether each can run here (and why not), and exit")
     return p
 
 
@@ -140,10 +195,22 @@ def _missing_requirements(command: str) -> str | None:
 
 
 def _print_impls(impls) -> int:
+    """One line per implementation: name, precision, variant, whether it can run here (the
+    reason when not), what it is. Without a CUDA GPU a first line says that the commands need
+    one, and rows that run on CPU tensors are marked as such."""
+    from .impls import cuda_capability
+
+    gpu = cuda_capability() is not None
+    if not gpu:
+        print("No CUDA GPU here: leanfa bench, accuracy and profile need one. What each "
+              "implementation needs:")
     for i in impls:
         ok, why = i.available()
-        state = "available" if ok else f"unavailable ({why})"
-        print(f"{i.name:<28} {i.precision:<5} {i.variant:<7} {state}: {i.description}")
+        if ok:
+            state = "available" if gpu else "CPU tensors only (Triton interpreter: checks, not timings)"
+        else:
+            state = f"unavailable: {why}"
+        print(f"{i.name:<28} {i.precision:<5} {i.variant:<7} {state} — {i.description}")
     return 0
 
 
@@ -226,7 +293,7 @@ def _stem(sweeps, quick: bool) -> str:
 def _bench(args) -> int:
     from .env import environment
     from .gemm import gemm_rates
-    from .report import write_bench
+    from .report import peer_markdown, write_bench
     from .runner import BenchConfig, add_ratios, run_bench
 
     sweeps, cases = _cases(args)
@@ -265,6 +332,10 @@ def _bench(args) -> int:
     rows = run_bench(cases, impls, cfg, progress=not args.no_progress,
                      on_case_done=lambda rows: save(rows))
     files = save(rows, plots=not args.no_plots)
+    headline = peer_markdown(payload["rows"])
+    if headline:
+        print("\nleanfa against the best peer of its precision on each shape "
+              "(x best peer > 1: faster than every peer):\n" + headline)
     counts = {s: sum(r["status"] == s for r in payload["rows"]) for s in ("ok", "n/a", "FAILED")}
     print(f"rows: {counts['ok']} ok, {counts['n/a']} n/a, {counts['FAILED']} FAILED")
     for f in files:
@@ -299,13 +370,13 @@ def _profile(args) -> int:
     from .impls import NotApplicable, all_impls
     from .profile import profile
     from .profile_child import child_args
-    from .shapes import MODELS, STANDARD_TOKENS, Case
+    from .shapes import MODELS, STANDARD_TOKENS, Case, activation_preset
 
     if args.model:
         if args.model not in MODELS:
             raise ValueError(f"unknown --model {args.model!r}; choose from {tuple(MODELS)}")
         hq, hkv, dqk, dv = MODELS[args.model]
-        preset = args.model
+        preset = activation_preset(args.model)
     else:
         hq, dqk = args.heads, args.head_dim
         hkv, dv, preset = args.kv_heads or hq, args.head_dim_v or dqk, args.preset

@@ -20,8 +20,15 @@ Rows:
   quantization of Q/K/V and the dequantization of the output to the timing;
 * ``sdpa-flash-bf16``: torch SDPA ``FLASH_ATTENTION`` (FlashAttention-2; varlen through
   ``torch.nn.attention.varlen.varlen_attn``);
-* ``fa3-bf16`` / ``fa3-fp8`` (``flash_attn_interface``), ``flashinfer-bf16``, ``fa4-bf16``
-  (``flash_attn.cute``) when importable.
+* ``fa3-bf16`` / ``fa3-fp8``: FlashAttention-3 (``fa3_fwd_interface``, else
+  ``flash_attn_interface``; :mod:`leanfa.bench.fa3`), FP8 on inputs quantized beforehand with
+  one scale per (sequence, KV head) — the kernel alone;
+* ``flashinfer-bf16``, ``fa4-bf16`` (``flash_attn.cute``) when importable.
+
+Each row's ``available()`` says whether it can run here and why not: the Hopper, cuDNN and FA3
+rows need a CUDA GPU (Hopper and FA3 one of compute capability 9.x); the portable leanfa rows
+also run on CPU tensors under Triton's interpreter. The peers a row is compared with are in
+:mod:`leanfa.bench.peers`.
 
 A case an implementation cannot run raises :class:`NotApplicable` (reported "n/a" with
 the reason); so does a ``ValueError`` from leanfa (e.g. ``backend="hopper"`` on a shape the
@@ -38,7 +45,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import cudnn_graphs
+from . import cudnn_graphs, fa3
 from .inputs import Inputs
 from .shapes import Case
 
@@ -317,29 +324,22 @@ def _cudnn_fp8(e2e: bool):
 
 # -------------------------------------------------------------------- flash-attn 3 / 4, FlashInfer
 def _fa3(fp8: bool):
+    """FlashAttention-3 (see :mod:`leanfa.bench.fa3`): BF16, or FP8 quantized beforehand with
+    per-(sequence, KV head) descales; dense and varlen."""
     def prepare(case: Case, x: Inputs) -> Prepared:
-        import flash_attn_interface as fa3
+        try:
+            run, note = fa3.call(case, x, fp8)
+        except ImportError as e:
+            raise NotApplicable(str(e)) from e
 
-        q, k, v, kw = x.q, x.k, x.v, {"causal": case.causal}
-        note = ""
-        if fp8:
-            nb = len(case.seqlens) if x.varlen else case.batch
-            descales = []
-            tensors = []
-            for t in (x.q, x.k, x.v):
-                t8, d = cudnn_graphs.quantize_per_tensor(t)
-                tensors.append(t8)
-                descales.append(d.reshape(1, 1).expand(nb, case.kv_heads).contiguous())
-            q, k, v = tensors
-            kw.update(q_descale=descales[0], k_descale=descales[1], v_descale=descales[2])
-            note = "per-tensor scales"
-
-        def first(r):
-            return r[0] if isinstance(r, tuple) else r
-        if x.varlen:
-            return Prepared(lambda: first(fa3.flash_attn_varlen_func(
-                q, k, v, x.cu_seqlens, x.cu_seqlens, x.max_seqlen, x.max_seqlen, **kw)), note=note)
-        return Prepared(lambda: first(fa3.flash_attn_func(q, k, v, **kw)), note=note)
+        def guarded():
+            try:
+                return run()
+            except RuntimeError as e:
+                if fa3.unsupported(e):
+                    raise NotApplicable(f"FA3: {str(e).splitlines()[0]}") from e
+                raise
+        return Prepared(guarded, note=note)
     return prepare
 
 
@@ -371,48 +371,74 @@ def _flashinfer(case: Case, x: Inputs) -> Prepared:
 
 
 # ---------------------------------------------------------------------------- registry
-def _cuda_sdpa_available() -> tuple[bool, str]:
-    return (True, "") if torch.cuda.is_available() else (False, "no CUDA device")
+def cuda_capability() -> tuple[int, int] | None:
+    """Compute capability of the current CUDA device, or None on a machine without one."""
+    try:
+        if torch.cuda.is_available():
+            return tuple(torch.cuda.get_device_capability())
+    except Exception:
+        pass
+    return None
+
+
+def _needs_gpu(hopper: bool = False, then: Callable[[], tuple[bool, str]] | None = None):
+    """An ``available`` check: a CUDA GPU (``hopper``: of compute capability 9.x, what
+    wgmma/TMA kernels need), then ``then()`` (a module or library check)."""
+    def available() -> tuple[bool, str]:
+        cap = cuda_capability()
+        if cap is None:
+            return False, "needs a CUDA GPU; none found"
+        if hopper and cap[0] != 9:
+            return False, f"needs a Hopper GPU (sm90); this one is sm{cap[0]}{cap[1]}"
+        return then() if then is not None else (True, "")
+    return available
+
+
+_cuda_sdpa_available = _needs_gpu()
 
 
 def all_impls() -> list[Impl]:
     impls: list[Impl] = []
     for b in LEANFA_BACKENDS:
+        # the portable kernel also runs on CPU tensors under Triton's interpreter (the CPU tests)
+        ok = _needs_gpu(hopper=True, then=_leanfa_available) if b == "hopper" else _leanfa_available
         impls += [
             Impl(f"leanfa-{b}-fp8", "leanfa", "fp8", "e2e",
                  f"leanfa.attention(precision='fp8', backend='{b}'): quantization + kernel",
-                 _leanfa_fp8_e2e(b), _leanfa_available),
+                 _leanfa_fp8_e2e(b), ok),
             Impl(f"leanfa-{b}-fp8-sink", "leanfa", "fp8", "e2e",
                  f"leanfa.attention(precision='fp8', bf16_sink_keys=128, backend='{b}'): "
                  + ("sink keys inside the FP8 kernel" if b == "portable" else "BF16 and FP8 calls merged by LSE"),
-                 _leanfa_fp8_sink(b), _leanfa_available),
+                 _leanfa_fp8_sink(b), ok),
             Impl(f"leanfa-{b}-fp8-kernel", "leanfa", "fp8", "kernel",
                  f"flash_attn_func(quantize_fp8(q, k, v), backend='{b}'): kernel alone",
-                 _leanfa_fp8_kernel(b), _leanfa_available),
+                 _leanfa_fp8_kernel(b), ok),
             Impl(f"leanfa-{b}-bf16", "leanfa", "bf16", "kernel",
-                 f"flash_attn_func(bf16, backend='{b}')", _leanfa_bf16(b), _leanfa_available),
+                 f"flash_attn_func(bf16, backend='{b}')", _leanfa_bf16(b), ok),
         ]
     impls += [
         Impl("cudnn-bf16", "cudnn", "bf16", "kernel", "torch SDPA, CUDNN_ATTENTION backend",
              _sdpa("CUDNN_ATTENTION"), _cuda_sdpa_available, baseline=True),
         Impl("cudnn-fp8", "cudnn", "fp8", "kernel",
              "cuDNN frontend sdpa_fp8, per-tensor scales, FP8 output (kernel alone)",
-             _cudnn_fp8(False), cudnn_graphs.available, baseline=True),
+             _cudnn_fp8(False), _needs_gpu(then=cudnn_graphs.available), baseline=True),
         Impl("cudnn-fp8-e2e", "cudnn", "fp8", "e2e",
              "cudnn-fp8 plus per-tensor quantization of Q/K/V and dequantized BF16 output",
-             _cudnn_fp8(True), cudnn_graphs.available),
+             _cudnn_fp8(True), _needs_gpu(then=cudnn_graphs.available)),
         Impl("sdpa-flash-bf16", "sdpa-flash", "bf16", "kernel",
              "torch SDPA, FLASH_ATTENTION backend (FlashAttention-2)", _sdpa("FLASH_ATTENTION"),
              _cuda_sdpa_available),
-        Impl("fa3-bf16", "fa3", "bf16", "kernel", "flash_attn_interface.flash_attn_func (FA3)",
-             _fa3(False), lambda: _module_available("flash_attn_interface")),
-        Impl("fa3-fp8", "fa3", "fp8", "kernel", "FA3 on per-tensor-quantized FP8 inputs",
-             _fa3(True), lambda: _module_available("flash_attn_interface")),
+        Impl("fa3-bf16", "fa3", "bf16", "kernel",
+             "FlashAttention-3 flash_attn_func / flash_attn_varlen_func (fa3_fwd_interface)",
+             _fa3(False), _needs_gpu(hopper=True, then=fa3.available)),
+        Impl("fa3-fp8", "fa3", "fp8", "kernel",
+             "FlashAttention-3 on e4m3 inputs, descales per (sequence, KV head) (kernel alone)",
+             _fa3(True), _needs_gpu(hopper=True, then=fa3.available)),
         Impl("flashinfer-bf16", "flashinfer", "bf16", "kernel",
              "flashinfer BatchPrefillWithRaggedKVCacheWrapper", _flashinfer,
-             lambda: _module_available("flashinfer")),
+             _needs_gpu(then=lambda: _module_available("flashinfer"))),
         Impl("fa4-bf16", "fa4", "bf16", "kernel", "flash_attn.cute.interface.flash_attn_func (FA4)",
-             _fa4, lambda: _module_available("flash_attn.cute")),
+             _fa4, _needs_gpu(then=lambda: _module_available("flash_attn.cute"))),
     ]
     return impls
 

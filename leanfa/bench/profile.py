@@ -327,7 +327,7 @@ def profile(child_args: list[str], *, out_dir: str, stem: str, env: dict, case_n
             dst = os.path.join(out_dir, f"{stem}.ncu-rep")
             shutil.copy(res["report_path"], dst)
             res["report_path"] = dst
-    payload = {"env": env, "impl": impl, "case": case_name, "command": res["command"],
+    payload = {"kind": "profile", "env": env, "impl": impl, "case": case_name, "command": res["command"],
                "metric_names": res["metric_names"], "dropped_metrics": res["dropped_metrics"],
                "kernels": summarize_kernels(res["kernels"], skip_regex=skip_regex),
                "raw": res["kernels"], "child_output": res["child_output"],

@@ -12,6 +12,8 @@ import math
 import os
 from collections import OrderedDict
 
+from . import peers
+
 # ------------------------------------------------------------------------------- helpers
 
 
@@ -84,12 +86,43 @@ def _case_cell(r: dict) -> list:
 
 
 def _speed_cell(r: dict | None) -> str:
+    """TFLOP/s (x best peer); a peer row's own ratio is shown too (1.00x: it is the best)."""
     if r is None:
         return ""
     if r["status"] == "ok":
-        ratio = r.get("ratio_cudnn")
-        return _fmt(r["tflops"], ".0f") + (f" ({ratio:.2f}x)" if ratio else "")
+        ratio = r.get("ratio_best_peer")
+        return _fmt(r["tflops"], ".0f") + (f" ({ratio:.2f}x)" if isinstance(ratio, (int, float)) else "")
     return r["status"]
+
+
+def _peer_cell(r: dict | None) -> str:
+    """The best peer of an ok row: 'fa3-fp8 (812)', or 'no peer ran'."""
+    if r is None or r.get("status") != "ok":
+        return ""
+    if not r.get("best_peer"):
+        return "no peer ran"
+    return f"{r['best_peer']} ({_fmt(r.get('best_peer_tflops'), '.0f')})"
+
+
+def _ratio_text(r: dict) -> str:
+    ratio = r.get("ratio_best_peer")
+    return f"{ratio:.2f}x" if isinstance(ratio, (int, float)) else "no peer ran"
+
+
+def peer_markdown(rows: list[dict]) -> str:
+    """The headline table: every leanfa row against the best peer of its precision in its case
+    (TFLOP/s, which peer, the ratio); 'no peer ran' where neither cuDNN nor FA3 ran."""
+    mine = [r for r in rows if r.get("family") == "leanfa" and r.get("status") in ("ok", "FAILED")]
+    if not mine:
+        return ""
+    table = []
+    for r in mine:
+        ok = r["status"] == "ok"
+        table.append(_case_cell(r) + [r["impl"], _fmt(r.get("tflops"), ".0f") if ok else r["status"],
+                                      r.get("best_peer") or ("no peer ran" if ok else ""),
+                                      _fmt(r.get("best_peer_tflops"), ".0f"), _ratio_text(r) if ok else ""])
+    return md_table(["model/dims", "S", "batch", "heads", "Dqk/Dv", "mask", "leanfa", "TFLOP/s",
+                     "best peer", "peer TFLOP/s", "x best peer"], table)
 
 
 def bench_markdown(payload: dict) -> str:
@@ -107,11 +140,17 @@ def bench_markdown(payload: dict) -> str:
             [k, _fmt(g.get("tflops")), _fmt(g.get("sm_clock_mhz"), ".0f"), _fmt(g.get("power_w"), ".0f"),
              g.get("error", "")] for k, g in gemm.items()]))
         out.append("")
-    out += ["Cells: TFLOP/s (ratio to cuDNN of the same precision: FP8 rows vs cudnn-fp8, BF16 rows "
-            "vs cudnn-bf16). FLOPs: 2·B·Hq·Sq·Sk·(Dqk+Dv), halved when causal. "
+    peer_lists = "; ".join(f"{p.upper()}: {', '.join(n)}" for p, n in peers.PEERS.items()
+                           if any(r.get("precision") == p for r in rows))
+    out += ["Cells: TFLOP/s (x best peer: the row's TFLOP/s over the fastest peer of its precision "
+            f"that ran on the same case — {peer_lists}; the 'best ... peer' columns name it, "
+            "'no peer ran' where none did). FLOPs: 2·B·Hq·Sq·Sk·(Dqk+Dv), halved when causal. "
             "leanfa-*-fp8 and cudnn-fp8-e2e take BF16 in and give BF16 out, quantization timed; "
-            "leanfa-*-fp8-kernel and cudnn-fp8 time the kernel alone on pre-quantized inputs. Every "
-            "FP8 row is divided by cudnn-fp8.", ""]
+            "leanfa-*-fp8-kernel, cudnn-fp8 and fa3-fp8 time the kernel alone on pre-quantized "
+            "inputs. The details tables also give the ratio to cuDNN of the same precision.", ""]
+    headline = peer_markdown(rows)
+    if headline:
+        out += ["## leanfa against the best peer", "", headline, ""]
     for sweep in _uniq(r["sweep"] for r in rows):
         srows = [r for r in rows if r["sweep"] == sweep]
         impls = [i for i in _uniq(r["impl"] for r in srows)
@@ -120,20 +159,26 @@ def bench_markdown(payload: dict) -> str:
         by_case = OrderedDict()
         for r in srows:
             by_case.setdefault(r["case"], {})[r["impl"]] = r
+        precisions = [p for p in peers.PEERS if any(r.get("precision") == p for r in srows)]
         table = []
         for cells in by_case.values():
             first = next(iter(cells.values()))
-            table.append(_case_cell(first) + [_speed_cell(cells.get(i)) for i in impls])
-        out.append(md_table(["model/dims", "S", "batch", "heads", "Dqk/Dv", "mask"] + impls, table))
+            best = [_peer_cell(next((r for r in cells.values()
+                                     if r.get("precision") == p and r.get("status") == "ok"), None))
+                    for p in precisions]
+            table.append(_case_cell(first) + [_speed_cell(cells.get(i)) for i in impls] + best)
+        out.append(md_table(["model/dims", "S", "batch", "heads", "Dqk/Dv", "mask"] + impls
+                            + [f"best {p.upper()} peer" for p in precisions], table))
         out.append("")
         detail = [r for r in srows if r["status"] != "n/a"]
         if detail:
             out += [f"### {sweep}: details", ""]
             out.append(md_table(
-                ["case", "impl", "status", "ms", "TFLOP/s", "% GEMM", "x cuDNN", "SM MHz", "W",
-                 "check rel L2", "note / error"],
+                ["case", "impl", "status", "ms", "TFLOP/s", "% GEMM", "x best peer", "best peer",
+                 "x cuDNN", "SM MHz", "W", "check rel L2", "note / error"],
                 [[r["case"], r["impl"], r["status"], _fmt(r.get("time_ms"), ".3f"), _fmt(r.get("tflops")),
-                  _fmt(r.get("pct_gemm")), _fmt(r.get("ratio_cudnn"), ".2f"),
+                  _fmt(r.get("pct_gemm")), _fmt(r.get("ratio_best_peer"), ".2f"), _peer_cell(r),
+                  _fmt(r.get("ratio_cudnn"), ".2f"),
                   _fmt(r.get("sm_clock_mhz"), ".0f"), _fmt(r.get("power_w"), ".0f"),
                   _fmt(r.get("check_rel_l2"), ".2e"), r.get("error") or r.get("note", "")]
                  for r in detail]))
@@ -209,9 +254,10 @@ def plot_bench(rows: list[dict], path: str, title: str = "") -> str | None:
     return path
 
 
-def write_bench(out_dir: str, payload: dict, plots: bool = True, stem: str = "bench") -> list[str]:
-    """<stem>.json, <stem>.md and one <stem>-<sweep>.png per sweep."""
-    files = [write_json(os.path.join(out_dir, f"{stem}.json"), payload)]
+def write_bench(out_dir: str, payload: dict, plots: bool = True, stem: str = "bench",
+                data: bool = True) -> list[str]:
+    """<stem>.json (unless not ``data``), <stem>.md and one <stem>-<sweep>.png per sweep."""
+    files = [write_json(os.path.join(out_dir, f"{stem}.json"), payload)] if data else []
     md = os.path.join(out_dir, f"{stem}.md")
     with open(md, "w") as f:
         f.write(bench_markdown(payload) + "\n")
@@ -234,8 +280,11 @@ def accuracy_markdown(payload: dict) -> str:
     env, rows = payload.get("env", {}), payload.get("rows", [])
     out = [f"# leanfa accuracy — {env.get('gpu', '?')}", ""] + env_lines(env) + [""]
     out += ["Error against the float64 reference on the same BF16 inputs: relative L2 "
-            "‖out−ref‖/‖ref‖, max |out−ref|, worst row's relative L2. 'x cuDNN FP8': an FP8 row's "
-            "relative L2 over cudnn-fp8's on the same profile (< 1: more accurate).", ""]
+            "‖out−ref‖/‖ref‖, max |out−ref|, worst row's relative L2. 'x best peer': a row's relative "
+            "L2 over that of the most accurate peer of its precision on the same profile ("
+            + "; ".join(f"{p.upper()}: {', '.join(n)}" for p, n in peers.PEERS.items())
+            + "; < 1: more accurate than every peer). 'x cuDNN FP8': an FP8 row's relative L2 over "
+            "cudnn-fp8's.", ""]
     profiles = _uniq(r["profile"] for r in rows)
     impls = _uniq(r["impl"] for r in rows if r["status"] != "n/a")
     table = []
@@ -246,9 +295,12 @@ def accuracy_markdown(payload: dict) -> str:
     out.append(md_table(["profile (relative L2)"] + impls, table))
     out += ["", "## details", ""]
     out.append(md_table(
-        ["profile", "shape", "impl", "status", "rel L2", "max abs", "worst row", "x cuDNN FP8", "note / error"],
+        ["profile", "shape", "impl", "status", "rel L2", "max abs", "worst row", "x best peer", "best peer",
+         "x cuDNN FP8", "note / error"],
         [[r["profile"], r.get("shape", ""), r["impl"], r["status"], _fmt(r.get("rel_l2"), ".3e"),
           _fmt(r.get("max_abs"), ".3e"), _fmt(r.get("worst_row_rel"), ".3e"),
+          _fmt(r.get("ratio_best_peer"), ".2f"),
+          (r.get("best_peer") or "no peer ran") if r.get("status") == "ok" else "",
           _fmt(r.get("ratio_cudnn_fp8"), ".2f"), r.get("error") or r.get("reason") or r.get("note", "")]
          for r in rows]))
     return "\n".join(out)
@@ -288,14 +340,16 @@ def plot_accuracy(rows: list[dict], path: str, title: str = "") -> str | None:
     return path
 
 
-def write_accuracy(out_dir: str, payload: dict, plots: bool = True) -> list[str]:
-    files = [write_json(os.path.join(out_dir, "accuracy.json"), payload)]
-    md = os.path.join(out_dir, "accuracy.md")
+def write_accuracy(out_dir: str, payload: dict, plots: bool = True, stem: str = "accuracy",
+                   data: bool = True) -> list[str]:
+    """<stem>.json (unless not ``data``), <stem>.md and <stem>.png."""
+    files = [write_json(os.path.join(out_dir, f"{stem}.json"), payload)] if data else []
+    md = os.path.join(out_dir, f"{stem}.md")
     with open(md, "w") as f:
         f.write(accuracy_markdown(payload) + "\n")
     files.append(md)
     if plots:
-        p = plot_accuracy(payload.get("rows", []), os.path.join(out_dir, "accuracy.png"),
+        p = plot_accuracy(payload.get("rows", []), os.path.join(out_dir, f"{stem}.png"),
                           f"{payload.get('env', {}).get('gpu', '')} — relative L2 error")
         if p:
             files.append(p)
@@ -327,8 +381,9 @@ def profile_markdown(payload: dict) -> str:
     return "\n".join(out)
 
 
-def write_profile(out_dir: str, payload: dict, stem: str = "profile") -> list[str]:
-    files = [write_json(os.path.join(out_dir, f"{stem}.json"), payload)]
+def write_profile(out_dir: str, payload: dict, stem: str = "profile", data: bool = True) -> list[str]:
+    """<stem>.json (unless not ``data``) and <stem>.md."""
+    files = [write_json(os.path.join(out_dir, f"{stem}.json"), payload)] if data else []
     md = os.path.join(out_dir, f"{stem}.md")
     with open(md, "w") as f:
         f.write(profile_markdown(payload) + "\n")
@@ -339,18 +394,56 @@ def write_profile(out_dir: str, payload: dict, stem: str = "profile") -> list[st
 # --------------------------------------------------------------------------------- re-render
 
 
+#: result kinds ``leanfa report`` renders, and the list of objects each one holds
+KINDS = {"bench": "rows", "accuracy": "rows", "profile": "kernels"}
+
+
+def load_result(path: str) -> dict:
+    """The payload of a result JSON written by ``leanfa bench``/``accuracy``/``profile``.
+
+    Raises ValueError with a one-line reason for a file that is not one (not JSON, not an
+    object, no known ``kind``, its rows not a list of objects); OSError if it cannot be read."""
+    try:
+        with open(path) as f:
+            payload = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not JSON ({e.msg} at line {e.lineno})") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not a text file") from None
+    if not isinstance(payload, dict):
+        raise ValueError(f"{path}: not a leanfa result file (its top level is a JSON "
+                         f"{type(payload).__name__}; leanfa bench/accuracy/profile write an object "
+                         f"with 'kind' {' / '.join(KINDS)})")
+    kind = payload.get("kind")
+    if kind is None and isinstance(payload.get("kernels"), list) and "impl" in payload:
+        kind = payload["kind"] = "profile"  # written by leanfa profile before it named its kind
+    if kind not in KINDS:
+        raise ValueError(f"{path}: not a leanfa result file (kind={kind!r}; expected one of "
+                         f"{', '.join(KINDS)})")
+    items = payload.get(KINDS[kind], [])
+    if not isinstance(items, list) or not all(isinstance(x, dict) for x in items):
+        raise ValueError(f"{path}: a {kind} result whose {KINDS[kind]!r} is not a list of objects")
+    return payload
+
+
 def rerender(path: str, plots: bool = True) -> list[str]:
-    """Write the markdown (and plots) of a result JSON again, next to it: after a run cut
-    before its plots (results are written as rows arrive), or after editing ``rows``."""
-    with open(path) as f:
-        payload = json.load(f)
+    """Write the markdown (and plots) of a result JSON again, next to it and named after it:
+    after a run cut before its plots (results are written as rows arrive), or after editing
+    ``rows``. The JSON itself is left as it is; the tables' best-peer ratios are recomputed from
+    its rows (so files from before those ratios existed get them too).
+
+    Raises ValueError (one line) for a file it cannot render, OSError if unreadable."""
+    payload = load_result(path)
     out_dir = os.path.dirname(os.path.abspath(path))
     stem = os.path.splitext(os.path.basename(path))[0]
-    kind = payload.get("kind")
-    if kind == "bench":
-        return write_bench(out_dir, payload, plots=plots, stem=stem)[1:]
-    if kind == "accuracy":
-        return write_accuracy(out_dir, payload, plots=plots)[1:]
-    if kind == "profile":
-        return write_profile(out_dir, payload, stem=stem)[1:]
-    raise ValueError(f"{path}: not a leanfa result file (kind={kind!r})")
+    kind = payload["kind"]
+    try:
+        if kind == "bench":
+            peers.add_best_peer(payload.get("rows", []))
+            return write_bench(out_dir, payload, plots=plots, stem=stem, data=False)
+        if kind == "accuracy":
+            peers.add_best_peer_error(payload.get("rows", []))
+            return write_accuracy(out_dir, payload, plots=plots, stem=stem, data=False)
+        return write_profile(out_dir, payload, stem=stem, data=False)
+    except (KeyError, TypeError, AttributeError) as e:  # a row without a field the tables need
+        raise ValueError(f"{path}: cannot render this {kind} result ({type(e).__name__}: {e})") from None

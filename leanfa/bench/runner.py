@@ -10,8 +10,9 @@ on a subset of heads, then for each implementation
    exception, the row is "FAILED" with the error and no speed is reported;
 3. time it (:func:`leanfa.bench.timing.time_calls`) with the NVML sampler running.
 
-Afterwards :func:`add_ratios` adds TFLOP/s, the % of the same-run GEMM rate of the row's
-precision, and the ratio to cuDNN of the same precision in the same case.
+Afterwards :func:`add_ratios` adds the % of the same-run GEMM rate of the row's precision, the
+ratio to cuDNN of the same precision in the same case, and the ratio to the best peer (the
+fastest of cuDNN and FA3 of the same precision in the same case, :mod:`leanfa.bench.peers`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-from . import errors
+from . import errors, peers
 from .impls import Impl, NotApplicable, baseline_for
 from .inputs import copies_for, input_bytes, make_copies
 from .shapes import Case, flops
@@ -222,8 +223,9 @@ def _log_row(row: dict, bar, log) -> None:
 
 
 def add_ratios(rows: list[dict], gemm: dict | None) -> list[dict]:
-    """Add ``pct_gemm`` (% of the same-precision GEMM rate) and ``ratio_cudnn`` (TFLOP/s
-    over cuDNN's of the same precision in the same case) to every "ok" row."""
+    """Add ``pct_gemm`` (% of the same-precision GEMM rate), ``ratio_cudnn`` (TFLOP/s over
+    cuDNN's of the same precision in the same case) and ``best_peer``/``best_peer_tflops``/
+    ``ratio_best_peer`` (:func:`leanfa.bench.peers.add_best_peer`) to every "ok" row."""
     by_case: dict = {}
     for r in rows:
         if r.get("status") == "ok":
@@ -237,4 +239,4 @@ def add_ratios(rows: list[dict], gemm: dict | None) -> list[dict]:
         base = by_case.get(r["case"], {}).get(baseline_for(r["precision"]))
         if base is not None and base.get("tflops"):
             r["ratio_cudnn"] = r["tflops"] / base["tflops"]
-    return rows
+    return peers.add_best_peer(rows)

@@ -19,14 +19,18 @@ STANDARD_DIMS = (("d128", 128, 128), ("mla", 192, 128))
 #: head dims the standard sweep can also run (``leanfa bench --dims``)
 EXTRA_DIMS = (("d64", 64, 64), ("d256", 256, 256))
 
-#: model presets: name -> (q heads, kv heads, Dqk, Dv); the name is also the
-#: ``leanfa.activations`` preset that makes model-like Q/K/V for it
+#: model presets: name -> (q heads, kv heads, Dqk, Dv)
 MODELS = {
     "llama3-8b": (32, 8, 128, 128),
+    "llama3.1-70b": (64, 8, 128, 128),
     "mistral-7b": (32, 8, 128, 128),
     "qwen2.5-7b": (28, 4, 128, 128),
     "deepseek-v3-mla": (128, 128, 192, 128),
 }
+#: the ``leanfa.activations`` preset that makes a model's Q/K/V (at the model's heads), where it
+#: is not the model's own name: Llama-3.1-70B has Llama-3-8B's RoPE (theta 500000) and GQA
+#: layout at twice the query heads
+MODEL_ACTIVATIONS = {"llama3.1-70b": "llama3-8b"}
 MODEL_SEQLENS = (2048, 8192, 32768)
 
 #: one uneven varlen batch (a prefill mix), 16384 tokens in all, on Llama-3-8B heads
@@ -79,6 +83,11 @@ class Case:
         return d
 
 
+def activation_preset(model: str) -> str:
+    """The ``leanfa.activations`` preset for ``model``'s inputs (see :data:`MODEL_ACTIVATIONS`)."""
+    return MODEL_ACTIVATIONS.get(model, model)
+
+
 def attention_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int,
                     head_dim_v: int, causal: bool) -> float:
     """FLOPs of one forward attention, flash-attn convention (halved if causal and Sq == Sk)."""
@@ -114,13 +123,14 @@ def model_cases(seqlens=MODEL_SEQLENS, causal=(True,), models=tuple(MODELS)) -> 
         hq, hkv, dqk, dv = MODELS[m]
         for c in causal:
             for s in seqlens:
-                out.append(Case("models", m, m, max(1, STANDARD_TOKENS // s), s, hq, hkv, dqk, dv, c))
+                out.append(Case("models", m, activation_preset(m), max(1, STANDARD_TOKENS // s), s, hq,
+                                hkv, dqk, dv, c))
     return out
 
 
 def varlen_cases(causal=(True,), seqlens=VARLEN_SEQLENS, model=VARLEN_MODEL) -> list[Case]:
     hq, hkv, dqk, dv = MODELS[model]
-    return [Case("varlen", model, model, len(seqlens), max(seqlens), hq, hkv, dqk, dv, c,
+    return [Case("varlen", model, activation_preset(model), len(seqlens), max(seqlens), hq, hkv, dqk, dv, c,
                  tuple(seqlens)) for c in causal]
 
 
