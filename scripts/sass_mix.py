@@ -15,9 +15,9 @@ loop the *path* is the shortest header-to-back-edge path through the loop's bloc
 spins and no optional block (a causal mask, say) runs; blocks of the loop off that path are listed as skipped.
 
 Scores per thread and iteration: wgmma instructions on the path are grouped into chains (consecutive, same
-accumulator, restarted by a zero accumulator ``RZ``); the QK chain is the one whose N equals another chain's summed
-K (keys are N of QK and K of PV), and a warpgroup's 64 x N tile over 128 threads gives 64 * N / 128 scores per
-thread. The number of ``MUFU.EX2`` on the path is printed next to it (one per score plus a few per row).
+accumulator, restarted by a zero accumulator ``RZ``); the PV chain's summed K is the block's keys (PV: the chain
+whose A operand is in registers, else the one whose K equals the other chains' summed N), and its 64 rows x keys
+over a warpgroup's 128 threads give the scores per thread. The number of ``MUFU.EX2`` on the path is printed next to it (one per score plus a few per row).
 """
 
 from __future__ import annotations
@@ -334,11 +334,16 @@ def gmma_chains(instrs: list[Instr]) -> list[dict]:
     return chains
 
 
-def scores_per_thread(chains: list[dict]) -> tuple[int | None, dict | None]:
-    for c in chains:
-        if any(o is not c and o["k"] == c["shape"][1] for o in chains):
-            return c["shape"][0] * c["shape"][1] // THREADS_PER_WARPGROUP, c
-    return None, None
+def scores_per_thread(chains: list[dict]) -> tuple[int | None, list[dict]]:
+    """Scores per thread and iteration from the PV chain(s): their summed K is the block's keys, M its rows.
+    PV is the chain whose A comes from registers (P through registers); with every A from shared memory, the
+    chain whose K equals the other chains' summed N (the QK chains' N are the keys)."""
+    pv = [c for c in chains if c["a_regs"]]
+    if not pv:
+        pv = [c for c in chains if c["k"] == sum(o["shape"][1] for o in chains if o is not c)][-1:]
+    if not pv:
+        return None, []
+    return sum(c["shape"][0] * c["k"] for c in pv) // THREADS_PER_WARPGROUP, pv
 
 
 def loop_mix(cfg: CFG, lp: Loop, scores: int | None = None) -> dict:
@@ -347,7 +352,7 @@ def loop_mix(cfg: CFG, lp: Loop, scores: int | None = None) -> dict:
     lo, hi = cfg.addr(lp.header), max(cfg.block_instrs(la)[-1].addr for la in lp.latches)
     counts = Counter(ins.cls for ins in instrs)
     chains = gmma_chains(instrs)
-    inferred, qk = scores_per_thread(chains)
+    inferred, pv = scores_per_thread(chains)
     scores = scores or inferred
     ex2 = sum(ins.opcode.startswith("MUFU.EX2") for ins in instrs)
     skipped = []
@@ -374,8 +379,8 @@ def loop_mix(cfg: CFG, lp: Loop, scores: int | None = None) -> dict:
         i += 1
     return dict(header=hex(lo), latch=hex(hi), inline=sum(1 for x in cfg.instrs if lo <= x.addr <= hi),
                 path=len(instrs), blocks=len(lp.body), scores=scores, scores_from=(
-                    f"{qk['shape'][0]}x{qk['shape'][1]} {qk['op']} chain / {THREADS_PER_WARPGROUP} threads"
-                    if qk and scores == inferred else "given"),
+                    "PV: " + " + ".join(f"{c['shape'][0]} rows x {c['k']} keys" for c in pv)
+                    + f" / {THREADS_PER_WARPGROUP} threads" if pv and scores == inferred else "given"),
                 mufu_ex2=ex2, classes={c: counts.get(c, 0) for c in CLASS_NAMES},
                 per_score={c: round(counts.get(c, 0) / scores, 3) for c in CLASS_NAMES} if scores else None,
                 opcodes=dict(Counter(ins.opcode for ins in instrs).most_common()),
