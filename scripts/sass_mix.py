@@ -375,7 +375,8 @@ def loop_mix(cfg: CFG, lp: Loop, scores: int | None = None) -> dict:
             i = last + 1
             continue
         if ins.cls == "sync" or ins.opcode.startswith("LDG"):
-            events.append(f"#{i} {('@' + ins.pred + ' ') if ins.pred else ''}{ins.opcode}")
+            arg = f" {ins.operands}" if ins.base in ("BAR", "WARPGROUP") and ins.operands else ""
+            events.append(f"#{i} {('@' + ins.pred + ' ') if ins.pred else ''}{ins.opcode}{arg}")
         i += 1
     return dict(header=hex(lo), latch=hex(hi), inline=sum(1 for x in cfg.instrs if lo <= x.addr <= hi),
                 path=len(instrs), blocks=len(lp.body), scores=scores, scores_from=(
