@@ -31,6 +31,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
@@ -547,7 +548,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="also write the result here")
     ap.add_argument("--leanfa", choices=("fp8", "bf16"), help="compile leanfa's v3 d128 causal kernel (no FILE)")
     ap.add_argument("--env", action="append", default=[], help="with --leanfa: LEANFA_HOPPER_X=value (repeat)")
-    ap.add_argument("--out-dir", default="sass_mix_out", help="with --leanfa: where the cubin goes")
+    ap.add_argument("--out-dir", default=os.path.join(tempfile.gettempdir(), "sass_mix"),
+                    help="with --leanfa: where the cubin goes")
     ap.add_argument("--compare", nargs="+", default=None, help="JSON[@HEADER] files: per-score classes side by side")
     a = ap.parse_args(argv)
     if a.compare:
