@@ -329,7 +329,7 @@ def test_v3_bf16_store_tma_equals_register_stores(shape, persistent, monkeypatch
                                    (3, 129, 129, 4, 1, 64, 64), (1, 4096, 4096, 8, 2, 128, 128)])
 @pytest.mark.parametrize("causal", [True, False])
 def test_v3_overlap_equals_pv_in_mma(shape, causal, monkeypatch):
-    """LEANFA_HOPPER_OVERLAP=1 (FP8: the softmax of block j + 1 under PV_j, P through shared memory): output
+    """LEANFA_HOPPER_OVERLAP=1 (FP8: the softmax of block j + 1 under PV_j, P in registers): output
     and LSE, poisoned first, bit for bit PV_IN_MMA's (the same arithmetic issued in another order)."""
     monkeypatch.setenv("LEANFA_POISON_OUTPUTS", "1")
     monkeypatch.setenv("LEANFA_HOPPER_PV_IN_MMA", "1")

@@ -1186,8 +1186,8 @@ OVERLAP_SHAPES = V2_SHAPES + [(2, 385, 385, 2, 2), (1, 300, 700, 2, 1)]
 @pytest.mark.parametrize("causal,lse", [(True, False), (False, True)])
 @pytest.mark.parametrize("shape", OVERLAP_SHAPES)
 def test_v3_overlap_equals_pv_in_mma(shape, causal, lse, order, persistent, monkeypatch):
-    """LEANFA_HOPPER_OVERLAP=1 (FP8, PV in the wgmma accumulator; P through shared memory, the softmax of block
-    j + 1 while PV_j runs): the same arithmetic in another order of issue, so output and LSE equal PV_IN_MMA's
+    """LEANFA_HOPPER_OVERLAP=1 (FP8, PV in the wgmma accumulator; the softmax of block j + 1 while PV_j runs, P
+    in registers): the same arithmetic in another order of issue, so output and LSE equal PV_IN_MMA's
     bit for bit, whichever partition runs first, one tile per program or persistent (odd and even block counts,
     tiles with one block, rows past the sequence; with the LSE's K-mean term Q is handed back late)."""
     monkeypatch.setenv("LEANFA_HOPPER_PV_IN_MMA", "1")
@@ -1236,24 +1236,27 @@ def test_v3_overlap_plan_checks(monkeypatch):
         emulate_mod._make_plan_cpu(L, p, out, None)
     monkeypatch.setenv("LEANFA_HOPPER_PV_IN_MMA", "1")
     plan = emulate_mod._make_plan_cpu(L, p, out, None)
-    assert plan.constexprs["OVERLAP"] and plan.constexprs["STAGES"] == 4  # Q 16 + output 32 + P 32 + ring 4 x 32 KB
+    assert plan.constexprs["OVERLAP"] and plan.constexprs["STAGES"] == 4  # Q 16 + output 32 + ring 4 x 32 KB
     with pytest.raises(ValueError, match="OVERLAP"):
         emulate_mod._make_plan_cpu(L, _problem(*_inputs(1, 200, 200, 2, 1, 128, 128), True), out, None)  # BF16
 
 
 @pytest.mark.parametrize("fn,old,new", [
-    # both of a warpgroup's blocks in one P buffer: P_{j+1} overwrites P_j under the in-flight PV_j
-    ("_consumer_blocks_overlapped", "p_smem.index(2 * W + (j + 1) % 2)", "p_smem.index(2 * W + j % 2)"),
-    # PV_j issued from P_j's buffer before every warp has written its rows
-    ("_consumer_blocks_overlapped", "        fence_async_shared()\n        gl.thread_barrier()\n", ""),
     # the slot of block j released before PV_j retired
-    ("_consumer_blocks_overlapped", "        acc = warpgroup_mma_wait(0, deps=(pv_acc, ))\n"
-                                    "        release_slot(empty_bars, (ring + j) % STAGES)",
-     "        release_slot(empty_bars, (ring + j) % STAGES)\n        acc = warpgroup_mma_wait(0, deps=(pv_acc, ))"),
+    ("_overlapped_block", "    acc = warpgroup_mma_wait(0, deps=(pv_acc, ))\n"
+                          "    release_slot(empty_bars, (ring + j) % STAGES)",
+     "    release_slot(empty_bars, (ring + j) % STAGES)\n    acc = warpgroup_mma_wait(0, deps=(pv_acc, ))"),
+    # O not rescaled to block j's max before PV_j adds to it
+    ("_overlapped_block", "warpgroup_mma(p_op, v, acc * alpha_o, is_async=True)",
+     "warpgroup_mma(p_op, v, acc, is_async=True)"),
+    # the diagonal and tail blocks' softmax without the mask
+    ("_consumer_blocks_overlapped", "V_KMAJOR, True, P_OFFSET", "V_KMAJOR, False, P_OFFSET"),
+    # block j + 1's scores scaled with block j's K scale
+    ("_consumer_blocks_overlapped", "c_q * k_next, offs_m", "c_q * k_sc, offs_m"),
 ])
 def test_v3_overlap_mutations_caught(fn, old, new, monkeypatch):
-    """What the shared-memory P and the overlapped batch must keep: two buffers per warpgroup, the fence and
-    barrier before PV reads P, the slot released only after its PV retired."""
+    """What the overlapped loop must keep: the slot released only after its PV retired, O rescaled before PV adds
+    to it, the mask on the diagonal and tail blocks, each block's own K scale."""
     monkeypatch.setenv("LEANFA_HOPPER_PV_IN_MMA", "1")
     qq = leanfa.quantize_fp8(*_inputs(1, 385, 700, 2, 1, 128, 128))
     p = _problem(qq.q, qq.k, qq.v, True, **qq.descales())

@@ -265,7 +265,7 @@ class SmemView:
         return t
 
     def store(self, value):
-        """A generic shared-memory write (the TMA-store epilogue's staging buffer; OVERLAP's P)."""
+        """A generic shared-memory write (the TMA-store epilogue's staging buffer)."""
         b = self.buf()
         if b.state in ("pending", "landed") or b.readers:
             M.err("a generic store into shared memory a TMA load or a wgmma is still using")

@@ -45,15 +45,13 @@ at 128 with its wgmmas serialized) -- correct (130/130 on the H200), 0.95-1.04x 
 
 The key loop runs blocks ``[0, n_end - 1)`` with the next block's S issued alongside their PV and
 the last block peeled off (:func:`_consumer_block`), so that every loop value has one definition
-per iteration (a conditional QK made ptxas copy S's 64 registers at every block). The softmax of
-block j + 1 under PV_j (FA3's intra-warpgroup overlap) was built twice with P in registers and removed
-twice: run 14 (ptxas hoisted the PV wait) and run 20 (as designed, but 12-21% slower: P, carried across
-the loop's back edge, was scalarized into 64 byte registers, ~140 byte permutes per block). ``OVERLAP``
-(FP8 with ``PV_IN_MMA``; an experiment, off) is the third build: P goes through two shared-memory buffers per
-warpgroup (:func:`_consumer_blocks_overlapped`), so nothing of P crosses the back edge or stays pinned under an
-in-flight wgmma (AOT: no byte permutes, 0-128 B of spills, the softmax between ``DEPBAR.LE gsb0, 0x1`` and
-``0x0``). Correct on the H200, but 3-4% slower (runs 53-54): P's shared-memory stores queue with the MUFU
-exponentials in the MIO pipe.
+per iteration (a conditional QK made ptxas copy S's 64 registers at every block). ``OVERLAP`` (FP8 with
+``PV_IN_MMA``; an experiment, off) runs the softmax of block j + 1 while PV_j is on the tensor cores (FA3's
+intra-warpgroup overlap, :func:`_consumer_blocks_overlapped`): the loop carries P in fp32 and converts it to
+the e4m3 PV operand at the top of the next iteration, and the unmasked and masked blocks run in separate
+loops, so that nothing but straight-line code sits between the two wgmma waits. In the sm90 AOT SASS the
+row max of block j + 1 runs under PV_j; the exponentials do not yet: ptxas gives P_j's registers to the
+row max's shuffles and retires PV_j first (docs/perf-notes.md, fourteenth session).
 """
 
 from __future__ import annotations
@@ -296,58 +294,81 @@ def _consumer_block(s, j, c, c_hi, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seq
 
 
 @gluon.jit
-def _p_to_smem(s, j, c, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, p_buf, CAUSAL: gl.constexpr,
-               P_OFFSET: gl.constexpr, RESCALE_SKIP: gl.constexpr, POLY: gl.constexpr):
-    """``OVERLAP``: Lean P of key block ``j`` written to ``p_buf`` (shared memory: PV reads its A operand there, so
-    no register of P stays pinned under an in-flight wgmma); returns ``(m_i, l_i, alpha)``."""
+def _p_fp32(s, j, c, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, o_layout: gl.constexpr, CAUSAL: gl.constexpr,
+            MASK: gl.constexpr, P_OFFSET: gl.constexpr, RESCALE_SKIP: gl.constexpr, POLY: gl.constexpr):
+    """``OVERLAP``: Lean P of key block ``j`` in fp32 (``MASK``: the diagonal and tail blocks), the new row
+    statistics and ``alpha`` in O's row layout."""
     BLOCK_N: gl.constexpr = s.shape[1]
-    if j >= n_full:
+    if MASK:
         s = mask_scores(s, offs_m, j * BLOCK_N + offs_n0, seqlen_q, seqlen_k, CAUSAL)
     p, m_i, l_i, alpha = online_softmax_step_lazy(s, c, m_i, l_i, P_OFFSET, RESCALE_SKIP, POLY)
-    as_2d(p_buf).store(p.to(p_buf.dtype))
-    return m_i, l_i, alpha
+    return p, m_i, l_i, gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+
+
+@gluon.jit
+def _overlapped_block(p, j, acc, alpha_o, m_i, l_i, c, offs_m, offs_n0, seqlen_q, seqlen_k, q_smem, k_bufs, v_bufs,
+                      k_bars, v_bars, empty_bars, ring, s_zero, p_layout: gl.constexpr, o_layout: gl.constexpr,
+                      CAUSAL: gl.constexpr, V_KMAJOR: gl.constexpr, MASK: gl.constexpr, P_OFFSET: gl.constexpr,
+                      RESCALE_SKIP: gl.constexpr, POLY: gl.constexpr, W: gl.constexpr):
+    """``OVERLAP``, key block ``j`` whose fp32 P is ``p``: ``[QK_{j+1}, PV_j]`` issued, the softmax of block
+    ``j + 1`` (score scale ``c``; ``MASK``ed) under PV_j, then PV_j retired. Straight-line code between the two
+    waits: with the mask behind a branch there, ptxas retired PV_j at the branch's join, before the softmax."""
+    QK_CHUNKS: gl.constexpr = k_bufs.shape[0] // v_bufs.shape[0]
+    STAGES: gl.constexpr = v_bufs.shape[0]
+    p_op = p_operand(p.to(v_bufs.dtype), p_layout, V_KMAJOR == PERMUTED_KEYS)
+    v = v_tile(v_bufs, v_bars, ring + j, STAGES, V_KMAJOR)
+    s_acc = _issue_qk(q_smem, k_bufs, k_bars, ring + j + 1, s_zero, W, QK_CHUNKS)
+    pv_acc = warpgroup_mma(p_op, v, acc * alpha_o, is_async=True)
+    s = warpgroup_mma_wait(1, deps=(s_acc, ))
+    p, m_i, l_i, alpha_o = _p_fp32(s, j + 1, c, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, o_layout, CAUSAL, MASK,
+                                   P_OFFSET, RESCALE_SKIP, POLY)
+    acc = warpgroup_mma_wait(0, deps=(pv_acc, ))
+    release_slot(empty_bars, (ring + j) % STAGES)
+    return p, acc, alpha_o, m_i, l_i
 
 
 @gluon.jit
 def _consumer_blocks_overlapped(s, acc, m_i, l_i, c_q, k_scale_row, stride_ksblk, offs_m, offs_n0, seqlen_q, seqlen_k,
-                                n_full, n_end, q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, q_empty, p_smem,
-                                ring, s_zero, v_scale_row, stride_vsd, o_layout: gl.constexpr, CAUSAL: gl.constexpr,
-                                V_KMAJOR: gl.constexpr, P_OFFSET: gl.constexpr, RESCALE_SKIP: gl.constexpr,
-                                POLY: gl.constexpr, EARLY_Q: gl.constexpr, W: gl.constexpr):
+                                n_full, n_end, q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, q_empty,
+                                ring, s_zero, v_scale_row, stride_vsd, p_layout: gl.constexpr, o_layout: gl.constexpr,
+                                CAUSAL: gl.constexpr, V_KMAJOR: gl.constexpr, P_OFFSET: gl.constexpr,
+                                RESCALE_SKIP: gl.constexpr, POLY: gl.constexpr, EARLY_Q: gl.constexpr,
+                                W: gl.constexpr):
     """``OVERLAP`` (FP8 with PV in the wgmma accumulator): key blocks ``[0, n_end)``, ``n_end >= 1``, ``s`` = S_0
-    retired. Block ``j`` issues ``[QK_{j+1}, PV_j]`` and waits for all but the newest wgmma group: S_{j+1} is
-    retired while PV_j is still on the tensor cores, and the softmax of block ``j + 1`` runs under it (FA3's
-    intra-warpgroup overlap); PV_j is waited for after that softmax, before O's rescale and the next batch.
-    P goes through shared memory, two buffers per warpgroup (``p_smem[2 W + j % 2]``): in registers, P crossed
-    the loop's back edge as 64 separate bytes (run 20's ~140 byte permutes per block; AOT this session: 1.1 KB
-    of spills unrolled). Returns ``(acc, m_i, l_i, v_scale)``."""
-    QK_CHUNKS: gl.constexpr = k_bufs.shape[0] // v_bufs.shape[0]
+    retired. Block ``j`` converts its fp32 P to the PV operand, issues ``[QK_{j+1}, PV_j]`` and waits for QK alone:
+    the softmax of block ``j + 1`` (its exponentials included) runs while PV_j is on the tensor cores (FA3's
+    intra-warpgroup overlap); then PV_j is waited for and O rescaled by block ``j + 1``'s ``alpha``. The loop
+    carries P in fp32 -- the 64 registers S_{j+1} had -- and turns it into e4m3 at the top of the next iteration,
+    so no e4m3 register crosses the back edge (P in e4m3 did, scalarized into 64 byte registers). Two loops, the
+    unmasked blocks and then the masked ones (:func:`_overlapped_block`). Returns ``(acc, m_i, l_i, v_scale)``."""
     STAGES: gl.constexpr = v_bufs.shape[0]
     BLOCK_N: gl.constexpr = k_bufs.shape[3]
     k_sc, _ = _k_scales(k_scale_row, stride_ksblk, 0, n_end, seqlen_k, BLOCK_N)
-    m_i, l_i, alpha = _p_to_smem(s, 0, c_q * k_sc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full,
-                                 p_smem.index(2 * W), CAUSAL, P_OFFSET, RESCALE_SKIP, POLY)
-    alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-    fence_async_shared()
-    gl.thread_barrier()  # every warp's P rows written before one wgmma reads them all
-    for j in range(0, n_end - 1):
+    if n_full > 0:
+        p, m_i, l_i, alpha_o = _p_fp32(s, 0, c_q * k_sc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, o_layout,
+                                       CAUSAL, False, P_OFFSET, RESCALE_SKIP, POLY)
+    else:
+        p, m_i, l_i, alpha_o = _p_fp32(s, 0, c_q * k_sc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, o_layout,
+                                       CAUSAL, True, P_OFFSET, RESCALE_SKIP, POLY)
+    n_plain = gl.maximum(gl.minimum(n_full, n_end) - 1, 0)  # blocks j whose next block needs no mask
+    for j in range(0, n_plain):
         k_next, _ = _k_scales(k_scale_row, stride_ksblk, j + 1, n_end, seqlen_k, BLOCK_N)
-        v = v_tile(v_bufs, v_bars, ring + j, STAGES, V_KMAJOR)
-        s_acc = _issue_qk(q_smem, k_bufs, k_bars, ring + j + 1, s_zero, W, QK_CHUNKS)
-        pv_acc = warpgroup_mma(as_2d(p_smem.index(2 * W + j % 2)), v, acc * alpha_o, is_async=True)
-        s = warpgroup_mma_wait(1, deps=(s_acc, ))
-        m_i, l_i, alpha = _p_to_smem(s, j + 1, c_q * k_next, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k,
-                                     n_full, p_smem.index(2 * W + (j + 1) % 2), CAUSAL, P_OFFSET, RESCALE_SKIP, POLY)
-        alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        acc = warpgroup_mma_wait(0, deps=(pv_acc, ))
-        release_slot(empty_bars, (ring + j) % STAGES)  # (its barrier also orders P_{j+1}'s writes)
-        fence_async_shared()
-        gl.thread_barrier()
+        p, acc, alpha_o, m_i, l_i = _overlapped_block(
+            p, j, acc, alpha_o, m_i, l_i, c_q * k_next, offs_m, offs_n0, seqlen_q, seqlen_k, q_smem, k_bufs, v_bufs,
+            k_bars, v_bars, empty_bars, ring, s_zero, p_layout, o_layout, CAUSAL, V_KMAJOR, False, P_OFFSET,
+            RESCALE_SKIP, POLY, W)
+    for j in range(n_plain, n_end - 1):
+        k_next, _ = _k_scales(k_scale_row, stride_ksblk, j + 1, n_end, seqlen_k, BLOCK_N)
+        p, acc, alpha_o, m_i, l_i = _overlapped_block(
+            p, j, acc, alpha_o, m_i, l_i, c_q * k_next, offs_m, offs_n0, seqlen_q, seqlen_k, q_smem, k_bufs, v_bufs,
+            k_bars, v_bars, empty_bars, ring, s_zero, p_layout, o_layout, CAUSAL, V_KMAJOR, True, P_OFFSET,
+            RESCALE_SKIP, POLY, W)
     if EARLY_Q:  # the last QK has retired
         release_slot(q_empty, 0)
     last = n_end - 1
+    p_op = p_operand(p.to(v_bufs.dtype), p_layout, V_KMAJOR == PERMUTED_KEYS)
     v = v_tile(v_bufs, v_bars, ring + last, STAGES, V_KMAJOR)
-    pv_acc = warpgroup_mma(as_2d(p_smem.index(2 * W + last % 2)), v, acc * alpha_o, is_async=True)
+    pv_acc = warpgroup_mma(p_op, v, acc * alpha_o, is_async=True)
     v_sc = load_v_scale(v_scale_row, stride_vsd, acc.shape[1], o_layout)
     acc = warpgroup_mma_wait(0, deps=(pv_acc, ))
     release_slot(empty_bars, (ring + last) % STAGES)
@@ -358,7 +379,7 @@ def _consumer_blocks_overlapped(s, acc, m_i, l_i, c_q, k_scale_row, stride_ksblk
 def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars, q_empty,
                    out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
                    seqlen_q, seqlen_k, qk_scale, sm_scale,
-                   b, h, hkv, q_start, m_start, n_full, n_end, ring, batch, tr, sink_t, qi, ostore, p_smem,
+                   b, h, hkv, q_start, m_start, n_full, n_end, ring, batch, tr, sink_t, qi, ostore,
                    HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
                    RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, RESCALE_SKIP: gl.constexpr,
                    PINGPONG: gl.constexpr, POLY: gl.constexpr, TWO_LEVEL: gl.constexpr, WGS: gl.constexpr,
@@ -425,8 +446,8 @@ def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars
         if n_end > 0:
             acc, m_i, l_i, v_sc = _consumer_blocks_overlapped(
                 s, acc, m_i, l_i, c_q, k_scale_row, stride_ksblk, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, n_end,
-                q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, q_empty, p_smem, ring, s_zero, v_scale_row,
-                stride_vsd, o_layout, CAUSAL, V_KMAJOR, P_OFFSET, RESCALE_SKIP, POLY, EARLY_Q, W)
+                q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, q_empty, ring, s_zero, v_scale_row,
+                stride_vsd, p_layout, o_layout, CAUSAL, V_KMAJOR, P_OFFSET, RESCALE_SKIP, POLY, EARLY_Q, W)
         else:
             v_sc = load_v_scale(v_scale_row, stride_vsd, HEAD_DV, o_layout)
     else:
@@ -502,7 +523,7 @@ def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars
 def _consumer_step(t, ring, batch, qi, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars,
                    out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
                    seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k,
-                   num_bh, num_heads, group_size, num_m_tiles, num_tiles, trace, sink_t, ostore, p_smem,
+                   num_bh, num_heads, group_size, num_m_tiles, num_tiles, trace, sink_t, ostore,
                    HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
                    RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, RESCALE_SKIP: gl.constexpr,
                    PINGPONG: gl.constexpr, POLY: gl.constexpr, TWO_LEVEL: gl.constexpr, VARLEN: gl.constexpr,
@@ -523,7 +544,7 @@ def _consumer_step(t, ring, batch, qi, q_smem, k_bufs, v_bufs, q_bars, q_empty, 
     _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars, q_empty,
                    out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
                    sq, sk, qk_scale, sm_scale,
-                   b, h, hkv, q_start, m_start, n_full, n_end, ring, batch, tr, sink_t, qi, ostore, p_smem,
+                   b, h, hkv, q_start, m_start, n_full, n_end, ring, batch, tr, sink_t, qi, ostore,
                    HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY,
                    TWO_LEVEL, WGS, SINK, STORE_TMA, OVERLAP, W)
     loaded = gl.minimum(n_end, 1)  # this tile had a Q tile
@@ -546,11 +567,7 @@ def _consumer(args, trace, sink_t, ostore, HEAD_DV: gl.constexpr, CAUSAL: gl.con
     (q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars,
      out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
      seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k,
-     num_bh, num_heads, group_size, num_m_tiles, first_tile, tile_step, num_tiles) = args[:28]
-    if OVERLAP:
-        p_smem = args[28]
-    else:
-        p_smem = q_smem  # (unused)
+     num_bh, num_heads, group_size, num_m_tiles, first_tile, tile_step, num_tiles) = args
     if W > 0 and ablates(POLY, ABLATE_ONEWG):
         pass
     elif PERSISTENT:
@@ -562,7 +579,7 @@ def _consumer(args, trace, sink_t, ostore, HEAD_DV: gl.constexpr, CAUSAL: gl.con
                 round_tile(r, first_tile, tile_step), ring, batch, qi, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars,
                 out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
                 seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k,
-                num_bh, num_heads, group_size, num_m_tiles, num_tiles, trace, sink_t, ostore, p_smem,
+                num_bh, num_heads, group_size, num_m_tiles, num_tiles, trace, sink_t, ostore,
                 HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL,
                 VARLEN, WGS, SINK, STORE_TMA, OVERLAP, W)
     else:
@@ -570,7 +587,7 @@ def _consumer(args, trace, sink_t, ostore, HEAD_DV: gl.constexpr, CAUSAL: gl.con
             first_tile, 0, 0, 0, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars,
             out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
             seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k,
-            num_bh, num_heads, group_size, num_m_tiles, num_tiles, trace, sink_t, ostore, p_smem,
+            num_bh, num_heads, group_size, num_m_tiles, num_tiles, trace, sink_t, ostore,
             HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL,
             VARLEN, WGS, SINK, STORE_TMA, OVERLAP, W)
     if STORE_TMA:
@@ -636,7 +653,7 @@ def attn_fwd_pingpong_kernel(
     CONSUMER_WGS: gl.constexpr,  # consumer warpgroups (64 query rows each): 2, or 3 (experiment)
     SINK: gl.constexpr,  # 0; BF16 sink keys [0, 128): 1, or 2 when K was smoothed (sink.py)
     STORE_TMA: gl.constexpr,  # dense: the output leaves through shared memory and TMA (epilogue.stage_and_store)
-    OVERLAP: gl.constexpr,  # FP8: the softmax of block j + 1 under PV_j, P through shared memory (an experiment)
+    OVERLAP: gl.constexpr,  # FP8: the softmax of block j + 1 under PV_j (an experiment)
     num_warps: gl.constexpr,
 ):
     gl.static_assert(num_warps == WG_WARPS, "v3 launches with num_warps=4 (the first consumer warpgroup)")
@@ -666,12 +683,6 @@ def attn_fwd_pingpong_kernel(
              (v_scale_ptr, stride_vsb, stride_vsh, stride_vsd), (k_mean_ptr, stride_kmb, stride_kmh, stride_kmd),
              seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k,
              num_bh, num_heads, group_size, num_m_tiles, first_tile, tile_step, num_tiles)
-    if OVERLAP:  # two P buffers per consumer warpgroup (the PV A operand from shared memory): 64 rows of 128
-        # FP8 keys, the row width and swizzle of a (K-major) V box, so V's layout serves
-        gl.static_assert(V_KMAJOR, "OVERLAP: FP8 V is K-major")
-        p_smem = gl.allocate_shared_memory(v_desc.dtype, [CONSUMER_WGS * 2, 1, 1, WG_ROWS, v_desc.block_type.shape[3]],
-                                           v_desc.layout)
-        cargs = cargs + (p_smem, )
     pargs = (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars,
              seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, num_bh, num_heads, group_size, num_m_tiles,
              first_tile, tile_step, num_tiles)

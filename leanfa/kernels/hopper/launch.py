@@ -476,14 +476,13 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
     overlap = version == "v3" and _flag("LEANFA_HOPPER_OVERLAP", False)
     if overlap and not (is_fp8 and pv_flag and not sink_mode and block_n == BLOCK_N and wgs == 2 and Dv <= 128
                         and not _flag("LEANFA_HOPPER_TRACE", False)):
-        raise ValueError("LEANFA_HOPPER_OVERLAP (the softmax of block j + 1 under PV_j, P through shared memory) "
+        raise ValueError("LEANFA_HOPPER_OVERLAP (the softmax of block j + 1 under PV_j) "
                          "needs FP8 with LEANFA_HOPPER_PV_IN_MMA=1, 128-key blocks, two consumer warpgroups, head "
                          "dim <= 128, no sink and no trace")
-    p_bytes = 2 * wgs * 64 * block_n if overlap else 0  # two FP8 P buffers per warpgroup
     constexprs = dict(
         HEAD_DQK=Dqk, HEAD_DV=Dv, CAUSAL=bool(causal), IS_FP8=is_fp8, V_KMAJOR=kmajor,
         RETURN_LSE=bool(return_lse), HAS_KMEAN=has_kmean,
-        STAGES=_stages(Dqk, Dv, q.element_size(), block_n, block_m, sink_bytes + out_bytes + p_bytes),
+        STAGES=_stages(Dqk, Dv, q.element_size(), block_n, block_m, sink_bytes + out_bytes),
         num_warps=NUM_WARPS,
     )
     if version in ("v2", "v3"):
