@@ -314,7 +314,7 @@ def _bench(args) -> int:
           f"-> {out_dir}/{stem}.*", flush=True)
     gemm = {}
     if not args.no_gemm:
-        # long enough for the GEMMs to reach the power cap, where they settle (DESIGN.md §1)
+        # long enough for the GEMMs to reach the power cap, where they settle (docs/design.md §1.3)
         gemm = gemm_rates(warmup_ms=max(cfg.warmup_ms, 500.0), rep_ms=max(cfg.rep_ms, 500.0),
                           seed=args.seed)
         for k, g in gemm.items():

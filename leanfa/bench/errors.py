@@ -17,7 +17,7 @@ import torch
 
 #: relative L2 an implementation must stay under for its speed to be reported. FP8's bound
 #: is loose on purpose: it rejects broken outputs, not imprecise ones (cuDNN FP8 with
-#: per-tensor scales reaches ~0.15 on K-outlier activations, DESIGN.md §5).
+#: per-tensor scales reaches ~0.15 on K-outlier activations, docs/design.md §5).
 CHECK_TOL = {"bf16": 2e-2, "fp8": 2.5e-1}
 
 

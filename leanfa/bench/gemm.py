@@ -7,7 +7,7 @@
 
 Each is timed like the attention rows (:func:`leanfa.bench.timing.time_calls`) with the NVML
 sampler running, so its SM clock and power are recorded too: under the power cap the GEMMs
-run at a lower clock than attention does (DESIGN.md §1).
+run at a lower clock than attention does (docs/design.md §1.3).
 """
 
 from __future__ import annotations

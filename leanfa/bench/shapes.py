@@ -1,7 +1,7 @@
 """Benchmark shapes: the standard sweep, the model presets, one uneven varlen batch.
 
 A :class:`Case` is one attention problem (shape, mask, activation profile). FLOPs follow
-the flash-attn convention (DESIGN.md §5): ``2·B·Hq·Sq·Sk·(Dqk+Dv)`` for the two matrix
+the flash-attn convention (docs/design.md §6): ``2·B·Hq·Sq·Sk·(Dqk+Dv)`` for the two matrix
 products, halved for causal with ``Sq == Sk``; a varlen batch sums that over its sequences
 (causal halves each sequence).
 """
