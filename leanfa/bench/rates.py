@@ -1,4 +1,4 @@
-"""Instruction rates behind the cycle budget (DESIGN §1, docs/perf-notes.md), re-measured.
+"""Instruction rates behind the cycle budget (docs/design.md §1.2–1.3, docs/perf-notes.md), re-measured.
 
     python -m leanfa.bench.rates            # one table: results / clock / SM, per instruction mix
 

@@ -1,6 +1,6 @@
 """exp2 split between the MUFU pipe and a polynomial on the FMA pipe (lever "fewer MUFU cycles").
 
-On the H200 MUFU.EX2 retires 16 results per clock per SM, FFMA ~90 (DESIGN §1): in FP8 the
+On the H200 MUFU.EX2 retires 16 results per clock per SM, FFMA ~90 (docs/design.md §1.2–1.3): in FP8 the
 exponentials of a 128x128 tile take as long as its two wgmmas. ``exp2_mixed`` computes
 ``POLY`` of every 8 consecutive elements a thread holds with a polynomial (Cody-Waite split):
 
