@@ -12,8 +12,8 @@ exponentials of a 128x128 tile take as long as its two wgmmas. ``exp2_mixed`` co
                                                  j <= -128 gives a negative sum -> 0.0, so exp2(-inf) == 0)
 
 and the rest with ``ex2.approx.ftz.f32`` (what ``gl.exp2`` emits). 6 FMA-pipe + 4 ALU ops
-replace one MUFU op; where the pipes balance is measured (docs/perf-notes.md), the DESIGN
-estimate is ~20%. ``POLY = 0`` is plain ``gl.exp2``. Inputs are at most ~2^7 above 0 here
+replace one MUFU op; where the pipes balance is measured (docs/perf-notes.md), the founding
+estimate (docs/design.md §1.2) is ~20%. ``POLY = 0`` is plain ``gl.exp2``. Inputs are at most ~2^7 above 0 here
 (Lean P keeps ``x <= P_OFFSET + TAU``), so no overflow clamp is needed.
 """
 
