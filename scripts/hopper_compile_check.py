@@ -6,6 +6,7 @@ has its wgmmas serialized by ptxas (C7512).
 
     python scripts/hopper_compile_check.py            # all variants
     python scripts/hopper_compile_check.py -k bf16    # names containing "bf16"
+    python scripts/hopper_compile_check.py --defaults # only what backend="auto" runs (CI, every Triton)
     python scripts/hopper_compile_check.py --dump DIR # also write ttgir/ptx per variant
 """
 
@@ -120,12 +121,16 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("-k", default="", help="only variants whose name contains this")
     ap.add_argument("--dump", default=None)
+    ap.add_argument("--defaults", action="store_true",
+                    help="only the default kernel (launch.DEFAULT_VERSION) with no knob set: the variants "
+                         "backend='auto' runs")
     a = ap.parse_args()
     bad = 0
     print(f"{'variant':56s} {'regs':>5s} {'spill':>9s} {'smem':>8s} {'wgmma':>6s} {'time':>6s}  status")
-    for v in variants():
-        if a.k not in v.name:
-            continue
+    todo = [v for v in variants() if a.k in v.name]
+    if a.defaults:
+        todo = list({v.name: v for v in todo if v.version == L.DEFAULT_VERSION and not v.env}.values())
+    for v in todo:
         t0 = time.time()
         try:
             r = compile_variant(v)

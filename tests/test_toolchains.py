@@ -269,3 +269,20 @@ def test_gluon_compat_binds_old_names_to_new_spellings():
     finally:
         compat.RENAMED[:] = saved
     assert monkey_renamed == ["gl.thread_barrier -> barrier"] * 2
+
+
+# ----------------------------------------------------------------------------- CI
+
+def test_ci_runs_the_readme_commands_and_builds_with_every_supported_triton():
+    """.ci/run installs the tested set (constraints.txt: a supported torch and the GPU-validated Triton) with
+    the README's install command, runs the README's test command, then builds with every other supported
+    Triton."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert '\npython -m pip install -c constraints.txt -e ".[test]"\n' in ci
+    assert "\npython -m pytest -q tests\n" in ci
+    pins = dict(re.findall(r"^([a-z]+)(\S+)$", (ROOT / "constraints.txt").read_text(), re.M))
+    assert pins["torch"].startswith("==") and _versions.unsupported({"torch": pins["torch"][2:]}) == []
+    assert pins["triton"].startswith("==") and _versions.gpu_validated(pins["triton"][2:])
+    tested = re.search(r"^for TRITON in ([0-9. ]+); do$", ci, re.M).group(1).split()
+    minor = sorted({v.rsplit(".", 1)[0] for v in [*tested, pins["triton"][2:]]})
+    assert minor == sorted(_versions.SUPPORTED["triton"]), minor
