@@ -210,7 +210,7 @@ def test_probe_problem_has_the_configuration(monkeypatch, case):
     probe = dispatch.probe_problem(problem)
     assert dispatch.config_key(probe) == dispatch.config_key(problem)
     assert probe.heads == 2 and probe.kv_heads == (1 if gqa else 2)
-    assert probe.max_seqlen_q == (156 if problem.varlen else 208)
+    assert probe.max_seqlen_q == (202 if problem.varlen else 208)
     if problem.is_fp8:
         assert probe.v.stride(-3) == 1 and probe.v.shape[-3] % 16 == 0  # tokens innermost
         assert problem.sink_keys == 0 or (probe.sink_q.dtype == torch.bfloat16 and probe.sink_k.shape == probe.k.shape)

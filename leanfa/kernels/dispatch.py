@@ -33,10 +33,11 @@ _log = logging.getLogger(__name__)
 #: problem above which they disagree: the sum of the two kernels' bounds against a float64 reference in the
 #: GPU suite (FP8 4e-2 each, 16-bit 1e-2 each; scripts/hopper_gpu_check.py)
 SELF_CHECK_TOL = {"fp8": 8e-2, "16-bit": 2e-2, "lse": 1e-2}
-#: the self-check problem's sequence lengths: dense, one sequence (a multiple of 16 tokens, as an FP8 V's
-#: TMA box start needs, ending in a partial 128-key block); varlen, two sequences
+#: the self-check problem's sequence lengths: dense, one sequence (a multiple of 16 tokens: the rows of an FP8 V
+#: stored transposed must be 16-byte aligned for TMA; ending in a partial 128-key block); varlen, two sequences
+#: (each longer than 128 BF16 sink keys; the second starting off a multiple of 16 tokens; 352 in all)
 SELF_CHECK_TOKENS = 208
-SELF_CHECK_VARLEN = (100, 156)
+SELF_CHECK_VARLEN = (150, 202)
 #: self-check verdicts by :func:`config_key`: True runs the Hopper kernel, False the portable one
 VERDICTS: dict[tuple, bool] = {}
 _lock = threading.Lock()
