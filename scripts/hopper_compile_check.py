@@ -2,10 +2,12 @@
 """Compile every Hopper kernel variant for sm90 on a machine without a GPU (AOT), and print
 registers / spills / shared memory per variant; fail if a variant does not compile, spills
 (beyond :func:`spill_budget`), exceeds shared memory, has no ``wgmma.mma_async`` in its PTX, or
-has its wgmmas serialized by ptxas (C7512).
+has its wgmmas serialized by ptxas (C7512). The spill budgets are those of the GPU-validated Triton
+(leanfa/_versions.py): with another Triton, spills over budget are listed (``spills>budget``) but do not fail.
 
     python scripts/hopper_compile_check.py            # all variants
     python scripts/hopper_compile_check.py -k bf16    # names containing "bf16"
+    python scripts/hopper_compile_check.py --defaults # only what backend="auto" runs (CI, every Triton)
     python scripts/hopper_compile_check.py --dump DIR # also write ttgir/ptx per variant
 """
 
@@ -22,6 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
+from leanfa import _versions  # noqa: E402
 from leanfa.kernels.hopper import launch as L  # noqa: E402
 from leanfa.kernels.hopper.aot import Variant, compile_variant  # noqa: E402
 
@@ -120,12 +123,16 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("-k", default="", help="only variants whose name contains this")
     ap.add_argument("--dump", default=None)
+    ap.add_argument("--defaults", action="store_true",
+                    help="only the default kernel (launch.DEFAULT_VERSION) with no knob set: the variants "
+                         "backend='auto' runs")
     a = ap.parse_args()
     bad = 0
     print(f"{'variant':56s} {'regs':>5s} {'spill':>9s} {'smem':>8s} {'wgmma':>6s} {'time':>6s}  status")
-    for v in variants():
-        if a.k not in v.name:
-            continue
+    todo = [v for v in variants() if a.k in v.name]
+    if a.defaults:
+        todo = list({v.name: v for v in todo if v.version == L.DEFAULT_VERSION and not v.env}.values())
+    for v in todo:
         t0 = time.time()
         try:
             r = compile_variant(v)
@@ -134,9 +141,12 @@ def main():
             print(f"{v.name:56s} COMPILE ERROR: {type(e).__name__}: {str(e).splitlines()[-1][:200]}")
             traceback.print_exc(limit=1)
             continue
-        problems = []
+        problems, notes = [], []
         if max(r.spill_stores, r.spill_loads) > spill_budget(v):
-            problems.append("SPILLS")
+            if _versions.triton_gpu_validated():
+                problems.append("SPILLS")
+            else:
+                notes.append(f"spills>budget({spill_budget(v)})")
         if r.shared > SMEM_LIMIT:
             problems.append("SMEM>227K")
         if r.wgmma_ptx == 0:
@@ -145,12 +155,14 @@ def main():
             problems.append("WGMMA-SERIALIZED")
         bad += bool(problems)
         print(f"{r.name:56s} {r.regs:5d} {r.spill_stores:4d}/{r.spill_loads:<4d} {r.shared:8d} {r.wgmma_ptx:6d} "
-              f"{time.time() - t0:5.1f}s  {' '.join(problems) or 'ok'}")
+              f"{time.time() - t0:5.1f}s  {' '.join(problems) or 'ok'}{''.join(' ' + n for n in notes)}")
         if a.dump:
             os.makedirs(a.dump, exist_ok=True)
             base = os.path.join(a.dump, r.name.replace("/", "_"))
             open(base + ".ttgir", "w").write(r.ttgir)
             open(base + ".ptx", "w").write(r.ptx)
+    if not _versions.triton_gpu_validated():
+        print(f"(triton {_versions.installed()['triton']} is not GPU-validated: spill budgets not enforced)")
     print("ALL OK" if not bad else f"{bad} variant(s) FAILED")
     return 1 if bad else 0
 

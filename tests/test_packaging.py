@@ -1,20 +1,17 @@
 """Packaging: a pure-Python wheel that installs into a fresh venv and imports without torch or
-triton; tested versions declared once (leanfa/_versions.py), untested ones warn once."""
+triton; one version (pyproject.toml). The supported torch/triton versions: tests/test_toolchains.py."""
 
 import os
 import shutil
 import subprocess
 import sys
 import venv
-import warnings
 import zipfile
 from pathlib import Path
 
 import pytest
-import torch
 
 import leanfa
-from leanfa import _versions
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,29 +49,3 @@ def test_wheel_builds_and_installs_in_fresh_venv(tmp_path):
 def test_version_single_source():
     text = (ROOT / "pyproject.toml").read_text()
     assert f'version = "{leanfa.__version__}"' in text
-
-
-def test_untested_versions_listed():
-    assert _versions.untested({"torch": "2.13.0", "triton": "3.6.0"}) == []
-    assert _versions.untested({"torch": "2.11.1", "triton": "3.60.0"}) == ["triton 3.60.0"]
-    assert _versions.untested({"torch": "2.5.0", "triton": "3.7.0"}) == ["torch 2.5.0", "triton 3.7.0"]
-
-
-def test_untested_combination_warns_once_and_runs_portable(monkeypatch, device):
-    import triton
-
-    from leanfa.kernels import dispatch
-
-    monkeypatch.setattr(_versions, "_checked", None)
-    monkeypatch.setattr(triton, "__version__", "3.9.0")
-    hopper_called = []
-    monkeypatch.setattr(dispatch, "_hopper", lambda: type("H", (), {
-        "VALIDATED": True, "supports": staticmethod(lambda p: (True, "")),
-        "run": staticmethod(lambda p: hopper_called.append(p))}))
-    q = torch.randn(1, 8, 2, 64).to(torch.bfloat16).to(device)
-    with warnings.catch_warnings(record=True) as rec:
-        warnings.simplefilter("always")
-        outs = [leanfa.flash_attn_func(q, q, q, causal=True) for _ in range(2)]
-    msgs = [str(w.message) for w in rec if "untested" in str(w.message)]
-    assert len(msgs) == 1 and "triton 3.9.0" in msgs[0], msgs
-    assert hopper_called == [] and torch.equal(outs[0], outs[1])  # the portable kernel ran

@@ -1,16 +1,46 @@
 """Pick the kernel backend for a validated :class:`leanfa.api.Problem` and run it.
 
-Order: the Hopper kernel where it applies (sm90, supported shape, tested Triton) *and* it has
+Order: the Hopper kernel where it applies (sm90, supported shape, supported Triton) *and* it has
 passed its GPU validation (``hopper.VALIDATED``) *and* the portable kernel was not measured faster
 for the call (``hopper.portable_faster``: FP8 at head dim 64), else the portable kernel.
 ``backend="hopper"`` demands the Hopper kernel (also before validation, for development) and
 raises where it does not apply; ``backend="portable"`` forces the portable kernel.
+
+On a supported Triton that never ran the GPU suite (:data:`leanfa._versions.GPU_VALIDATED`),
+``backend="auto"`` runs the first Hopper call of each kernel configuration (:func:`config_key`) in a
+process only after a self-check (:func:`self_check`): the Hopper and the portable kernel attend one small
+problem of that configuration, and where their outputs disagree (beyond :data:`SELF_CHECK_TOL`) the
+configuration stays on the portable kernel, with one warning. The verdict is kept per configuration for
+the process (:data:`VERDICTS`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+import logging
+import threading
+import warnings
+
+import torch
+
 from .. import _versions
 from . import portable
+
+_log = logging.getLogger(__name__)
+
+#: relative L2 error between the Hopper and the portable kernel's outputs (and LSE) on the self-check's
+#: problem above which they disagree: the sum of the two kernels' bounds against a float64 reference in the
+#: GPU suite (FP8 4e-2 each, 16-bit 1e-2 each; scripts/hopper_gpu_check.py)
+SELF_CHECK_TOL = {"fp8": 8e-2, "16-bit": 2e-2, "lse": 1e-2}
+#: the self-check problem's sequence lengths: dense, one sequence (a multiple of 16 tokens: the rows of an FP8 V
+#: stored transposed must be 16-byte aligned for TMA; ending in a partial 128-key block); varlen, two sequences
+#: (each longer than 128 BF16 sink keys; the second starting off a multiple of 16 tokens; 352 in all)
+SELF_CHECK_TOKENS = 208
+SELF_CHECK_VARLEN = (150, 202)
+#: self-check verdicts by :func:`config_key`: True runs the Hopper kernel, False the portable one
+VERDICTS: dict[tuple, bool] = {}
+_lock = threading.Lock()
 
 
 def _hopper():
@@ -40,12 +70,129 @@ def hopper_applies(problem) -> tuple[bool, str]:
 
 
 def run(problem, backend: str):
-    # an untested torch/triton warns once (leanfa/_versions.py) and "auto" stays portable
-    tested = _versions.check()
-    if backend == "hopper" or (backend == "auto" and tested and getattr(_hopper(), "VALIDATED", False)):
+    # an unsupported torch/triton warns once (leanfa/_versions.py) and "auto" stays portable
+    supported = _versions.check()
+    if backend == "hopper" or (backend == "auto" and supported and getattr(_hopper(), "VALIDATED", False)):
         ok, why = hopper_applies(problem)
         if ok and (backend == "hopper" or not _hopper().portable_faster(problem)):
-            return _hopper().run(problem)
-        if backend == "hopper":
+            if backend == "hopper" or _versions.triton_gpu_validated() or _self_checked(problem):
+                return _hopper().run(problem)
+        elif backend == "hopper":
             raise ValueError(f"backend='hopper' cannot run this call: {why}")
     return portable.run(problem)
+
+
+# ----------------------------------------------------------------------------- self-check
+
+def config_key(problem) -> tuple:
+    """The kernel configuration a self-check verdict holds for: input and output dtype, head dims, causal,
+    varlen, BF16 sink keys, LSE and its K-mean term."""
+    p = problem
+    return (p.q.dtype, p.out_dtype, p.head_dim_qk, p.head_dim_v, p.causal, p.varlen, p.sink_keys, p.return_lse,
+            p.k_mean is not None)
+
+
+def _self_checked(problem) -> bool:
+    """Whether ``backend="auto"`` may run this call on the Hopper kernel: the configuration's verdict,
+    checked now if it has none. During CUDA graph capture a missing verdict cannot be checked (the check
+    reads its results back): that call runs on the portable kernel and the verdict stays open."""
+    key = config_key(problem)
+    verdict = VERDICTS.get(key)
+    if verdict is not None:
+        return verdict
+    if problem.q.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False
+    with _lock:
+        if key not in VERDICTS:
+            VERDICTS[key] = self_check(problem)
+        return VERDICTS[key]
+
+
+def self_check(problem) -> bool:
+    """Run the Hopper and the portable kernel on :func:`probe_problem` of ``problem``'s configuration; True
+    when they agree. On a disagreement, warn (``UserWarning``) that the configuration runs on the portable
+    kernel; an agreement is logged at INFO level."""
+    import triton
+
+    probe = probe_problem(problem)
+    hopper = _hopper()
+    ok, why = hopper.supports(probe)
+    if ok:
+        try:
+            got = hopper.run(probe)
+        except Exception as e:  # noqa: BLE001 (any failure of the kernel is a disagreement)
+            ok, why = False, f"the Hopper kernel raised {type(e).__name__}: {e}"
+        else:
+            ok, why = outputs_agree(got, portable.run(probe), problem.is_fp8)
+    else:
+        why = f"the self-check problem does not run on it ({why})"
+    desc = _describe(problem)
+    if ok:
+        _log.info("leanfa: the Hopper kernel agrees with the portable kernel on triton %s for %s", triton.__version__,
+                  desc)
+    else:
+        warnings.warn(f"leanfa: the Hopper kernel was not validated on the GPU with triton {triton.__version__}, and "
+                      f"its self-check for {desc} failed ({why}); these calls use the portable kernel",
+                      UserWarning, stacklevel=2)
+    return ok
+
+
+def outputs_agree(got, want, fp8: bool) -> tuple[bool, str]:
+    """Whether the Hopper kernel's ``(out, lse or None)`` ``got`` agrees with the portable kernel's ``want``:
+    non-finite in the same places, relative L2 error within :data:`SELF_CHECK_TOL`; and if not, why."""
+    tol = SELF_CHECK_TOL["fp8" if fp8 else "16-bit"]
+    for name, a, b, t in (("output", got[0], want[0], tol), ("LSE", got[1], want[1], SELF_CHECK_TOL["lse"])):
+        if b is None:
+            continue
+        a, b = a.double(), b.double()
+        finite = torch.isfinite(b)
+        if not torch.equal(torch.isfinite(a), finite):
+            return False, f"its {name} is not finite where the portable kernel's is, or the reverse"
+        err = float((a[finite] - b[finite]).norm() / b[finite].norm().clamp(min=1e-30))
+        if not err <= t:
+            return False, f"{name} relative L2 error {err:.3g} > {t:g}"
+    return True, ""
+
+
+def probe_problem(problem):
+    """A small problem of ``problem``'s configuration (:func:`config_key`) on its device, from seeded random
+    inputs: one sequence of :data:`SELF_CHECK_TOKENS` tokens (varlen: :data:`SELF_CHECK_VARLEN`), two query
+    heads (sharing one KV head where ``problem`` has grouped KV heads), unit descales; FP8 V stored
+    transposed (tokens innermost), as :func:`leanfa.quantize_fp8` writes it."""
+    p = problem
+    dev = p.q.device
+    g = torch.Generator(device=dev).manual_seed(0)
+    hq, hkv = 2, 1 if p.kv_heads != p.heads else 2
+    dqk, dv = p.head_dim_qk, p.head_dim_v
+    if p.varlen:
+        lens = SELF_CHECK_VARLEN
+        batch, tokens, lead = len(lens), sum(lens), ()
+        cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=dev)
+        seqlens = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens), max_seqlen_k=max(lens))
+    else:
+        batch, tokens, lead = 1, SELF_CHECK_TOKENS, (1,)
+        seqlens = dict(cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=tokens, max_seqlen_k=tokens)
+
+    def rand(*shape, dtype):
+        return torch.randn(*shape, generator=g, device=dev).to(dtype)
+
+    sixteen = p.sink_q.dtype if p.sink_keys else torch.bfloat16 if p.is_fp8 else p.q.dtype
+    q, k, v = (rand(*lead, tokens, h, d, dtype=sixteen) for h, d in ((hq, dqk), (hkv, dqk), (hkv, dv)))
+    sink = dict(sink_q=q, sink_k=k, sink_v=v) if p.sink_keys else {}
+    if p.is_fp8:  # V stored (.., H, D, S), viewed as (.., S, H, D)
+        to_hds, to_shd = ((1, 2, 0), (2, 0, 1)) if p.varlen else ((0, 2, 3, 1), (0, 3, 1, 2))
+        q, k, v = q.to(p.q.dtype), k.to(p.q.dtype), v.permute(*to_hds).contiguous().to(p.q.dtype).permute(*to_shd)
+    ones = torch.ones((1, 1, 1), dtype=torch.float32, device=dev)
+    k_mean = rand(batch, hkv, dqk, dtype=torch.float32) * 0.1 if p.k_mean is not None else None
+    return dataclasses.replace(
+        p, q=q, k=k, v=v, batch=batch, heads=hq, kv_heads=hkv, **seqlens, softmax_scale=dqk ** -0.5,
+        q_scale=ones.expand(batch, hq, 1), k_scale=ones.expand(batch, hkv, 1), v_scale=ones.expand(batch, hkv, dv),
+        k_mean=k_mean, **sink)
+
+
+def _describe(problem) -> str:
+    p = problem
+    dtype = str(p.q.dtype).replace("torch.", "")
+    return (f"{dtype} head dims {p.head_dim_qk}/{p.head_dim_v}, {'causal' if p.causal else 'non-causal'}"
+            f"{', varlen' if p.varlen else ''}{f', {p.sink_keys} BF16 sink keys' if p.sink_keys else ''}"
+            f"{', with LSE' if p.return_lse else ''} -> {str(p.out_dtype).replace('torch.', '')}")

@@ -93,9 +93,9 @@ def supports(problem) -> tuple[bool, str]:
 
 
 def _supports(problem) -> tuple[bool, str]:
-    if _versions.untested({"triton": triton.__version__}):
-        tested = ", ".join(f"{v}.x" for v in _versions.TESTED["triton"])
-        return False, f"the Hopper kernel is tested on triton {tested} only (found {triton.__version__})"
+    if _versions.unsupported({"triton": triton.__version__}):
+        supported = ", ".join(f"{v}.x" for v in _versions.SUPPORTED["triton"])
+        return False, f"the Hopper kernel builds with triton {supported} only (found {triton.__version__})"
     q, k, v = (_launch.as_bshd(t) for t in (problem.q, problem.k, problem.v))
     if q.device.type != "cuda":
         return False, f"the Hopper kernel needs CUDA tensors (got {q.device})"

@@ -14,13 +14,10 @@ from unittest import mock
 
 import torch
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon._runtime import GluonASTSource
-from triton.runtime.jit import mangle_type
 
 from ..aot import ptxas_perf_warnings, ptxas_usage
-
 from . import launch as L
+from .gluon_compat import GluonASTSource, GPUTarget, mangle_type
 from .varlen_v import repacked_tokens
 
 TARGET = GPUTarget("cuda", 90, 32)

@@ -763,7 +763,7 @@ class _Strip(ast.NodeTransformer):
         return node
 
 
-_SHADOWS = {}
+_SHADOWS = {}  # by the jitted Python function (hashing a JITFunction compiles its cache key)
 #: constexpr functions that decide control flow (the others build layouts and become ``None``)
 _CONTROL_CONSTEXPR_FUNCTIONS = {"ablates"}
 
@@ -781,9 +781,9 @@ def shadow(jit_fn, source=None):
     from triton.language.core import constexpr as tl_constexpr
     from triton.runtime.jit import ConstexprFunction, JITFunction
 
-    if source is None and jit_fn in _SHADOWS:
-        return _SHADOWS[jit_fn]
     fn = jit_fn.fn
+    if source is None and fn in _SHADOWS:
+        return _SHADOWS[fn]
     tree = ast.parse(textwrap.dedent(source or inspect.getsource(fn)))
     fdef = tree.body[0]
     fdef.decorator_list = []
@@ -803,8 +803,8 @@ def shadow(jit_fn, source=None):
             g[name] = val.value
     ns = {}
     exec(compile(tree, inspect.getsourcefile(fn), "exec"), g, ns)
-    _SHADOWS[jit_fn] = ns[fn.__name__]
-    return _SHADOWS[jit_fn]
+    _SHADOWS[fn] = ns[fn.__name__]
+    return _SHADOWS[fn]
 
 
 class _LazyShadow:

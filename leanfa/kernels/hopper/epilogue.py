@@ -10,9 +10,7 @@ Q tile still in shared memory.
 
 from __future__ import annotations
 
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, tma
+from .gluon_compat import fence_async_shared, gl, gluon, tma
 
 from .layouts import rows_layout
 from .pipeline import as_2d

@@ -19,8 +19,7 @@ estimate (docs/design.md §1.2) is ~20%. ``POLY = 0`` is plain ``gl.exp2``. Inpu
 
 from __future__ import annotations
 
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
+from .gluon_compat import gl, gluon
 
 #: minimax-fitted (relative error) 2^f on [-0.5, 0.5], highest power first, as f32 bit patterns
 POLY_COEFFS = ("0f3D61FE4F", "0f3E7870B0", "0f3F31798F", "0f3F7FFB41")

@@ -15,13 +15,7 @@ Causal tiles visit only the key blocks some row can see, and are scheduled heavi
 
 from __future__ import annotations
 
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (
-    mbarrier,
-    warpgroup_mma,
-    warpgroup_mma_wait,
-)
+from .gluon_compat import gl, gluon, mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from .epilogue import kmean_lse_term, store_output
 from .layouts import a_operand_layout, wgmma_layout

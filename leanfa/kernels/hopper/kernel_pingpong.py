@@ -56,15 +56,7 @@ row max's shuffles and retires PV_j first (docs/perf-notes.md, fourteenth sessio
 
 from __future__ import annotations
 
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
-    mbarrier,
-    tma,
-    warpgroup_mma,
-    warpgroup_mma_wait,
-)
+from .gluon_compat import fence_async_shared, gl, gluon, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from .epilogue import kmean_lse_term, load_v_scale, stage_and_store, write_rows
 from .exp2 import ABLATE_ONEWG, ablates

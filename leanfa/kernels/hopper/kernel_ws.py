@@ -23,13 +23,7 @@ FP8 rescale skip (lever 3, ``RESCALE_SKIP``): see :func:`.softmax_ws.online_soft
 
 from __future__ import annotations
 
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (
-    mbarrier,
-    warpgroup_mma,
-    warpgroup_mma_wait,
-)
+from .gluon_compat import gl, gluon, mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from .epilogue import kmean_lse_term, store_output
 from .layouts import a_operand_layout, wgmma_layout

@@ -17,12 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
 from ...quant import V_TOKEN_ALIGN  # 16 FP8 tokens = 16 bytes: where a TMA box may start
 from ...scales import SCALE_BLOCK, broadcast_strides
 from .exp2 import ABLATE_BITS
+from .gluon_compat import TensorDescriptor, gl
 from .kernel import attn_fwd_kernel
 from .kernel_pingpong import attn_fwd_pingpong_kernel
 from .kernel_ws import attn_fwd_ws_kernel

@@ -9,8 +9,7 @@ columns) and K is 32 bytes of the operand type.
 
 from __future__ import annotations
 
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
+from .gluon_compat import gl, gluon
 
 
 @gluon.constexpr_function

@@ -9,8 +9,7 @@ fully masked and skipped.
 
 from __future__ import annotations
 
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
+from .gluon_compat import gl, gluon
 
 
 @gluon.jit

@@ -9,9 +9,7 @@ TMA zero-fills everything outside ``[0, seqlen)``, so tail tiles never read a ne
 
 from __future__ import annotations
 
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma
+from .gluon_compat import gl, gluon, mbarrier, tma, warpgroup_mma
 
 
 @gluon.jit

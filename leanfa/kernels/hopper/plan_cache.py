@@ -31,9 +31,9 @@ import os
 from dataclasses import dataclass
 
 import torch
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..launcher import grid3, parameter_tail
+from .gluon_compat import TensorDescriptor
 
 #: every environment knob a plan or the kernel's verdict on a call depends on (tests/test_hopper_host.py
 #: checks the list against the hopper package's sources)

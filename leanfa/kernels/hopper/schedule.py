@@ -17,8 +17,7 @@ shorter sequence visit no key blocks (:func:`.masking.kv_block_range`).
 
 from __future__ import annotations
 
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
+from .gluon_compat import gl, gluon
 
 
 @gluon.jit

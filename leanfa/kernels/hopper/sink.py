@@ -19,9 +19,7 @@ The sink block is always 128 keys (one FP8 key block; the kernel's FP8 loop star
 
 from __future__ import annotations
 
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from .gluon_compat import gl, gluon, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from .epilogue import kmean_lse_term
 from .layouts import a_operand_layout, wgmma_layout

@@ -14,8 +14,7 @@ keep ``m = -inf``; they use 0 as the subtracted max so no ``inf - inf`` appears.
 
 from __future__ import annotations
 
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
+from .gluon_compat import gl, gluon
 
 LN2 = 0.6931471805599453
 

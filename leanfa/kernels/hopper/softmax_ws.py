@@ -18,8 +18,7 @@ block (``acc = fma(acc, alpha, pv)``), so it costs nothing to skip -- the expect
 
 from __future__ import annotations
 
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
+from .gluon_compat import gl, gluon
 
 from .exp2 import ABLATE_MAX, ablates, exp2_mixed
 

@@ -23,8 +23,7 @@ event is one scalar store (a few instructions): the traced kernel is a little sl
 
 from __future__ import annotations
 
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
+from .gluon_compat import gl, gluon
 
 TRACE_EVENTS = gl.constexpr(5)
 TRACE_BLOCKS = gl.constexpr(128)  # key blocks recorded per tile (S = 16K at 128-key blocks)
