@@ -160,11 +160,6 @@ run_steps() {
       host_direct) for c in 0 1; do  # the quantizer's launches through the JIT (0) or direct (1): host time per call
                 step "host_direct$c" 120 14 env LEANFA_DIRECT_LAUNCH=$c python3 scripts/host_time.py \
                   --shapes 16x1024,4x4096; done ;;
-      overlap) step overlap 420 40 env LEANFA_CHECK_DTYPES=fp8 python3 scripts/hopper_v2_gpu.py --check v3-overlap \
-                --check-timeout 240 --time v3,v3-pvmma-default,v3-overlap ;;  # the softmax under PV (P in smem)
-      stalls_overlap) for ov in 0 1; do  # where OVERLAP's time goes (run 53: 3-4% slower than PV_IN_MMA alone)
-                step "stalls_ov$ov" 200 50 env LEANFA_HOPPER_PV_IN_MMA=1 LEANFA_HOPPER_OVERLAP=$ov python3 \
-                  scripts/ncu_stalls.py --impl leanfa-hopper-fp8-kernel --out "$OUT/r/stalls_ov$ov"; done ;;
       varlen_persist) for p in 0 1; do  # varlen on the persistent grid (emulator-checked; varlen keeps the one-tile grid)
                 step "varlen_persist$p" 150 16 env LEANFA_HOPPER_PERSISTENT=$p python3 -m leanfa.cli bench --quick \
                   --no-progress --sweep varlen --impl 'leanfa-hopper-fp8-kernel,leanfa-hopper-bf16,cudnn-fp8,cudnn-bf16' \

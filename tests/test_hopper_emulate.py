@@ -1158,7 +1158,7 @@ def test_v3_early_q_release_mutation_caught(monkeypatch):
     excludes that case by construction.)"""
     monkeypatch.setenv("LEANFA_HOPPER_PERSISTENT", "1")
     src = inspect.getsource(KP._consumer_tile.fn)
-    ind = "        "  # (the key loop sits in the not-OVERLAP branch)
+    ind = "    "  # (the key loop of _consumer_tile, one level in)
     early = (f"{ind}EARLY_Q: gl.constexpr = not SINK and not HAS_KMEAN\n{ind}if EARLY_Q:\n{ind}    if n_end > 0:\n"
              f"{ind}        release_slot(q_empty, 0)\n")
     loop = f"{ind}for j in range(FIRST, n_end - 1):\n"
@@ -1174,92 +1174,3 @@ def test_v3_early_q_release_mutation_caught(monkeypatch):
         assert _caught_against(p, ref_out), "release before the loop not caught"
     finally:
         reset_shadows()
-
-
-# ----------------------------------------------------------------------------- OVERLAP (the softmax under PV)
-
-OVERLAP_SHAPES = V2_SHAPES + [(2, 385, 385, 2, 2), (1, 300, 700, 2, 1)]
-
-
-@pytest.mark.parametrize("persistent", ["0", "1"])
-@pytest.mark.parametrize("order", ["consumer-first", "producer-first"])
-@pytest.mark.parametrize("causal,lse", [(True, False), (False, True)])
-@pytest.mark.parametrize("shape", OVERLAP_SHAPES)
-def test_v3_overlap_equals_pv_in_mma(shape, causal, lse, order, persistent, monkeypatch):
-    """LEANFA_HOPPER_OVERLAP=1 (FP8, PV in the wgmma accumulator; the softmax of block j + 1 while PV_j runs, P
-    in registers): the same arithmetic in another order of issue, so output and LSE equal PV_IN_MMA's
-    bit for bit, whichever partition runs first, one tile per program or persistent (odd and even block counts,
-    tiles with one block, rows past the sequence; with the LSE's K-mean term Q is handed back late)."""
-    monkeypatch.setenv("LEANFA_HOPPER_PV_IN_MMA", "1")
-    monkeypatch.setenv("LEANFA_HOPPER_PERSISTENT", persistent)
-    qq = leanfa.quantize_fp8(*_inputs(*shape, 128, 128))
-    p = _problem(qq.q, qq.k, qq.v, causal, lse=lse, **qq.descales())
-    o0, l0, _ = emulate(p, version="v3")
-    monkeypatch.setenv("LEANFA_HOPPER_OVERLAP", "1")
-    assert emulate_mod._make_plan_cpu(L, p, o0.clone(), l0.clone() if lse else None).constexprs["OVERLAP"]
-    o1, l1, _ = emulate(p, version="v3", ws_order=order)
-    assert torch.equal(o0, o1)
-    if lse:
-        assert torch.equal(l0, l1)
-
-
-@pytest.mark.parametrize("causal", [True, False])
-def test_v3_overlap_varlen_equals_pv_in_mma(causal, monkeypatch):
-    """OVERLAP on packed FP8 varlen batches (V re-packed; sequences of one token, empty ones, several tiles):
-    bit for bit PV_IN_MMA's output and LSE."""
-    from leanfa.api import _build_problem
-
-    lens = [300, 0, 1, 200, 77]
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-    q, k, v = (torch.randn(sum(lens), h, 128, generator=torch.Generator().manual_seed(h)).to(torch.bfloat16)
-               for h in (4, 2, 2))
-    kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=300, max_seqlen_k=300)
-    qq = leanfa.quantize_fp8(q, k, v, **kw)
-    p = _build_problem(qq.q, qq.k, qq.v, varlen=True, **kw, softmax_scale=None, causal=causal, return_lse=True,
-                       out_dtype=None, **qq.descales())
-    monkeypatch.setenv("LEANFA_HOPPER_PV_IN_MMA", "1")
-    o0, l0, _ = emulate(p, version="v3")
-    monkeypatch.setenv("LEANFA_HOPPER_OVERLAP", "1")
-    for order in ("consumer-first", "producer-first"):
-        o1, l1, _ = emulate(p, version="v3", ws_order=order)
-        assert torch.equal(o0, o1) and torch.equal(l0, l1), order
-
-
-def test_v3_overlap_plan_checks(monkeypatch):
-    """OVERLAP needs FP8 with PV in the accumulator (two-level PV would hold a second 64-register tile under the
-    softmax), the default tile, and no sink or trace: anything else is an error, not a silent fallback."""
-    monkeypatch.setenv("LEANFA_HOPPER_OVERLAP", "1")
-    qq = leanfa.quantize_fp8(*_inputs(1, 200, 200, 2, 1, 128, 128))
-    p = _problem(qq.q, qq.k, qq.v, True, **qq.descales())
-    out = torch.empty(1, 200, 2, 128, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="PV_IN_MMA"):
-        emulate_mod._make_plan_cpu(L, p, out, None)
-    monkeypatch.setenv("LEANFA_HOPPER_PV_IN_MMA", "1")
-    plan = emulate_mod._make_plan_cpu(L, p, out, None)
-    assert plan.constexprs["OVERLAP"] and plan.constexprs["STAGES"] == 4  # Q 16 + output 32 + ring 4 x 32 KB
-    with pytest.raises(ValueError, match="OVERLAP"):
-        emulate_mod._make_plan_cpu(L, _problem(*_inputs(1, 200, 200, 2, 1, 128, 128), True), out, None)  # BF16
-
-
-@pytest.mark.parametrize("fn,old,new", [
-    # the slot of block j released before PV_j retired
-    ("_overlapped_block", "    acc = warpgroup_mma_wait(0, deps=(pv_acc, ))\n"
-                          "    release_slot(empty_bars, (ring + j) % STAGES)",
-     "    release_slot(empty_bars, (ring + j) % STAGES)\n    acc = warpgroup_mma_wait(0, deps=(pv_acc, ))"),
-    # O not rescaled to block j's max before PV_j adds to it
-    ("_overlapped_block", "warpgroup_mma(p_op, v, acc * alpha_o, is_async=True)",
-     "warpgroup_mma(p_op, v, acc, is_async=True)"),
-    # the diagonal and tail blocks' softmax without the mask
-    ("_consumer_blocks_overlapped", "V_KMAJOR, True, P_OFFSET", "V_KMAJOR, False, P_OFFSET"),
-    # block j + 1's scores scaled with block j's K scale
-    ("_consumer_blocks_overlapped", "c_q * k_next, offs_m", "c_q * k_sc, offs_m"),
-])
-def test_v3_overlap_mutations_caught(fn, old, new, monkeypatch):
-    """What the overlapped loop must keep: the slot released only after its PV retired, O rescaled before PV adds
-    to it, the mask on the diagonal and tail blocks, each block's own K scale."""
-    monkeypatch.setenv("LEANFA_HOPPER_PV_IN_MMA", "1")
-    qq = leanfa.quantize_fp8(*_inputs(1, 385, 700, 2, 1, 128, 128))
-    p = _problem(qq.q, qq.k, qq.v, True, **qq.descales())
-    ref, _, _ = emulate(p, version="v3")
-    monkeypatch.setenv("LEANFA_HOPPER_OVERLAP", "1")
-    _assert_caught(getattr(KP, fn), old, new, p, ref)

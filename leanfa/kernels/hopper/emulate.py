@@ -246,7 +246,7 @@ class SmemView:
     def read(self, what):
         b = self.buf()
         if b.state != "visible" and what.startswith("wgmma") and b.staged:
-            # written by the warpgroup's own generic stores (OVERLAP's P): the async proxy sees them only
+            # written by the warpgroup's own generic stores: the async proxy sees them only
             # after fence_async_shared, and every warp's rows only after a barrier behind the fence
             if b.staged == "written":
                 M.err(f"{what} reads shared memory written by generic stores with no fence_async_shared")

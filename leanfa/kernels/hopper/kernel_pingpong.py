@@ -45,13 +45,10 @@ at 128 with its wgmmas serialized) -- correct (130/130 on the H200), 0.95-1.04x 
 
 The key loop runs blocks ``[0, n_end - 1)`` with the next block's S issued alongside their PV and
 the last block peeled off (:func:`_consumer_block`), so that every loop value has one definition
-per iteration (a conditional QK made ptxas copy S's 64 registers at every block). ``OVERLAP`` (FP8 with
-``PV_IN_MMA``; an experiment, off) runs the softmax of block j + 1 while PV_j is on the tensor cores (FA3's
-intra-warpgroup overlap, :func:`_consumer_blocks_overlapped`): the loop carries P in fp32 and converts it to
-the e4m3 PV operand at the top of the next iteration, and the unmasked and masked blocks run in separate
-loops, so that nothing but straight-line code sits between the two wgmma waits. In the sm90 AOT SASS the
-row max of block j + 1 runs under PV_j; the exponentials do not yet: ptxas gives P_j's registers to the
-row max's shuffles and retires PV_j first (docs/perf-notes.md, fourteenth session).
+per iteration (a conditional QK made ptxas copy S's 64 registers at every block). The softmax of block
+j + 1 under PV_j (FA3's intra-warpgroup overlap) was built four times and measured slower every time
+(runs 14, 20, 53-54, 66; docs/perf-notes.md): the last build carried P in fp32 across the back edge, but
+ptxas reuses P_j's registers (PV_j's A operand) for the next softmax and so retires PV_j before it.
 """
 
 from __future__ import annotations
@@ -286,88 +283,6 @@ def _consumer_block(s, j, c, c_hi, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seq
 
 
 @gluon.jit
-def _p_fp32(s, j, c, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, o_layout: gl.constexpr, CAUSAL: gl.constexpr,
-            MASK: gl.constexpr, P_OFFSET: gl.constexpr, RESCALE_SKIP: gl.constexpr, POLY: gl.constexpr):
-    """``OVERLAP``: Lean P of key block ``j`` in fp32 (``MASK``: the diagonal and tail blocks), the new row
-    statistics and ``alpha`` in O's row layout."""
-    BLOCK_N: gl.constexpr = s.shape[1]
-    if MASK:
-        s = mask_scores(s, offs_m, j * BLOCK_N + offs_n0, seqlen_q, seqlen_k, CAUSAL)
-    p, m_i, l_i, alpha = online_softmax_step_lazy(s, c, m_i, l_i, P_OFFSET, RESCALE_SKIP, POLY)
-    return p, m_i, l_i, gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-
-
-@gluon.jit
-def _overlapped_block(p, j, acc, alpha_o, m_i, l_i, c, offs_m, offs_n0, seqlen_q, seqlen_k, q_smem, k_bufs, v_bufs,
-                      k_bars, v_bars, empty_bars, ring, s_zero, p_layout: gl.constexpr, o_layout: gl.constexpr,
-                      CAUSAL: gl.constexpr, V_KMAJOR: gl.constexpr, MASK: gl.constexpr, P_OFFSET: gl.constexpr,
-                      RESCALE_SKIP: gl.constexpr, POLY: gl.constexpr, W: gl.constexpr):
-    """``OVERLAP``, key block ``j`` whose fp32 P is ``p``: ``[QK_{j+1}, PV_j]`` issued, the softmax of block
-    ``j + 1`` (score scale ``c``; ``MASK``ed) under PV_j, then PV_j retired. Straight-line code between the two
-    waits: with the mask behind a branch there, ptxas retired PV_j at the branch's join, before the softmax."""
-    QK_CHUNKS: gl.constexpr = k_bufs.shape[0] // v_bufs.shape[0]
-    STAGES: gl.constexpr = v_bufs.shape[0]
-    p_op = p_operand(p.to(v_bufs.dtype), p_layout, V_KMAJOR == PERMUTED_KEYS)
-    v = v_tile(v_bufs, v_bars, ring + j, STAGES, V_KMAJOR)
-    s_acc = _issue_qk(q_smem, k_bufs, k_bars, ring + j + 1, s_zero, W, QK_CHUNKS)
-    pv_acc = warpgroup_mma(p_op, v, acc * alpha_o, is_async=True)
-    s = warpgroup_mma_wait(1, deps=(s_acc, ))
-    p, m_i, l_i, alpha_o = _p_fp32(s, j + 1, c, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, o_layout, CAUSAL, MASK,
-                                   P_OFFSET, RESCALE_SKIP, POLY)
-    acc = warpgroup_mma_wait(0, deps=(pv_acc, ))
-    release_slot(empty_bars, (ring + j) % STAGES)
-    return p, acc, alpha_o, m_i, l_i
-
-
-@gluon.jit
-def _consumer_blocks_overlapped(s, acc, m_i, l_i, c_q, k_scale_row, stride_ksblk, offs_m, offs_n0, seqlen_q, seqlen_k,
-                                n_full, n_end, q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, q_empty,
-                                ring, s_zero, v_scale_row, stride_vsd, p_layout: gl.constexpr, o_layout: gl.constexpr,
-                                CAUSAL: gl.constexpr, V_KMAJOR: gl.constexpr, P_OFFSET: gl.constexpr,
-                                RESCALE_SKIP: gl.constexpr, POLY: gl.constexpr, EARLY_Q: gl.constexpr,
-                                W: gl.constexpr):
-    """``OVERLAP`` (FP8 with PV in the wgmma accumulator): key blocks ``[0, n_end)``, ``n_end >= 1``, ``s`` = S_0
-    retired. Block ``j`` converts its fp32 P to the PV operand, issues ``[QK_{j+1}, PV_j]`` and waits for QK alone:
-    the softmax of block ``j + 1`` (its exponentials included) runs while PV_j is on the tensor cores (FA3's
-    intra-warpgroup overlap); then PV_j is waited for and O rescaled by block ``j + 1``'s ``alpha``. The loop
-    carries P in fp32 -- the 64 registers S_{j+1} had -- and turns it into e4m3 at the top of the next iteration,
-    so no e4m3 register crosses the back edge (P in e4m3 did, scalarized into 64 byte registers). Two loops, the
-    unmasked blocks and then the masked ones (:func:`_overlapped_block`). Returns ``(acc, m_i, l_i, v_scale)``."""
-    STAGES: gl.constexpr = v_bufs.shape[0]
-    BLOCK_N: gl.constexpr = k_bufs.shape[3]
-    k_sc, _ = _k_scales(k_scale_row, stride_ksblk, 0, n_end, seqlen_k, BLOCK_N)
-    if n_full > 0:
-        p, m_i, l_i, alpha_o = _p_fp32(s, 0, c_q * k_sc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, o_layout,
-                                       CAUSAL, False, P_OFFSET, RESCALE_SKIP, POLY)
-    else:
-        p, m_i, l_i, alpha_o = _p_fp32(s, 0, c_q * k_sc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, o_layout,
-                                       CAUSAL, True, P_OFFSET, RESCALE_SKIP, POLY)
-    n_plain = gl.maximum(gl.minimum(n_full, n_end) - 1, 0)  # blocks j whose next block needs no mask
-    for j in range(0, n_plain):
-        k_next, _ = _k_scales(k_scale_row, stride_ksblk, j + 1, n_end, seqlen_k, BLOCK_N)
-        p, acc, alpha_o, m_i, l_i = _overlapped_block(
-            p, j, acc, alpha_o, m_i, l_i, c_q * k_next, offs_m, offs_n0, seqlen_q, seqlen_k, q_smem, k_bufs, v_bufs,
-            k_bars, v_bars, empty_bars, ring, s_zero, p_layout, o_layout, CAUSAL, V_KMAJOR, False, P_OFFSET,
-            RESCALE_SKIP, POLY, W)
-    for j in range(n_plain, n_end - 1):
-        k_next, _ = _k_scales(k_scale_row, stride_ksblk, j + 1, n_end, seqlen_k, BLOCK_N)
-        p, acc, alpha_o, m_i, l_i = _overlapped_block(
-            p, j, acc, alpha_o, m_i, l_i, c_q * k_next, offs_m, offs_n0, seqlen_q, seqlen_k, q_smem, k_bufs, v_bufs,
-            k_bars, v_bars, empty_bars, ring, s_zero, p_layout, o_layout, CAUSAL, V_KMAJOR, True, P_OFFSET,
-            RESCALE_SKIP, POLY, W)
-    if EARLY_Q:  # the last QK has retired
-        release_slot(q_empty, 0)
-    last = n_end - 1
-    p_op = p_operand(p.to(v_bufs.dtype), p_layout, V_KMAJOR == PERMUTED_KEYS)
-    v = v_tile(v_bufs, v_bars, ring + last, STAGES, V_KMAJOR)
-    pv_acc = warpgroup_mma(p_op, v, acc * alpha_o, is_async=True)
-    v_sc = load_v_scale(v_scale_row, stride_vsd, acc.shape[1], o_layout)
-    acc = warpgroup_mma_wait(0, deps=(pv_acc, ))
-    release_slot(empty_bars, (ring + last) % STAGES)
-    return acc, m_i, l_i, v_sc
-
-
-@gluon.jit
 def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars, q_empty,
                    out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
                    seqlen_q, seqlen_k, qk_scale, sm_scale,
@@ -375,7 +290,7 @@ def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars
                    HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
                    RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, RESCALE_SKIP: gl.constexpr,
                    PINGPONG: gl.constexpr, POLY: gl.constexpr, TWO_LEVEL: gl.constexpr, WGS: gl.constexpr,
-                   SINK: gl.constexpr, STORE_TMA: gl.constexpr, OVERLAP: gl.constexpr, W: gl.constexpr):
+                   SINK: gl.constexpr, STORE_TMA: gl.constexpr, W: gl.constexpr):
     """Warpgroup ``W`` (of ``WGS``) on one tile: rows ``[m_start + 64 W, + 64)`` of sequence ``b`` against its key
     blocks ``[0, n_end)``, which sit at ring positions ``ring + j``; its wgmma batches are numbered
     from ``batch``. Output row ``r`` is token ``q_start + r`` of ``out`` (and of the LSE). ``out_t``,
@@ -431,46 +346,34 @@ def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars
     # Blocks [0, n_end - 1) issue the next block's S with their PV; the last one is peeled off, so
     # S has one definition per iteration (with a conditional second QK, ptxas copied all 64 S
     # registers at every block). The K scale is loaded a block ahead, off the softmax's path.
-    if OVERLAP:  # (FP8, PV in the accumulator, no sink, 128-key blocks: launch.make_plan checks)
-        gl.static_assert(IS_FP8 and not TWO_LEVEL and not SINK and BLOCK_N == SCALE_BLOCK, "OVERLAP: see make_plan")
-        EARLY_Q: gl.constexpr = not HAS_KMEAN
-        VS_EARLY: gl.constexpr = True
+    k_sc, k_hi = _k_scales(k_scale_row, stride_ksblk, FIRST, n_end, seqlen_k, BLOCK_N)
+    for j in range(FIRST, n_end - 1):
+        k_sc_next, k_hi_next = _k_scales(k_scale_row, stride_ksblk, j + 1, n_end, seqlen_k, BLOCK_N)
+        acc, m_i, l_i, s, _ = _consumer_block(
+            s, j, c_q * k_sc, c_q * k_hi, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, q_smem, k_bufs,
+            v_bufs, k_bars, v_bars, empty_bars, turn_bars, ring, batch, s_zero, tr, v_scale_row, stride_vsd, p_layout,
+            o_layout, CAUSAL, V_KMAJOR, P_OFFSET, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, True, False, W)
+        k_sc = k_sc_next
+        k_hi = k_hi_next
+    # Q's last reader, the QK of block n_end - 1, has retired
+    EARLY_Q: gl.constexpr = not SINK and not HAS_KMEAN
+    if EARLY_Q:
         if n_end > 0:
-            acc, m_i, l_i, v_sc = _consumer_blocks_overlapped(
-                s, acc, m_i, l_i, c_q, k_scale_row, stride_ksblk, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, n_end,
-                q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, q_empty, ring, s_zero, v_scale_row,
-                stride_vsd, p_layout, o_layout, CAUSAL, V_KMAJOR, P_OFFSET, RESCALE_SKIP, POLY, EARLY_Q, W)
-        else:
-            v_sc = load_v_scale(v_scale_row, stride_vsd, HEAD_DV, o_layout)
+            release_slot(q_empty, 0)
+    # the last block also reads V's descale, under its PV (in the epilogue it was a global load on the
+    # tile's critical path); not at head dim 256 (O's 128 registers leave no room: AOT spills 52 -> 144 B)
+    # or with the sink (its block follows: 4 -> 40 B)
+    VS_EARLY: gl.constexpr = HEAD_DV <= 128 and not SINK
+    if n_end > FIRST:
+        acc, m_i, l_i, s, v_sc = _consumer_block(
+            s, n_end - 1, c_q * k_sc, c_q * k_hi, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, q_smem,
+            k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars, ring, batch, s_zero, tr, v_scale_row, stride_vsd,
+            p_layout, o_layout, CAUSAL, V_KMAJOR, P_OFFSET, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, False, VS_EARLY, W)
     else:
-        k_sc, k_hi = _k_scales(k_scale_row, stride_ksblk, FIRST, n_end, seqlen_k, BLOCK_N)
-        for j in range(FIRST, n_end - 1):
-            k_sc_next, k_hi_next = _k_scales(k_scale_row, stride_ksblk, j + 1, n_end, seqlen_k, BLOCK_N)
-            acc, m_i, l_i, s, _ = _consumer_block(
-                s, j, c_q * k_sc, c_q * k_hi, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, q_smem, k_bufs,
-                v_bufs, k_bars, v_bars, empty_bars, turn_bars, ring, batch, s_zero, tr, v_scale_row, stride_vsd, p_layout,
-                o_layout, CAUSAL, V_KMAJOR, P_OFFSET, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, True, False, W)
-            k_sc = k_sc_next
-            k_hi = k_hi_next
-        # Q's last reader, the QK of block n_end - 1, has retired
-        EARLY_Q: gl.constexpr = not SINK and not HAS_KMEAN
-        if EARLY_Q:
-            if n_end > 0:
-                release_slot(q_empty, 0)
-        # the last block also reads V's descale, under its PV (in the epilogue it was a global load on the
-        # tile's critical path); not at head dim 256 (O's 128 registers leave no room: AOT spills 52 -> 144 B)
-        # or with the sink (its block follows: 4 -> 40 B)
-        VS_EARLY: gl.constexpr = HEAD_DV <= 128 and not SINK
-        if n_end > FIRST:
-            acc, m_i, l_i, s, v_sc = _consumer_block(
-                s, n_end - 1, c_q * k_sc, c_q * k_hi, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, q_smem,
-                k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars, ring, batch, s_zero, tr, v_scale_row, stride_vsd,
-                p_layout, o_layout, CAUSAL, V_KMAJOR, P_OFFSET, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, False, VS_EARLY, W)
+        if VS_EARLY:
+            v_sc = load_v_scale(v_scale_row, stride_vsd, HEAD_DV, o_layout)
         else:
-            if VS_EARLY:
-                v_sc = load_v_scale(v_scale_row, stride_vsd, HEAD_DV, o_layout)
-            else:
-                v_sc = 0.0
+            v_sc = 0.0
 
     if SINK:
         q_shift = gl.zeros_like(m_i)
@@ -519,7 +422,7 @@ def _consumer_step(t, ring, batch, qi, q_smem, k_bufs, v_bufs, q_bars, q_empty, 
                    HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
                    RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, RESCALE_SKIP: gl.constexpr,
                    PINGPONG: gl.constexpr, POLY: gl.constexpr, TWO_LEVEL: gl.constexpr, VARLEN: gl.constexpr,
-                   WGS: gl.constexpr, SINK: gl.constexpr, STORE_TMA: gl.constexpr, OVERLAP: gl.constexpr, W: gl.constexpr):
+                   WGS: gl.constexpr, SINK: gl.constexpr, STORE_TMA: gl.constexpr, W: gl.constexpr):
     """Tile ``t``; ``ring``, ``batch``, ``qi``: key blocks, wgmma batches and Q tiles of the
     program's earlier tiles (ring position, turn-barrier phase, ``q_bars`` phase). Returns them updated.
     ``trace``: the clock-trace buffer (:mod:`.trace`), or ``None``."""
@@ -538,7 +441,7 @@ def _consumer_step(t, ring, batch, qi, q_smem, k_bufs, v_bufs, q_bars, q_empty, 
                    sq, sk, qk_scale, sm_scale,
                    b, h, hkv, q_start, m_start, n_full, n_end, ring, batch, tr, sink_t, qi, ostore,
                    HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY,
-                   TWO_LEVEL, WGS, SINK, STORE_TMA, OVERLAP, W)
+                   TWO_LEVEL, WGS, SINK, STORE_TMA, W)
     loaded = gl.minimum(n_end, 1)  # this tile had a Q tile
     n_fp8 = _fp8_blocks(n_end, SINK)  # ... and, with FP8 blocks, a batch 0 and n_fp8 ring positions
     return ring + n_fp8, batch + gl.minimum(n_fp8, 1) + n_fp8, qi + loaded
@@ -549,7 +452,7 @@ def _consumer(args, trace, sink_t, ostore, HEAD_DV: gl.constexpr, CAUSAL: gl.con
               V_KMAJOR: gl.constexpr, RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, RESCALE_SKIP: gl.constexpr,
               PINGPONG: gl.constexpr, POLY: gl.constexpr, TWO_LEVEL: gl.constexpr, VARLEN: gl.constexpr,
               PERSISTENT: gl.constexpr, WGS: gl.constexpr, SINK: gl.constexpr, STORE_TMA: gl.constexpr,
-              OVERLAP: gl.constexpr, W: gl.constexpr):
+              W: gl.constexpr):
     """Warpgroup ``W`` over this program's tiles; in each it hands its Q box back (``q_empty``
     counts every consumer warpgroup), so the producer can load the next tile's. Tiles with no key block to
     visit (causal rows before the first key, varlen tiles past a sequence) load no Q. One tile per
@@ -573,7 +476,7 @@ def _consumer(args, trace, sink_t, ostore, HEAD_DV: gl.constexpr, CAUSAL: gl.con
                 seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k,
                 num_bh, num_heads, group_size, num_m_tiles, num_tiles, trace, sink_t, ostore,
                 HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL,
-                VARLEN, WGS, SINK, STORE_TMA, OVERLAP, W)
+                VARLEN, WGS, SINK, STORE_TMA, W)
     else:
         _consumer_step(
             first_tile, 0, 0, 0, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars,
@@ -581,7 +484,7 @@ def _consumer(args, trace, sink_t, ostore, HEAD_DV: gl.constexpr, CAUSAL: gl.con
             seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k,
             num_bh, num_heads, group_size, num_m_tiles, num_tiles, trace, sink_t, ostore,
             HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL,
-            VARLEN, WGS, SINK, STORE_TMA, OVERLAP, W)
+            VARLEN, WGS, SINK, STORE_TMA, W)
     if STORE_TMA:
         tma.store_wait(0)  # the last tile's output store has read its shared memory
 
@@ -592,25 +495,25 @@ def _partitions(cargs, pargs, trace, cu_seqlens_v, psink, csink, ostore,
                 RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, RESCALE_SKIP: gl.constexpr, PINGPONG: gl.constexpr,
                 POLY: gl.constexpr, TWO_LEVEL: gl.constexpr, VARLEN: gl.constexpr, PERSISTENT: gl.constexpr,
                 CONSUMER_WGS: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                PRODUCER_REGS: gl.constexpr, SINK: gl.constexpr, STORE_TMA: gl.constexpr, OVERLAP: gl.constexpr):
+                PRODUCER_REGS: gl.constexpr, SINK: gl.constexpr, STORE_TMA: gl.constexpr):
     """The warp-specialized body: ``CONSUMER_WGS`` consumer warpgroups (the first in the default
     partition) and the producer warp. ``psink``/``csink``: the BF16 sink keys' tuples, or None."""
     if CONSUMER_WGS == 3:
         gl.warp_specialize([
             (_consumer, (cargs, trace, csink, ostore, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN,
-                         RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, SINK, STORE_TMA, OVERLAP, 0)),
+                         RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, SINK, STORE_TMA, 0)),
             (_consumer, (cargs, trace, csink, ostore, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN,
-                         RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, SINK, STORE_TMA, OVERLAP, 1)),
+                         RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, SINK, STORE_TMA, 1)),
             (_consumer, (cargs, trace, csink, ostore, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN,
-                         RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, SINK, STORE_TMA, OVERLAP, 2)),
+                         RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, SINK, STORE_TMA, 2)),
             (_producer, (pargs, cu_seqlens_v, psink, CAUSAL, V_KMAJOR, VARLEN, CONSUMER_WGS, CONSUMERS, SINK)),
         ], [WG_WARPS, WG_WARPS, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (cargs, trace, csink, ostore, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN,
-                         RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, SINK, STORE_TMA, OVERLAP, 0)),
+                         RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, SINK, STORE_TMA, 0)),
             (_consumer, (cargs, trace, csink, ostore, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN,
-                         RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, SINK, STORE_TMA, OVERLAP, 1)),
+                         RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, SINK, STORE_TMA, 1)),
             (_producer, (pargs, cu_seqlens_v, psink, CAUSAL, V_KMAJOR, VARLEN, CONSUMER_WGS, CONSUMERS, SINK)),
         ], [WG_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -645,7 +548,6 @@ def attn_fwd_pingpong_kernel(
     CONSUMER_WGS: gl.constexpr,  # consumer warpgroups (64 query rows each): 2, or 3 (experiment)
     SINK: gl.constexpr,  # 0; BF16 sink keys [0, 128): 1, or 2 when K was smoothed (sink.py)
     STORE_TMA: gl.constexpr,  # dense: the output leaves through shared memory and TMA (epilogue.stage_and_store)
-    OVERLAP: gl.constexpr,  # FP8: the softmax of block j + 1 under PV_j (an experiment)
     num_warps: gl.constexpr,
 ):
     gl.static_assert(num_warps == WG_WARPS, "v3 launches with num_warps=4 (the first consumer warpgroup)")
@@ -694,12 +596,12 @@ def attn_fwd_pingpong_kernel(
                     (sink_q_desc, sink_k_desc, sink_v_desc, qs_smem, ks_smem, vs_smem, sink_bar),
                     (qs_smem, ks_smem, vs_smem, sink_bar), ostore,
                     HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL,
-                    VARLEN, PERSISTENT, CONSUMER_WGS, CONSUMERS, CONSUMER_REGS, PRODUCER_REGS, SINK, STORE_TMA, OVERLAP)
+                    VARLEN, PERSISTENT, CONSUMER_WGS, CONSUMERS, CONSUMER_REGS, PRODUCER_REGS, SINK, STORE_TMA)
         invalidate_barriers(sink_bar, 1)
     else:  # (the None sink_q_desc stands for both sink tuples: a None made here cannot be passed on)
         _partitions(cargs, pargs, trace, cu_seqlens_v, sink_q_desc, sink_q_desc, ostore,
                     HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL,
-                    VARLEN, PERSISTENT, CONSUMER_WGS, CONSUMERS, CONSUMER_REGS, PRODUCER_REGS, SINK, STORE_TMA, OVERLAP)
+                    VARLEN, PERSISTENT, CONSUMER_WGS, CONSUMERS, CONSUMER_REGS, PRODUCER_REGS, SINK, STORE_TMA)
 
     invalidate_barriers(q_bars, CONSUMER_WGS)
     invalidate_barriers(q_empty, 1)

@@ -198,8 +198,6 @@ def _flag(name: str, default: bool) -> bool:
 #: off: kernel +1-2%, run 24, less than the per-call copy costs), LEANFA_HOPPER_CONSUMERS=3 (a third
 #: consumer warpgroup, 192-row tiles, 160 registers each: FP8 needs LEANFA_HOPPER_PV_IN_MMA=1 (64- or
 #: 128-key blocks), BF16/FP16 LEANFA_HOPPER_BLOCK_N=64; an experiment, off: 0.95-1.04x v3, runs 30-31),
-#: LEANFA_HOPPER_OVERLAP=1 (v3 FP8 with LEANFA_HOPPER_PV_IN_MMA=1: the softmax of block j + 1 under PV_j, P
-#: through shared memory; an experiment, off: 0.96-0.97x PV_IN_MMA alone, runs 53-54, see kernel_pingpong),
 #: LEANFA_HOPPER_TRACE=1 (v3: each consumer warpgroup records SM clocks at the phases of its key loop
 #: into ``Plan.trace``, see trace.py and scripts/hopper_trace.py; off: without it the PTX is unchanged),
 #: LEANFA_HOPPER_RESCALE_SKIP,
@@ -471,12 +469,6 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
             args += (v_scale, v_scale, Hq * Sq, Sq)
         trace = trace_buffer(B * Hq * num_m_tiles, wgs, q.device) if _flag("LEANFA_HOPPER_TRACE", False) else None
         args += (trace, cu_seqlens_v, *sink_descs, out_desc)
-    overlap = version == "v3" and _flag("LEANFA_HOPPER_OVERLAP", False)
-    if overlap and not (is_fp8 and pv_flag and not sink_mode and block_n == BLOCK_N and wgs == 2 and Dv <= 128
-                        and not _flag("LEANFA_HOPPER_TRACE", False)):
-        raise ValueError("LEANFA_HOPPER_OVERLAP (the softmax of block j + 1 under PV_j) "
-                         "needs FP8 with LEANFA_HOPPER_PV_IN_MMA=1, 128-key blocks, two consumer warpgroups, head "
-                         "dim <= 128, no sink and no trace")
     constexprs = dict(
         HEAD_DQK=Dqk, HEAD_DV=Dv, CAUSAL=bool(causal), IS_FP8=is_fp8, V_KMAJOR=kmajor,
         RETURN_LSE=bool(return_lse), HAS_KMEAN=has_kmean,
@@ -503,7 +495,7 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
             raise ValueError("LEANFA_HOPPER_PERSISTENT and LEANFA_HOPPER_PINGPONG cannot be combined yet")
         if wgs != 2 and pingpong:
             raise ValueError("LEANFA_HOPPER_PINGPONG alternates two consumer warpgroups (LEANFA_HOPPER_CONSUMERS=2)")
-        constexprs.update(OVERLAP=overlap, PINGPONG=pingpong, POLY=poly, PV_IN_MMA=pv_flag,
+        constexprs.update(PINGPONG=pingpong, POLY=poly, PV_IN_MMA=pv_flag,
                           PERSISTENT=persistent, VARLEN=varlen, CONSUMER_WGS=wgs, SINK=sink_mode, STORE_TMA=o_tma,
                           CONSUMER_REGS=V3_CONSUMER_REGS if wgs == 2 else V3_CONSUMER_REGS_3WG,
                           num_warps=NUM_WARPS // 2)
