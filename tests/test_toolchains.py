@@ -185,15 +185,15 @@ def _captured_problem(monkeypatch, fn):
 
 
 @pytest.mark.parametrize("case", ["bf16", "fp8-lse-kmean", "fp8-varlen", "fp16-gqa-varlen", "fp8-sink"])
-def test_probe_problem_has_the_configuration(monkeypatch, case):
+def test_probe_problem_has_the_configuration(monkeypatch, case, device):
     """The self-check's problem is small and of the same configuration: what :func:`dispatch.config_key`
     keys the verdict on, FP8 V stored transposed (tokens innermost, TMA-aligned), unit descales."""
     g = torch.Generator().manual_seed(0)
     gqa = "gqa" in case
     q, k, v = (torch.randn(300, h, 64, generator=g) for h in (4, 2 if gqa else 4, 2 if gqa else 4))
     dtype = torch.float16 if "fp16" in case else torch.bfloat16
-    q, k, v = (t.to(dtype) for t in (q, k, v))
-    cu = torch.tensor([0, 120, 300], dtype=torch.int32)
+    q, k, v = (t.to(dtype).to(device) for t in (q, k, v))
+    cu = torch.tensor([0, 120, 300], dtype=torch.int32, device=device)
     if case == "bf16":
         call = lambda: leanfa.flash_attn_func(q[None], k[None], v[None], causal=False)  # noqa: E731
     elif "varlen" in case:
