@@ -1,6 +1,7 @@
 """Public entry points: argument checks, layouts and dispatch to a kernel backend.
 
-Everything a user can get wrong is checked here, before any kernel launch, and raises a
+Everything a user can get wrong is checked here (the checks the quantizer shares live in
+:mod:`leanfa.checks`), before any kernel launch, and raises a
 ``TypeError`` (wrong kind or dtype) or ``ValueError`` (wrong shape, device, value) that names
 the argument. Checks look only at shapes, dtypes and devices, never at tensor values, so a
 call never synchronizes the GPU and can be captured in a CUDA graph.
@@ -9,90 +10,21 @@ call never synchronizes the GPU and can be captured in a CUDA graph.
 from __future__ import annotations
 
 import dataclasses
-import math
-import os
-from dataclasses import dataclass
 
 import torch
 
 from . import scales
-from .kernels.device import capability
+from .checks import check_cu_seqlens as _check_cu_seqlens
+from .checks import check_device, check_fp8_device, interpreter_enabled  # noqa: F401 (re-exported)
+from .checks import resolve_softmax_scale as _resolve_scale
+from .problem import FP8_DTYPE, Problem  # Problem's home is leanfa.problem; leanfa.api.Problem stays importable
 from .quant import FP8QKV, quantize_fp8
 
-FP8_DTYPE = torch.float8_e4m3fn
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 INPUT_DTYPES = HALF_DTYPES + (FP8_DTYPE,)
 #: (head_dim_qk, head_dim_v) pairs the kernels support
 HEAD_DIMS = ((64, 64), (128, 128), (192, 128), (256, 256))
 BACKENDS = ("auto", "portable", "hopper")
-
-
-def interpreter_enabled() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-@dataclass(frozen=True)
-class Problem:
-    """A validated attention call, in the layout the kernels take."""
-
-    q: torch.Tensor  # (B, Sq, Hq, Dqk) or (total_q, Hq, Dqk)
-    k: torch.Tensor
-    v: torch.Tensor
-    batch: int
-    heads: int
-    kv_heads: int
-    head_dim_qk: int
-    head_dim_v: int
-    max_seqlen_q: int
-    max_seqlen_k: int
-    cu_seqlens_q: torch.Tensor | None
-    cu_seqlens_k: torch.Tensor | None
-    causal: bool
-    softmax_scale: float
-    q_scale: torch.Tensor  # float32 (B, Hq, nblk)
-    k_scale: torch.Tensor  # float32 (B, Hkv, nblk)
-    v_scale: torch.Tensor  # float32 (B, Hkv, Dv)
-    k_mean: torch.Tensor | None  # float32 (B, Hkv, Dqk): K was smoothed by this mean
-    out_dtype: torch.dtype
-    return_lse: bool
-    #: FP8 calls only: keys [0, sink_keys) are attended in 16 bits from these tensors (the
-    #: unquantized q, k, v; same layout as q, k, v), the rest from the FP8 ones
-    sink_keys: int = 0
-    sink_q: torch.Tensor | None = None
-    sink_k: torch.Tensor | None = None
-    sink_v: torch.Tensor | None = None
-
-    @property
-    def varlen(self) -> bool:
-        return self.cu_seqlens_q is not None
-
-    @property
-    def is_fp8(self) -> bool:
-        return self.q.dtype == FP8_DTYPE
-
-
-def check_fp8_device(device: torch.device) -> None:
-    """float8_e4m3fn kernels need an sm89+ GPU (Ada, Hopper, ...): Triton rejects the type on
-    older GPUs, so say so before any launch instead of failing inside the compiler."""
-    if device.type == "cuda" and torch.version.hip is None:
-        cap = capability(device)
-        if cap < (8, 9):
-            raise ValueError(
-                f"FP8 (float8_e4m3fn) attention needs an NVIDIA GPU of compute capability 8.9 or "
-                f"newer; {device} is sm{cap[0]}{cap[1]}. Use precision='bf16' (or bf16/fp16 inputs)."
-            )
-
-
-def check_device(q: torch.Tensor) -> None:
-    """leanfa's kernels run on CUDA tensors, or on CPU tensors under the Triton interpreter."""
-    if q.device.type == "cpu":
-        if not interpreter_enabled():
-            raise ValueError(
-                "q is a CPU tensor; leanfa runs on CUDA tensors (or on the CPU under "
-                "TRITON_INTERPRET=1, for tests)"
-            )
-    elif q.device.type != "cuda":
-        raise ValueError(f"q is on {q.device}; leanfa needs CUDA tensors")
 
 
 def _check_inputs(q, k, v, ranks: int) -> None:
@@ -131,47 +63,12 @@ def _check_inputs(q, k, v, ranks: int) -> None:
         )
 
 
-def _check_cu_seqlens(name: str, cu: torch.Tensor, total: int, max_name: str, max_seqlen: int, device):
-    if not isinstance(cu, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
-    if cu.dtype != torch.int32:
-        raise TypeError(f"{name} must be int32 (flash-attn convention), got {cu.dtype}")
-    if cu.dim() != 1 or cu.numel() < 2:
-        raise ValueError(f"{name} must be 1-D with batch+1 >= 2 entries, got shape {tuple(cu.shape)}")
-    if cu.device != device:
-        raise ValueError(f"{name} is on {cu.device} but q is on {device}")
-    if not isinstance(max_seqlen, int) or isinstance(max_seqlen, bool) or max_seqlen < 1:
-        raise ValueError(f"{max_name} must be a positive int, got {max_seqlen!r}")
-    # Values are checked only on the CPU path (a GPU check would synchronize), and not while
-    # torch.compile traces (reading values would break the graph).
-    if cu.device.type == "cpu" and not torch.compiler.is_compiling():
-        lengths = cu[1:] - cu[:-1]
-        if int(cu[0]) != 0:
-            raise ValueError(f"{name}[0] must be 0, got {int(cu[0])}")
-        if bool((lengths < 0).any()):
-            raise ValueError(f"{name} must be non-decreasing, got {cu.tolist()}")
-        if int(cu[-1]) != total:
-            raise ValueError(f"{name}[-1] = {int(cu[-1])} must equal the number of tokens ({total})")
-        if int(lengths.max()) > max_seqlen:
-            raise ValueError(f"{max_name} = {max_seqlen} is smaller than the longest sequence ({int(lengths.max())})")
-
-
 def _resolve_out_dtype(dtype: torch.dtype, out_dtype) -> torch.dtype:
     if out_dtype is None:
         return torch.bfloat16 if dtype == FP8_DTYPE else dtype
     if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise TypeError(f"out_dtype must be torch.bfloat16, torch.float16 or torch.float32, got {out_dtype}")
     return out_dtype
-
-
-def _resolve_scale(softmax_scale, head_dim: int) -> float:
-    if softmax_scale is None:
-        return 1.0 / math.sqrt(head_dim)
-    if isinstance(softmax_scale, (torch.Tensor, bool)) or not isinstance(softmax_scale, (int, float)):
-        raise TypeError(f"softmax_scale must be a Python float or None, got {type(softmax_scale).__name__}")
-    if not math.isfinite(softmax_scale) or softmax_scale <= 0:
-        raise ValueError(f"softmax_scale must be a finite positive float, got {softmax_scale}")
-    return float(softmax_scale)
 
 
 def _check_half_descales(dtype, q_descale, k_descale, v_descale, k_mean=None):
@@ -444,7 +341,8 @@ def attention(
                                                  max_seqlen_q, max_seqlen_k)
         return attention_sink_bf16(q, k, v, prefix=bf16_sink_keys, causal=causal, softmax_scale=softmax_scale,
                                    return_lse=return_lse, backend=backend,
-                                   quantize_kwargs=dict(granularity=granularity, smooth_k=smooth_k))
+                                   quantize_kwargs=dict(granularity=granularity, smooth_k=smooth_k),
+                                   flash_attn_func=flash_attn_func)
     if precision == "fp8":
         from . import ops
         from .quant import _check as _check_quantize

@@ -8,7 +8,7 @@
 * a call can be captured in a CUDA graph: the op reads no tensor values on the host, allocates
   only through PyTorch's caching allocator, and descales are device tensors.
 
-The ops take the *validated* layout of :class:`leanfa.api.Problem`: descales already expanded
+The ops take the *validated* layout of :class:`leanfa.problem.Problem`: descales already expanded
 into float32 scale tables (see :mod:`leanfa.scales`), ``softmax_scale`` resolved to a float,
 ``out_dtype`` resolved. They return ``(out, lse)``; ``lse`` has zero elements when
 ``return_lse`` is False. Call the public functions rather than the ops: the ops do not check
@@ -32,6 +32,8 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+
+from .problem import FP8_DTYPE, V_TOKEN_ALIGN, Problem
 
 __all__ = ["fwd", "varlen_fwd"]
 
@@ -59,8 +61,6 @@ def _dispatch_mode():
 
 def _problem(q, k, v, cu_q, cu_k, max_q, max_k, q_scale, k_scale, v_scale, k_mean,
              softmax_scale, causal, return_lse, out_dtype, sink_q=None, sink_k=None, sink_v=None, sink_keys=0):
-    from .api import Problem
-
     varlen = cu_q is not None
     if varlen:
         batch = cu_q.numel() - 1
@@ -208,7 +208,6 @@ def _quantize_fp8_impl(q, k, v, granularity, smooth_k, cu_seqlens_q, cu_seqlens_
 
 @quantize_fp8_op.register_fake
 def _quantize_fp8_fake(q, k, v, granularity, smooth_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
-    from .quant import FP8_DTYPE, V_TOKEN_ALIGN
     from .scales import num_scale_blocks
 
     varlen = cu_seqlens_q is not None

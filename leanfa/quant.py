@@ -36,15 +36,16 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from .checks import check_cu_seqlens, check_device, check_fp8_device
+from .hadamard import random_hadamard
 from .kernels.fp8 import E4M3_MAX
 from .kernels.launcher import DirectLaunch
-from .kernels.quantize import channel_stats, finish_kv_stats, kv_stats, quantize_blocks, quantize_qkv
+from .kernels.quantize import (FINISH_CHANNELS, FINISH_ROWS, FUSED_MAX_DIM, FUSED_WARPS, STATS_WARPS, channel_stats,
+                               finish_kv_stats, kv_stats, quantize_blocks, quantize_qkv)
+from .problem import FP8_DTYPE, V_TOKEN_ALIGN
 from .scales import SCALE_BLOCK, broadcast_strides, num_scale_blocks
 
 GRANULARITIES = ("block", "head", "tensor")
-FP8_DTYPE = torch.float8_e4m3fn
-#: V is stored transposed with its token axis padded to this many elements (16-byte rows)
-V_TOKEN_ALIGN = 16
 
 
 @dataclass(frozen=True)
@@ -207,20 +208,6 @@ def _quantize_v(v: torch.Tensor, seqs: _Seqs, granularity: str):
     return y, descale
 
 
-#: the fused quantizer's largest head dim (larger ones take the per-tensor kernels). One
-#: quantize_qkv program holds a 128-token tile (and three inlined branches); AOT sm90, 8 warps,
-#: no spills: d128 80 registers (3 programs per SM), varlen 128 (2), d192/128 244 (1: the tile
-#: is padded to 256 channels). With 4 warps d128 varlen spills (688 bytes). d256 would compile
-#: without spills now (244 registers, 64 KB shared) but is neither tested nor timed fused.
-FUSED_MAX_DIM = 192
-FUSED_WARPS = 8
-#: kv_stats: one program per 128-token block of K and V (~63 registers, 4 programs per SM)
-STATS_WARPS = 8
-#: finish_kv_stats: channels per program, and partial rows (blocks) accumulated per step
-FINISH_CHANNELS = 32
-FINISH_ROWS = 128
-
-
 #: the fused quantizer's three launches, directly on their compiled kernels on repeat calls (kernels/launcher.py)
 _DIRECT_KV_STATS = DirectLaunch(kv_stats)
 _DIRECT_FINISH_KV_STATS = DirectLaunch(finish_kv_stats)
@@ -274,8 +261,6 @@ def _check(q, k, v, granularity, cu_q, cu_k, max_q, max_k):
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
     if isinstance(q, torch.Tensor):
-        from .api import check_device, check_fp8_device
-
         check_device(q)
         check_fp8_device(q.device)  # the quantizer writes float8_e4m3fn
     varlen = cu_q is not None or cu_k is not None
@@ -299,10 +284,8 @@ def _check(q, k, v, granularity, cu_q, cu_k, max_q, max_k):
         # the same checks as the attention call (values on CPU tensors only): a max_seqlen below
         # the longest sequence would leave blocks unquantized (uninitialized FP8), a wrong total
         # would read out of bounds
-        from .api import _check_cu_seqlens  # lazy: api imports this module
-
-        _check_cu_seqlens("cu_seqlens_q", cu_q, q.shape[0], "max_seqlen_q", max_q, q.device)
-        _check_cu_seqlens("cu_seqlens_k", cu_k, k.shape[0], "max_seqlen_k", max_k, q.device)
+        check_cu_seqlens("cu_seqlens_q", cu_q, q.shape[0], "max_seqlen_q", max_q, q.device)
+        check_cu_seqlens("cu_seqlens_k", cu_k, k.shape[0], "max_seqlen_k", max_k, q.device)
     if k.shape[-2] != v.shape[-2] or k.shape[:-2] != v.shape[:-2]:
         raise ValueError(f"k and v must agree on tokens and heads, got {tuple(k.shape)} and {tuple(v.shape)}")
     if q.shape[-1] != k.shape[-1]:
@@ -319,8 +302,6 @@ def rotation_matrix(dim: int, device, seed: int = 0) -> torch.Tensor:
     key = (dim, str(device), seed)
     r = _ROTATIONS.get(key)
     if r is None:
-        from .accuracy_model import random_hadamard
-
         try:
             r = random_hadamard(dim, seed)
         except ValueError:

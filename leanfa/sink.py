@@ -21,6 +21,9 @@ from __future__ import annotations
 
 import torch
 
+from . import ops
+from .checks import resolve_softmax_scale
+
 #: ``bf16_sink_keys`` that are a multiple of this run inside the FP8 kernel (portable backend):
 #: the sink blocks are whole KV tiles and K scale blocks. Other values use the split below.
 SINK_BLOCK = 128
@@ -42,11 +45,11 @@ def merge_partials(out_a, lse_a, out_b, lse_b):
 
 
 def attention_sink_bf16(q, k, v, *, prefix: int, causal: bool, softmax_scale, return_lse: bool,
-                        quantize_kwargs: dict, backend: str):
-    """FP8 attention over keys ``[prefix, Sk)`` plus BF16 attention over keys ``[0, prefix)``."""
-    from . import ops
-    from .api import _resolve_scale, flash_attn_func
+                        quantize_kwargs: dict, backend: str, flash_attn_func):
+    """FP8 attention over keys ``[prefix, Sk)`` plus BF16 attention over keys ``[0, prefix)``.
 
+    ``flash_attn_func`` runs each part: :func:`leanfa.api.flash_attn_func` (the caller passes it
+    in, so this module does not import the API layer above it)."""
     sq, sk = q.shape[1], k.shape[1]
     if sk <= prefix:  # everything is "prefix": plain 16-bit attention
         return flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
@@ -78,7 +81,7 @@ def attention_sink_bf16(q, k, v, *, prefix: int, causal: bool, softmax_scale, re
     if quant.k_mean is not None:
         group = q.shape[2] // k.shape[2]
         mean = quant.k_mean.repeat_interleave(group, dim=1)  # (B, Hq, D)
-        lse_b = lse_b + _resolve_scale(softmax_scale, q.shape[-1]) * torch.einsum("bshd,bhd->bhs", q.float(), mean)
+        lse_b = lse_b + resolve_softmax_scale(softmax_scale, q.shape[-1]) * torch.einsum("bshd,bhd->bhs", q.float(), mean)
     out, lse = merge_partials(out_a, lse_a, out_b, lse_b)
     out = out.to(q.dtype)
     return (out, lse) if return_lse else out

@@ -177,7 +177,7 @@ def test_outputs_agree():
 
 
 def _captured_problem(monkeypatch, fn):
-    """The :class:`leanfa.api.Problem` that a call ``fn()`` hands the dispatcher."""
+    """The :class:`leanfa.problem.Problem` that a call ``fn()`` hands the dispatcher."""
     seen = []
     monkeypatch.setattr(dispatch, "run", lambda problem, backend: seen.append(problem) or portable.run(problem))
     fn()

@@ -135,11 +135,12 @@ def test_cpu_tensors_without_interpreter(monkeypatch):
 
 def test_fp8_on_pre_ada_gpu_is_refused(monkeypatch):
     """Triton rejects float8_e4m3fn below sm89: the API says so instead of failing in the compiler."""
+    import leanfa.checks
     from leanfa.api import check_fp8_device
 
     monkeypatch.setattr(torch.version, "hip", None)
-    monkeypatch.setattr(leanfa.api, "capability", lambda device: (8, 0))  # (cached per device)
+    monkeypatch.setattr(leanfa.checks, "capability", lambda device: (8, 0))  # (cached per device)
     with pytest.raises(ValueError, match="compute capability 8.9"):
         check_fp8_device(torch.device("cuda", 0))
-    monkeypatch.setattr(leanfa.api, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(leanfa.checks, "capability", lambda device: (9, 0))
     check_fp8_device(torch.device("cuda", 0))  # Hopper: fine

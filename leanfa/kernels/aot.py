@@ -19,9 +19,10 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from ..quant import FINISH_CHANNELS, FINISH_ROWS, FUSED_WARPS, STATS_WARPS, V_TOKEN_ALIGN
+from ..problem import V_TOKEN_ALIGN
 from ..scales import SCALE_BLOCK
 from . import portable, quantize
+from .quantize import FINISH_CHANNELS, FINISH_ROWS, FUSED_WARPS, STATS_WARPS
 
 
 def _compile(fn, types: dict, constexprs: dict, target, num_warps=4, num_stages=2, divisible=()):
@@ -127,7 +128,7 @@ def quant_variants(quick: bool = False):
 
 def fused_quant_variants(quick: bool = False):
     """(dims, varlen, smooth_k) of the fused granularity="block" quantizer kernels (head dims
-    up to ``quant.FUSED_MAX_DIM``)."""
+    up to ``quantize.FUSED_MAX_DIM``)."""
     for dims, varlen, smooth in itertools.product([(128, 128), (192, 128), (64, 64)], [False, True], [True, False]):
         if quick and (dims[0] in (64, 256) or not smooth):
             continue

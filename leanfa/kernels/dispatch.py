@@ -1,4 +1,4 @@
-"""Pick the kernel backend for a validated :class:`leanfa.api.Problem` and run it.
+"""Pick the kernel backend for a validated :class:`leanfa.problem.Problem` and run it.
 
 Order: the Hopper kernel where it applies (sm90, supported shape, supported Triton) *and* it has
 passed its GPU validation (``hopper.VALIDATED``) *and* the portable kernel was not measured faster

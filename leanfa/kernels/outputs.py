@@ -8,7 +8,7 @@ import torch
 
 
 def allocate_outputs(problem):
-    """``(out, lse or None)`` for a validated :class:`leanfa.api.Problem`: out ``(B, Sq, Hq, Dv)``
+    """``(out, lse or None)`` for a validated :class:`leanfa.problem.Problem`: out ``(B, Sq, Hq, Dv)``
     (varlen ``(total_q, Hq, Dv)``), lse ``(B, Hq, Sq)`` (varlen ``(Hq, total_q)``) float32.
 
     Filled with NaN first when ``LEANFA_POISON_OUTPUTS=1``, so a test can prove every element

@@ -331,7 +331,7 @@ def _strides4(t: torch.Tensor, varlen: bool):
 
 
 def run(problem):
-    """Launch the portable kernel for a validated :class:`leanfa.api.Problem`; returns (out, lse)."""
+    """Launch the portable kernel for a validated :class:`leanfa.problem.Problem`; returns (out, lse)."""
     out, lse = allocate_outputs(problem)
     _launch(problem, out, lse)
     return out, lse

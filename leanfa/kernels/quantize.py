@@ -36,6 +36,22 @@ import triton.language as tl
 from .fp8 import E4M3_MAX_C, to_e4m3
 from .sequences import sequence_span
 
+# Launch parameters of the fused kernels, shared by the host (leanfa.quant) and the AOT
+# compile (leanfa.kernels.aot).
+
+#: the fused quantizer's largest head dim (larger ones take the per-tensor kernels). One
+#: quantize_qkv program holds a 128-token tile (and three inlined branches); AOT sm90, 8 warps,
+#: no spills: d128 80 registers (3 programs per SM), varlen 128 (2), d192/128 244 (1: the tile
+#: is padded to 256 channels). With 4 warps d128 varlen spills (688 bytes). d256 would compile
+#: without spills now (244 registers, 64 KB shared) but is neither tested nor timed fused.
+FUSED_MAX_DIM = 192
+FUSED_WARPS = 8
+#: kv_stats: one program per 128-token block of K and V (~63 registers, 4 programs per SM)
+STATS_WARPS = 8
+#: finish_kv_stats: channels per program, and partial rows (blocks) accumulated per step
+FINISH_CHANNELS = 32
+FINISH_ROWS = 128
+
 
 @triton.jit
 def chunk_stats(base, s_begin, seqlen, stride_s, stride_d,

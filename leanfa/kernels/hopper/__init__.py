@@ -13,7 +13,7 @@ the default: producer warp + two consumer warpgroups in their own partitions), :
 the compiled kernel launched directly on later calls), :mod:`.aot` (compile for sm90 without a GPU) and
 :mod:`.emulate` (run a kernel's own source on the CPU, checking the mbarrier/TMA protocol).
 
-:func:`supports` says whether a validated :class:`leanfa.api.Problem` can run here, and why
+:func:`supports` says whether a validated :class:`leanfa.problem.Problem` can run here, and why
 not; anything it rejects runs on the portable kernel instead -- never a wrong answer.
 """
 

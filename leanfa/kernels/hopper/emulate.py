@@ -29,7 +29,7 @@ C (truncation) -- they agree for the non-negative values this kernel uses; layou
 wgmma is an fp32 matmul of the exact operand values (the hardware's accumulation order and FP8
 accumulator precision differ slightly).
 
-Use :func:`emulate` (a :class:`leanfa.api.Problem` in, ``(out, lse)`` out) or :func:`run_plan`.
+Use :func:`emulate` (a :class:`leanfa.problem.Problem` in, ``(out, lse)`` out) or :func:`run_plan`.
 """
 
 from __future__ import annotations
@@ -873,7 +873,7 @@ def run_plan(plan, *, programs=None, ws_order="consumer-first") -> Report:
 
 
 def emulate(problem, *, programs=None, poison=True, version=None, ws_order="consumer-first"):
-    """Run a :class:`leanfa.api.Problem` (dense or varlen) through the emulated kernel on CPU:
+    """Run a :class:`leanfa.problem.Problem` (dense or varlen) through the emulated kernel on CPU:
     ``(out, lse, report)``."""
     from . import launch as L
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...quant import V_TOKEN_ALIGN  # 16 FP8 tokens = 16 bytes: where a TMA box may start
+from ...problem import V_TOKEN_ALIGN  # 16 FP8 tokens = 16 bytes: where a TMA box may start
 from ...scales import SCALE_BLOCK, broadcast_strides
 from .exp2 import ABLATE_BITS
 from .gluon_compat import TensorDescriptor, gl

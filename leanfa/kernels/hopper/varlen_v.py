@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...quant import V_TOKEN_ALIGN
+from ...problem import V_TOKEN_ALIGN
 from ..launcher import DirectLaunch
 
 #: a program's tile: ROWS rows of V (head channels) x BLOCK_T bytes. GPU: 4 x 512 (16 bytes per thread at 4 warps)

@@ -1,0 +1,78 @@
+"""Argument checks shared by the public functions (:mod:`leanfa.api`) and the quantizer
+(:mod:`leanfa.quant`): the device, the ``cu_seqlens`` of a packed batch, ``softmax_scale``.
+
+They raise ``TypeError`` (wrong kind or dtype) or ``ValueError`` (wrong shape, device, value)
+naming the argument, and read tensor values only on CPU tensors (never synchronize the GPU).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from .kernels.device import capability
+
+
+def interpreter_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def check_fp8_device(device: torch.device) -> None:
+    """float8_e4m3fn kernels need an sm89+ GPU (Ada, Hopper, ...): Triton rejects the type on
+    older GPUs, so say so before any launch instead of failing inside the compiler."""
+    if device.type == "cuda" and torch.version.hip is None:
+        cap = capability(device)
+        if cap < (8, 9):
+            raise ValueError(
+                f"FP8 (float8_e4m3fn) attention needs an NVIDIA GPU of compute capability 8.9 or "
+                f"newer; {device} is sm{cap[0]}{cap[1]}. Use precision='bf16' (or bf16/fp16 inputs)."
+            )
+
+
+def check_device(q: torch.Tensor) -> None:
+    """leanfa's kernels run on CUDA tensors, or on CPU tensors under the Triton interpreter."""
+    if q.device.type == "cpu":
+        if not interpreter_enabled():
+            raise ValueError(
+                "q is a CPU tensor; leanfa runs on CUDA tensors (or on the CPU under "
+                "TRITON_INTERPRET=1, for tests)"
+            )
+    elif q.device.type != "cuda":
+        raise ValueError(f"q is on {q.device}; leanfa needs CUDA tensors")
+
+
+def check_cu_seqlens(name: str, cu: torch.Tensor, total: int, max_name: str, max_seqlen: int, device):
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32 (flash-attn convention), got {cu.dtype}")
+    if cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError(f"{name} must be 1-D with batch+1 >= 2 entries, got shape {tuple(cu.shape)}")
+    if cu.device != device:
+        raise ValueError(f"{name} is on {cu.device} but q is on {device}")
+    if not isinstance(max_seqlen, int) or isinstance(max_seqlen, bool) or max_seqlen < 1:
+        raise ValueError(f"{max_name} must be a positive int, got {max_seqlen!r}")
+    # Values are checked only on the CPU path (a GPU check would synchronize), and not while
+    # torch.compile traces (reading values would break the graph).
+    if cu.device.type == "cpu" and not torch.compiler.is_compiling():
+        lengths = cu[1:] - cu[:-1]
+        if int(cu[0]) != 0:
+            raise ValueError(f"{name}[0] must be 0, got {int(cu[0])}")
+        if bool((lengths < 0).any()):
+            raise ValueError(f"{name} must be non-decreasing, got {cu.tolist()}")
+        if int(cu[-1]) != total:
+            raise ValueError(f"{name}[-1] = {int(cu[-1])} must equal the number of tokens ({total})")
+        if int(lengths.max()) > max_seqlen:
+            raise ValueError(f"{max_name} = {max_seqlen} is smaller than the longest sequence ({int(lengths.max())})")
+
+
+def resolve_softmax_scale(softmax_scale, head_dim: int) -> float:
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(softmax_scale, (torch.Tensor, bool)) or not isinstance(softmax_scale, (int, float)):
+        raise TypeError(f"softmax_scale must be a Python float or None, got {type(softmax_scale).__name__}")
+    if not math.isfinite(softmax_scale) or softmax_scale <= 0:
+        raise ValueError(f"softmax_scale must be a finite positive float, got {softmax_scale}")
+    return float(softmax_scale)

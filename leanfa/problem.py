@@ -1,0 +1,56 @@
+"""The validated attention call every layer passes down, and the layout constants they share.
+
+:class:`Problem` is what :mod:`leanfa.api` builds from a call's arguments and what
+:mod:`leanfa.ops`, :mod:`leanfa.kernels.dispatch` and the kernels' host code read. This module
+depends on no other leanfa module, so any layer may import it (docs/design.md §3.2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+#: V is stored transposed with its token axis padded to this many elements (16-byte rows)
+V_TOKEN_ALIGN = 16
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A validated attention call, in the layout the kernels take."""
+
+    q: torch.Tensor  # (B, Sq, Hq, Dqk) or (total_q, Hq, Dqk)
+    k: torch.Tensor
+    v: torch.Tensor
+    batch: int
+    heads: int
+    kv_heads: int
+    head_dim_qk: int
+    head_dim_v: int
+    max_seqlen_q: int
+    max_seqlen_k: int
+    cu_seqlens_q: torch.Tensor | None
+    cu_seqlens_k: torch.Tensor | None
+    causal: bool
+    softmax_scale: float
+    q_scale: torch.Tensor  # float32 (B, Hq, nblk)
+    k_scale: torch.Tensor  # float32 (B, Hkv, nblk)
+    v_scale: torch.Tensor  # float32 (B, Hkv, Dv)
+    k_mean: torch.Tensor | None  # float32 (B, Hkv, Dqk): K was smoothed by this mean
+    out_dtype: torch.dtype
+    return_lse: bool
+    #: FP8 calls only: keys [0, sink_keys) are attended in 16 bits from these tensors (the
+    #: unquantized q, k, v; same layout as q, k, v), the rest from the FP8 ones
+    sink_keys: int = 0
+    sink_q: torch.Tensor | None = None
+    sink_k: torch.Tensor | None = None
+    sink_v: torch.Tensor | None = None
+
+    @property
+    def varlen(self) -> bool:
+        return self.cu_seqlens_q is not None
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.q.dtype == FP8_DTYPE
