@@ -48,26 +48,33 @@ def _best(candidates: list[dict], key: str, lower_is_better: bool) -> dict | Non
     return (min if lower_is_better else max)(usable, key=lambda r: r[key])
 
 
+def _best_peers(rows: list[dict], group: str, key: str, lower_is_better: bool):
+    """``(row, best peer row or None)`` for every "ok" row: the best by ``key`` among the peers of the row's
+    precision that ran in the same ``group`` (a bench case, an accuracy profile)."""
+    ok: dict = {}
+    for r in rows:
+        if r.get("status") == "ok":
+            ok.setdefault(r.get(group), {})[r.get("impl")] = r
+    for r in rows:
+        if r.get("status") == "ok":
+            same = ok.get(r.get(group), {})
+            yield r, _best([same[p] for p in peers_for(r.get("precision", "")) if p in same], key, lower_is_better)
+
+
+def _ratio(x, y):
+    return x / y if isinstance(x, (int, float)) else None
+
+
 def add_best_peer(rows: list[dict]) -> list[dict]:
     """Add ``best_peer``, ``best_peer_tflops`` and ``ratio_best_peer`` to every "ok" row of
     ``rows`` (bench rows: ``case``, ``impl``, ``precision``, ``status``, ``tflops``). Returns
     ``rows``, changed in place."""
-    ok: dict = {}
-    for r in rows:
-        if r.get("status") == "ok":
-            ok.setdefault(r.get("case"), {})[r.get("impl")] = r
-    for r in rows:
-        if r.get("status") != "ok":
-            continue
-        in_case = ok.get(r.get("case"), {})
-        best = _best([in_case[p] for p in peers_for(r.get("precision", "")) if p in in_case],
-                     "tflops", lower_is_better=False)
+    for r, best in _best_peers(rows, "case", "tflops", lower_is_better=False):
         if best is None:
             r.update(best_peer=None, best_peer_tflops=None, ratio_best_peer=None)
-            continue
-        r.update(best_peer=best["impl"], best_peer_tflops=best["tflops"])
-        tf = r.get("tflops")
-        r["ratio_best_peer"] = tf / best["tflops"] if isinstance(tf, (int, float)) else None
+        else:
+            r.update(best_peer=best["impl"], best_peer_tflops=best["tflops"],
+                     ratio_best_peer=_ratio(r.get("tflops"), best["tflops"]))
     return rows
 
 
@@ -76,20 +83,9 @@ def add_best_peer_error(rows: list[dict]) -> list[dict]:
     ``best_peer`` (the peer of the row's precision with the lowest relative L2 on the profile),
     and ``ratio_best_peer``: the row's relative L2 over that peer's (< 1: more accurate than
     every peer). ``best_peer = None`` where no peer ran."""
-    ok: dict = {}
-    for r in rows:
-        if r.get("status") == "ok":
-            ok.setdefault(r.get("profile"), {})[r.get("impl")] = r
-    for r in rows:
-        if r.get("status") != "ok":
-            continue
-        in_profile = ok.get(r.get("profile"), {})
-        best = _best([in_profile[p] for p in peers_for(r.get("precision", "")) if p in in_profile],
-                     "rel_l2", lower_is_better=True)
+    for r, best in _best_peers(rows, "profile", "rel_l2", lower_is_better=True):
         if best is None:
             r.update(best_peer=None, ratio_best_peer=None)
-            continue
-        r["best_peer"] = best["impl"]
-        err = r.get("rel_l2")
-        r["ratio_best_peer"] = err / best["rel_l2"] if isinstance(err, (int, float)) else None
+        else:
+            r.update(best_peer=best["impl"], ratio_best_peer=_ratio(r.get("rel_l2"), best["rel_l2"]))
     return rows
