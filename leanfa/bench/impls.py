@@ -45,6 +45,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..kernels.device import capability
 from . import cudnn_graphs, fa3
 from .inputs import Inputs
 from .shapes import Case
@@ -375,7 +376,7 @@ def cuda_capability() -> tuple[int, int] | None:
     """Compute capability of the current CUDA device, or None on a machine without one."""
     try:
         if torch.cuda.is_available():
-            return tuple(torch.cuda.get_device_capability())
+            return capability(torch.device("cuda"))
     except Exception:
         pass
     return None
