@@ -66,6 +66,19 @@ CONFIGS = {  # name -> env
     # half the work (warpgroup 1 idle): its time over v3's = one warpgroup's block period alone / with two
     "v3-onewg": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_ABLATE": "onewg"},
     "v3-vperm-pvmma": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_V_PERMUTED": "1", "LEANFA_HOPPER_PV_IN_MMA": "1"},
+    # the fifteenth session's candidates: PV in the accumulator (O's rescale skipped by warps whose rows kept
+    # their max), with a stale max (RESCALE_SKIP: rows keep a max within 0.8 of the block's), 256-key blocks
+    "v3-pvmma-lazy": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_PV_IN_MMA": "1", "LEANFA_HOPPER_RESCALE_SKIP": "1"},
+    "v3-vperm-pvmma-lazy": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_V_PERMUTED": "1",
+                            "LEANFA_HOPPER_PV_IN_MMA": "1", "LEANFA_HOPPER_RESCALE_SKIP": "1"},
+    "v3-wide-lazy": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_BLOCK_N": "256", "LEANFA_HOPPER_PV_IN_MMA": "1",
+                     "LEANFA_HOPPER_V_PERMUTED": "1", "LEANFA_HOPPER_RESCALE_SKIP": "1"},
+    **{f"v3-vpl-{tag}": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_V_PERMUTED": "1", "LEANFA_HOPPER_PV_IN_MMA": "1",
+                         "LEANFA_HOPPER_RESCALE_SKIP": "1", **env}
+       for tag, env in (("poly1", {"LEANFA_HOPPER_POLY": "1"}), ("poly2", {"LEANFA_HOPPER_POLY": "2"}),
+                        ("pp", {"LEANFA_HOPPER_PINGPONG": "1"}), ("noexp", {"LEANFA_HOPPER_ABLATE": "exp"}),
+                        ("nomax", {"LEANFA_HOPPER_ABLATE": "max"}), ("onewg", {"LEANFA_HOPPER_ABLATE": "onewg"}))},
+    "v3-bn256-pvmma": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_BLOCK_N": "256", "LEANFA_HOPPER_PV_IN_MMA": "1"},
     # a third consumer warpgroup (192-row tiles): 160 registers each, so 64-key blocks and FP8 PV in
     # the wgmma accumulator; the 64-key blocks alone (two warpgroups) separate the two changes
     "v3-c3": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_CONSUMERS": "3", "LEANFA_HOPPER_BLOCK_N": "64",
@@ -134,13 +147,13 @@ def run_child(cfg, small, timeout, prefix=(), sanitize=False):
 
 # ----------------------------------------------------------------------------- timings
 
-def kernel_only(q, k, v, scale, kw):
+def kernel_only(q, k, v, scale, kw, causal=True):
     """A zero-argument call that launches the Hopper kernel on a plan built once."""
     from leanfa.api import _build_problem
     from leanfa.kernels import hopper
     from leanfa.kernels.hopper.launch import launch
     problem = _build_problem(q, k, v, varlen=False, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-                             max_seqlen_k=None, softmax_scale=scale, causal=True, return_lse=False, out_dtype=None,
+                             max_seqlen_k=None, softmax_scale=scale, causal=causal, return_lse=False, out_dtype=None,
                              **{n: kw.get(n) for n in ("q_descale", "k_descale", "v_descale", "k_mean")})
     ok, why = hopper.supports(problem)
     if not ok:

@@ -64,7 +64,7 @@ from .pipeline import (alloc_barriers, as_2d, invalidate_barriers, load_q, produ
 from .schedule import program_tiles, round_tile, sequence_bounds, tile_coords
 from .sink import load_sink, sink_block
 from .softmax import finish_rows
-from .softmax_ws import fold_pv, online_softmax_step_halves, online_softmax_step_lazy
+from .softmax_ws import fold_pv, rescale_rows, online_softmax_step_halves, online_softmax_step_lazy, row_totals, thread_row_sums
 from .trace import record_clock, record_clock_rows, record_smid, trace_row
 
 SCALE_BLOCK = gl.constexpr(128)  # tokens per Q/K scale block (leanfa.scales.SCALE_BLOCK)
@@ -188,14 +188,15 @@ def _softmax_block(s, j, c, c_hi, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k,
     score scale, ``c_hi`` its upper half's when the block spans two K scale blocks): the PV operand
     P, the new row max and sum, and the factor ``alpha`` (O's layout) that rescales O to the new max."""
     BLOCK_N: gl.constexpr = s.shape[1]
+    PARTIAL_L: gl.constexpr = len(l_i.shape) == 2  # per-thread partial row sums (see _consumer_tile)
     if j >= n_full:
         s = mask_scores(s, offs_m, j * BLOCK_N + offs_n0, seqlen_q, seqlen_k, CAUSAL)
     if BLOCK_N > SCALE_BLOCK:
-        p, m_i, l_i, alpha = online_softmax_step_halves(s, c, c_hi, m_i, l_i, P_OFFSET, RESCALE_SKIP, POLY)
+        p, m_i, l_i, alpha = online_softmax_step_halves(s, c, c_hi, m_i, l_i, P_OFFSET, RESCALE_SKIP, POLY, PARTIAL_L)
     else:
-        p, m_i, l_i, alpha = online_softmax_step_lazy(s, c, m_i, l_i, P_OFFSET, RESCALE_SKIP, POLY)
+        p, m_i, l_i, alpha = online_softmax_step_lazy(s, c, m_i, l_i, P_OFFSET, RESCALE_SKIP, POLY, PARTIAL_L)
     alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-    p_op = p_operand(p.to(p_dtype), p_layout, V_KMAJOR == PERMUTED_KEYS)
+    p_op = p_operand(p, p_dtype, p_layout, V_KMAJOR == PERMUTED_KEYS)
     return p_op, m_i, l_i, alpha_o
 
 
@@ -227,7 +228,7 @@ def _issue_pv(p_op, v, acc, alpha_o, TWO_LEVEL: gl.constexpr):
     if TWO_LEVEL:
         pv_acc = warpgroup_mma(p_op, v, gl.zeros_like(acc), use_acc=False, is_async=True)
     else:
-        pv_acc = warpgroup_mma(p_op, v, acc * alpha_o, is_async=True)
+        pv_acc = warpgroup_mma(p_op, v, rescale_rows(acc, alpha_o), is_async=True)
     return pv_acc
 
 
@@ -252,7 +253,7 @@ def _consumer_block(s, j, c, c_hi, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seq
         v_sc = load_v_scale(v_scale_row, stride_vsd, acc.shape[1], o_layout)
     else:
         v_sc = 0.0
-    record_clock_rows(tr, 1 + j, 0, l_i, offs_m, WG_ROWS)
+    record_clock_rows(tr, 1 + j, 0, m_i, offs_m, WG_ROWS)
     v = v_tile(v_bufs, v_bars, ring + j, STAGES, V_KMAJOR)
     record_clock(tr, 1 + j, 1, j)
     _wait_turn(turn_bars, batch + j + 1, W, PINGPONG)
@@ -332,7 +333,10 @@ def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars
     s_zero = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, s_layout)
     acc = gl.zeros([WG_ROWS, HEAD_DV], gl.float32, o_layout)
     m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([WG_ROWS], gl.float32, gl.SliceLayout(1, s_layout))
+    if SINK:  # (the sink block takes whole row sums; partial ones cost its builds 20 -> 108 B of spills, AOT)
+        l_i = gl.zeros([WG_ROWS], gl.float32, gl.SliceLayout(1, s_layout))
+    else:  # per-thread partial row sums, reduced across the quad once after the loop
+        l_i = thread_row_sums(s_zero)
 
     # batch 0: S_FIRST
     s = s_zero
@@ -375,6 +379,8 @@ def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars
         else:
             v_sc = 0.0
 
+    if not SINK:
+        l_i = row_totals(l_i, gl.SliceLayout(1, s_layout))
     if SINK:
         q_shift = gl.zeros_like(m_i)
         if n_end > 0:

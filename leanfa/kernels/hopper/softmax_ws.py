@@ -37,8 +37,35 @@ def _new_row_max(m_i, m_blk, TAU: gl.constexpr, RESCALE_SKIP: gl.constexpr):
 
 
 @gluon.jit
+def thread_row_sums(p):
+    """Per-thread partial row sums of ``p`` (a wgmma accumulator ``[M, N]``: thread lane ``t`` of a quad holds
+    columns ``8i + 2t + e``): ``[M, 8]``, column ``2t + e`` summed over ``i`` -- adds within each thread only,
+    no shuffle. :func:`row_totals` finishes the sum across the quad."""
+    M: gl.constexpr = p.shape[0]
+    N: gl.constexpr = p.shape[1]
+    return gl.sum(p.reshape([M, N // 8, 8]), axis=1)
+
+
+@gluon.jit
+def row_totals(l_part, row_layout: gl.constexpr):
+    """The row sums (``row_layout``) from :func:`thread_row_sums`-shaped partials (one quad reduction)."""
+    return gl.convert_layout(gl.sum(l_part, axis=1), row_layout)
+
+
+@gluon.jit
+def _add_row_sums(l_i, alpha, p, PARTIAL_L: gl.constexpr):
+    """``l_i * alpha + rowsum(p)``: ``l_i`` row sums ``[M]``, or (``PARTIAL_L``) per-thread partials ``[M, 8]``."""
+    if PARTIAL_L:
+        a = gl.convert_layout(alpha, gl.SliceLayout(1, l_i.type.layout))
+        l_new = l_i * a[:, None] + gl.convert_layout(thread_row_sums(p), l_i.type.layout)
+    else:
+        l_new = l_i * alpha + gl.sum(p, axis=1)
+    return l_new
+
+
+@gluon.jit
 def online_softmax_step_lazy(s, c, m_i, l_i, P_OFFSET: gl.constexpr, RESCALE_SKIP: gl.constexpr,
-                             POLY: gl.constexpr = 0):
+                             POLY: gl.constexpr = 0, PARTIAL_L: gl.constexpr = False):
     """One key block: ``(p, m_new, l_new, alpha)``; the caller rescales the accumulator by alpha.
     ``POLY`` of every 8 exponentials run on the FMA pipe (:func:`.exp2.exp2_mixed`)."""
     TAU: gl.constexpr = 0.8 if P_OFFSET > 0.0 else 8.0
@@ -49,13 +76,12 @@ def online_softmax_step_lazy(s, c, m_i, l_i, P_OFFSET: gl.constexpr, RESCALE_SKI
     m_new, m_sub, alpha = _new_row_max(m_i, m_blk, TAU, RESCALE_SKIP)
     neg_m = P_OFFSET - m_sub
     p = exp2_mixed(gl.fma(s, c, neg_m[:, None]), POLY)
-    l_new = l_i * alpha + gl.sum(p, axis=1)
-    return p, m_new, l_new, alpha
+    return p, m_new, _add_row_sums(l_i, alpha, p, PARTIAL_L), alpha
 
 
 @gluon.jit
 def online_softmax_step_halves(s, c0, c1, m_i, l_i, P_OFFSET: gl.constexpr, RESCALE_SKIP: gl.constexpr,
-                               POLY: gl.constexpr = 0):
+                               POLY: gl.constexpr = 0, PARTIAL_L: gl.constexpr = False):
     """:func:`online_softmax_step_lazy` for a block whose two column halves have their own score
     scales ``c0``, ``c1`` (a 256-key block spans two 128-token K scale blocks). The halves are a
     thread's own registers (columns ``8i + 2t + e``, ``i < 16`` or ``>= 16``), regrouped without data
@@ -71,9 +97,40 @@ def online_softmax_step_halves(s, c0, c1, m_i, l_i, P_OFFSET: gl.constexpr, RESC
     neg_m = gl.convert_layout(P_OFFSET - m_sub, gl.SliceLayout(1, s0.type.layout))
     p0 = exp2_mixed(gl.fma(s0, c0, neg_m[:, None]), POLY)
     p1 = exp2_mixed(gl.fma(s1, c1, neg_m[:, None]), POLY)
-    l_new = l_i * alpha + gl.convert_layout(gl.sum(p0, axis=1) + gl.sum(p1, axis=1), row_layout)
-    p = gl.join(p0, p1).permute(0, 2, 1).reshape([M, N])
-    return gl.convert_layout(p, s.type.layout), m_new, l_new, alpha
+    p = gl.convert_layout(gl.join(p0, p1).permute(0, 2, 1).reshape([M, N]), s.type.layout)
+    return p, m_new, _add_row_sums(l_i, alpha, p, PARTIAL_L), alpha
+
+
+def _rescale_asm(pack: int) -> str:
+    """PTX for :func:`rescale_rows` over ``pack`` accumulator registers ($0..: outputs, then the values,
+    then each value's row factor): the multiplies run only if some thread of the warp has a factor != 1."""
+    n = pack
+    vals = [f"${n + i}" for i in range(n)]
+    alphas = [f"${2 * n + i}" for i in range(n)]
+    lines = ["{", ".reg .pred p, q;", f"setp.neu.f32 p, {alphas[0]}, 0f3F800000;"]
+    # a thread's accumulator registers hold its two rows in pairs (r, r, r + 8, r + 8, ...): the first four
+    # factors are both rows'
+    lines += [f"setp.neu.or.f32 p, {a}, 0f3F800000, p;" for a in alphas[1:4]]
+    lines += ["vote.sync.any.pred q, p, 0xffffffff;"]
+    lines += [f"mov.b32 ${i}, {vals[i]};" for i in range(n)]
+    lines += ["@!q bra.uni SKIP;"]
+    lines += [f"mul.f32 ${i}, ${i}, {alphas[i]};" for i in range(n)]
+    lines += ["SKIP:", "}"]
+    return "\n".join(lines)
+
+
+RESCALE_PACK = gl.constexpr(32)
+RESCALE_ASM = gl.constexpr(_rescale_asm(32))
+RESCALE_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 32 + ["r"] * 64))
+
+
+@gluon.jit
+def rescale_rows(acc, alpha_o):
+    """``acc * alpha_o`` (``alpha_o``: one factor per row, ``[M, 1]``), skipped by every warp whose rows all have
+    factor 1 (their max did not grow): one vote and branch per ``RESCALE_PACK`` registers instead of a multiply each."""
+    a = gl.broadcast(acc, alpha_o)[1]
+    return gl.inline_asm_elementwise(RESCALE_ASM, RESCALE_CONSTRAINTS, [acc, a], dtype=gl.float32, is_pure=True,
+                                     pack=RESCALE_PACK)
 
 
 @gluon.jit
