@@ -64,7 +64,7 @@ from .pipeline import (alloc_barriers, as_2d, invalidate_barriers, load_q, produ
 from .schedule import program_tiles, round_tile, sequence_bounds, tile_coords
 from .sink import load_sink, sink_block
 from .softmax import finish_rows
-from .softmax_ws import fold_pv, rescale_rows, online_softmax_step_halves, online_softmax_step_lazy, row_totals, thread_row_sums
+from .softmax_ws import fold_pv, online_softmax_step_halves, online_softmax_step_lazy, row_totals, thread_row_sums
 from .trace import record_clock, record_clock_rows, record_smid, trace_row
 
 SCALE_BLOCK = gl.constexpr(128)  # tokens per Q/K scale block (leanfa.scales.SCALE_BLOCK)
@@ -228,7 +228,7 @@ def _issue_pv(p_op, v, acc, alpha_o, TWO_LEVEL: gl.constexpr):
     if TWO_LEVEL:
         pv_acc = warpgroup_mma(p_op, v, gl.zeros_like(acc), use_acc=False, is_async=True)
     else:
-        pv_acc = warpgroup_mma(p_op, v, rescale_rows(acc, alpha_o), is_async=True)
+        pv_acc = warpgroup_mma(p_op, v, acc * alpha_o, is_async=True)
     return pv_acc
 
 

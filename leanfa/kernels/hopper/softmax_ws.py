@@ -101,38 +101,6 @@ def online_softmax_step_halves(s, c0, c1, m_i, l_i, P_OFFSET: gl.constexpr, RESC
     return p, m_new, _add_row_sums(l_i, alpha, p, PARTIAL_L), alpha
 
 
-def _rescale_asm(pack: int) -> str:
-    """PTX for :func:`rescale_rows` over ``pack`` accumulator registers ($0..: outputs, then the values,
-    then each value's row factor): the multiplies run only if some thread of the warp has a factor != 1."""
-    n = pack
-    vals = [f"${n + i}" for i in range(n)]
-    alphas = [f"${2 * n + i}" for i in range(n)]
-    lines = ["{", ".reg .pred p, q;", f"setp.neu.f32 p, {alphas[0]}, 0f3F800000;"]
-    # a thread's accumulator registers hold its two rows in pairs (r, r, r + 8, r + 8, ...): the first four
-    # factors are both rows'
-    lines += [f"setp.neu.or.f32 p, {a}, 0f3F800000, p;" for a in alphas[1:4]]
-    lines += ["vote.sync.any.pred q, p, 0xffffffff;"]
-    lines += [f"mov.b32 ${i}, {vals[i]};" for i in range(n)]
-    lines += ["@!q bra.uni SKIP;"]
-    lines += [f"mul.f32 ${i}, ${i}, {alphas[i]};" for i in range(n)]
-    lines += ["SKIP:", "}"]
-    return "\n".join(lines)
-
-
-RESCALE_PACK = gl.constexpr(32)
-RESCALE_ASM = gl.constexpr(_rescale_asm(32))
-RESCALE_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 32 + ["r"] * 64))
-
-
-@gluon.jit
-def rescale_rows(acc, alpha_o):
-    """``acc * alpha_o`` (``alpha_o``: one factor per row, ``[M, 1]``), skipped by every warp whose rows all have
-    factor 1 (their max did not grow): one vote and branch per ``RESCALE_PACK`` registers instead of a multiply each."""
-    a = gl.broadcast(acc, alpha_o)[1]
-    return gl.inline_asm_elementwise(RESCALE_ASM, RESCALE_CONSTRAINTS, [acc, a], dtype=gl.float32, is_pure=True,
-                                     pack=RESCALE_PACK)
-
-
 @gluon.jit
 def fold_pv(acc, alpha_o, pv, TWO_LEVEL: gl.constexpr):
     """O after a retired PV wgmma. Two-level (FP8): the block's PV was accumulated in a fresh fp32
