@@ -128,6 +128,17 @@ class Profile:
     v_tail_df: float | None = None  #: Student-t degrees of freedom of V (None: Gaussian)
     q_head_spread: float = 0.0  #: std of log per-head Q temperature (heads differ in peakiness)
     shared_rope_k: bool = False  #: MLA: K's RoPE channels are shared by all heads
+    #: massive Q/K pair: magnitude of Q's and K's constant in one slow RoPE pair per KV head, in
+    #: units of ``q_scale`` / ``k_scale`` (0: none); see "Massive Q/K pairs" in the module docstring
+    massive_qk: float = 0.0
+    massive_cos: float = 0.0  #: cosine between Q's and K's constant vectors in that pair
+    massive_jitter: float = 0.0  #: token std in that pair, relative to the constant's magnitude
+    #: range of pair indices (fractions of the RoPE pairs) the massive pair is drawn from; the
+    #: default [0.625, 0.9375) keeps it off the 4 slowest pairs, the sink's direction
+    massive_pairs: tuple[float, float] = (0.625, 0.9375)
+    #: per-query-head factors on the whole query (bias included), cycled over the heads
+    #: (``()``: all 1); large factors make near-one-hot heads, small ones diffuse heads
+    head_temperature: tuple[float, ...] = ()
     seed: int = 0  #: default seed
 
     def __post_init__(self):
@@ -136,6 +147,10 @@ class Profile:
                              f"({self.kv_heads})")
         if not 0 <= self.rope_dims <= self.head_dim_qk or self.rope_dims % 2:
             raise ValueError(f"rope_dims must be even, in [0, head_dim_qk]: {self.rope_dims}")
+        if self.massive_qk and (not self.rope_dims or self.shared_rope_k):
+            raise ValueError("massive_qk needs RoPE channels that are not shared (no MLA)")
+        if any(t <= 0 for t in self.head_temperature):
+            raise ValueError(f"head_temperature must be positive: {self.head_temperature}")
 
 
 _MODEL_LIKE = dict(
@@ -143,6 +158,14 @@ _MODEL_LIKE = dict(
     outlier_scale=8.0, sink_tokens=1, sink_scale=4.0, sink_logit=10.0, sink_v_scale=0.05,
     v_tail_df=5.0, q_head_spread=0.25,
 )
+
+#: the massive pair measured on Llama-3-8B-Instruct's layer-10 Q/K (module docstring)
+_MASSIVE_LLAMA3 = dict(massive_qk=14.0, massive_cos=-0.40, massive_jitter=0.10, q_scale=0.75)
+#: the same measured on Llama-2-7B-chat (theta 10000, like Mistral-7B v0.1)
+_MASSIVE_LLAMA2 = dict(massive_qk=11.0, massive_cos=-0.44, massive_jitter=0.18, q_scale=0.75)
+#: per-head factors of ``llama3-8b-heads``: a quarter each of diffuse, mild, model-like and
+#: near-one-hot heads (cycled; with 8 query heads: two of each)
+HEAD_TEMPERATURES = (0.05, 0.5, 1.0, 4.0)
 
 PRESETS: dict[str, Profile] = {
     p.name: p
@@ -159,6 +182,18 @@ PRESETS: dict[str, Profile] = {
             "deepseek-v3-mla", 128, 128, head_dim_qk=192, head_dim_v=128, rope_theta=10000.0,
             rope_dims=64, shared_rope_k=True, **{**_MODEL_LIKE, "outlier_scale": 6.0},
         ),
+        # massive Q/K pairs and per-head variety: see the module docstring for the sources
+        Profile("llama3-8b-massive", 32, 8, rope_theta=500000.0,
+                **{**_MODEL_LIKE, **_MASSIVE_LLAMA3}),
+        Profile("mistral-7b-massive", 32, 8, rope_theta=10000.0,
+                **{**_MODEL_LIKE, "outlier_scale": 6.0, **_MASSIVE_LLAMA2}),
+        Profile(
+            "qwen2.5-7b-massive", 28, 4, rope_theta=1000000.0,
+            **{**_MODEL_LIKE, "k_bias_scale": 1.0, "n_outlier_channels": 6, "outlier_scale": 40.0,
+               "sink_scale": 3.0, "sink_logit": 11.0, "v_tail_df": 4.0, **_MASSIVE_LLAMA3},
+        ),
+        Profile("llama3-8b-heads", 32, 8, rope_theta=500000.0,
+                **{**_MODEL_LIKE, "head_temperature": HEAD_TEMPERATURES}),
     )
 }
 
@@ -231,6 +266,9 @@ class _Params:
     k_bias: torch.Tensor  # (Hk, Dqk)
     sink_k: torch.Tensor | None  # (Hk, Dqk), added to sink keys
     v_chan: torch.Tensor  # (Hk, Dv)
+    massive_ch: torch.Tensor | None = None  # (Hk, 2) channels of each KV head's massive pair
+    q_noise: torch.Tensor | None = None  # (H, Dqk) factor on Q's token noise (massive pair)
+    k_noise: torch.Tensor | None = None  # (Hk, Dqk) factor on K's token noise (massive pair)
 
 
 def _make_params(p: Profile, seed: int) -> _Params:
@@ -270,7 +308,48 @@ def _make_params(p: Profile, seed: int) -> _Params:
     v_chan = torch.ones(hk, p.head_dim_v)
     if p.v_tail_df:
         v_chan = torch.exp(0.3 * torch.randn(hk, p.head_dim_v, generator=g))
-    return _Params(q_bias, head_scale, u_q, sink_ch, k_bias, sink_k, v_chan)
+    prm = _Params(q_bias, head_scale, u_q, sink_ch, k_bias, sink_k, v_chan)
+    if p.massive_qk:  # own generator: the draws above (the older presets' values) are unchanged
+        _add_massive_pairs(p, prm, _generator(seed, p.name, "massive", p.heads, p.kv_heads))
+    if p.head_temperature:
+        t = torch.tensor([p.head_temperature[i % len(p.head_temperature)] for i in range(h)])
+        prm.q_bias = prm.q_bias * t[:, None]
+        prm.head_scale = prm.head_scale * t[:, None]
+    return prm
+
+
+def massive_pair_channels(p: Profile, pair: torch.Tensor) -> torch.Tensor:
+    """Both channels ``(i, i + r/2)`` of RoPE pair ``pair`` (rotate-half layout), ``(..., 2)``."""
+    d, r = p.head_dim_qk, p.rope_dims
+    return torch.stack((d - r + pair, d - r // 2 + pair), -1)
+
+
+def _add_massive_pairs(p: Profile, prm: _Params, g: torch.Generator) -> None:
+    """Add each KV head's massive pair to the biases of K and its query heads (see docstring)."""
+    h, hk, d, r = p.heads, p.kv_heads, p.head_dim_qk, p.rope_dims
+    group = h // hk
+    lo, hi = (int(round(f * r / 2)) for f in p.massive_pairs)
+    pair = torch.randint(lo, max(lo + 1, hi), (hk,), generator=g)
+    ch = massive_pair_channels(p, pair)  # (Hk, 2)
+    phi = 2 * math.pi * torch.rand(hk, generator=g)  # direction of K's constant in the pair
+    turn = math.acos(max(-1.0, min(1.0, p.massive_cos)))
+    side = torch.randint(0, 2, (hk,), generator=g) * 2 - 1
+    psi = phi + side * turn  # Q's direction: at the measured angle from K's
+    mag_q = p.massive_qk * p.q_scale * (1 + 0.1 * torch.randn(h, generator=g))
+    k_const = p.massive_qk * p.k_scale * torch.stack((phi.cos(), phi.sin()), -1)  # (Hk, 2)
+    q_const = mag_q[:, None] * torch.stack((psi.cos(), psi.sin()), -1).repeat_interleave(group, 0)
+    rows_k, rows_q = torch.arange(hk)[:, None], torch.arange(h)[:, None]
+    ch_q = ch.repeat_interleave(group, 0)
+    prm.k_bias = prm.k_bias.clone()
+    prm.k_bias[rows_k, ch] = k_const  # replaces the per-channel bias there
+    prm.q_bias = prm.q_bias.clone()
+    prm.q_bias[rows_q, ch_q] = q_const
+    # token noise in the pair: massive_jitter x the constant's magnitude
+    prm.k_noise = torch.ones(hk, d)
+    prm.k_noise[rows_k, ch] = p.massive_jitter * p.massive_qk
+    prm.q_noise = torch.ones(h, d)
+    prm.q_noise[rows_q, ch_q] = p.massive_jitter * mag_q[:, None].abs() / p.q_scale
+    prm.massive_ch = ch
 
 
 def _student_t_rows(shape, df: float, g: torch.Generator, g2: torch.Generator) -> torch.Tensor:
@@ -303,6 +382,8 @@ def _fill_block(kind, p, prm, seed, b, j, t0, t1, pos0, out):
     sinks = max(0, min(n, p.sink_tokens - t0))  # sink rows in this block
     if kind == "q":
         x = torch.randn(n, p.heads, d, generator=g).mul_(p.q_scale * prm.head_scale)
+        if prm.q_noise is not None:
+            x.mul_(prm.q_noise)
         if prm.sink_ch is not None:  # damp the token noise along the sink direction
             u = prm.u_q[:, prm.sink_ch]
             xs = x[..., prm.sink_ch]
@@ -310,6 +391,8 @@ def _fill_block(kind, p, prm, seed, b, j, t0, t1, pos0, out):
         x += prm.q_bias
     elif kind == "k":
         x = torch.randn(n, p.kv_heads, d, generator=g).mul_(p.k_scale)
+        if prm.k_noise is not None:
+            x.mul_(prm.k_noise)
         if p.shared_rope_k and r:
             x[:, 1:, d - r :] = x[:, :1, d - r :]
         x += prm.k_bias
