@@ -48,6 +48,8 @@ published observations qualitatively; they are not fitted to a checkpoint (use
     mistral-7b       32    8  128 128 10000 (128)        4 x 6    0.5    1 token (4, 10)     5
     qwen2.5-7b       28    4  128 128 1000000 (128)      6 x 40   1.0    1 token (3, 11)     4
     deepseek-v3-mla 128  128  192 128 10000 (64 of 192)  4 x 6    0.5    1 token (4, 10)     5
+    llama3-8b-massive, mistral-7b-massive, qwen2.5-7b-massive: the base model's row plus a
+        massive Q/K pair per KV head (below); llama3-8b-heads: llama3-8b with per-head factors
 
 All but ``gaussian`` share q_scale 1.5, k_scale 1.3, q_bias_scale 0.5, sink_v_scale 0.05,
 q_head_spread 0.25, v_scale 1; ``gaussian`` has q/k/v scales 1 and everything else off.
@@ -61,6 +63,60 @@ sliding window is not modelled (the generator only makes Q/K/V). ``deepseek-v3-m
 prefill with the latent expanded: 128 KV heads, Q/K = 128 no-RoPE + 64 RoPE channels
 (trailing), V 128; its real softmax scale includes a YaRN factor, the preset assumes
 ``192**-0.5``.
+
+Massive Q/K pairs (``massive_qk``; presets ``*-massive``). Published observation: Jin et al.
+2025, "Massive Values in Self-Attention Modules are the Key to Contextual Knowledge
+Understanding" (arXiv 2502.01563, Fig. 1 and the appendix heat maps) find large values
+concentrated in a few low-frequency RoPE dimensions of Q and K, not of V, in Llama-2/3, Qwen2.5
+and Mistral. Sun et al. 2024, "Massive Activations in Large Language Models" (arXiv
+2402.17762) find the related hidden-state activations (Llama-2-7B dims 1415 and 2533, on the
+first token and the first "." or newline), near-constant across inputs, acting as biases that
+make attention sinks; they give hidden-state values, not per-channel Q/K numbers. The numbers
+used here were computed (this repository's session, not quoted from a paper) from the layer-10
+post-RoPE Q/K tensors that Jin et al.'s public repository (MingyuJ666/Rope_with_LLM,
+``saved_attn_scores/``) ships: Llama-2-7b-chat (66 tokens, 32 heads) and
+Llama-3-8B-Instruct (45 tokens, 32/8 heads), BOS token left out:
+
+* 78 % of heads (both models) have Q's and K's largest mean pair in the *same* RoPE pair,
+  pair index 41-55 of 64 (slow half; not the slowest four);
+* that pair's mean vector is 11.1 (Q) / 10.9 (K) times the mean per-channel token std on
+  Llama-2 and 14.3 / 13.5 on Llama-3, and holds 40-48 % of the energy of Q's and K's means;
+* cosine between Q's and K's mean vectors in the pair: median -0.44 (Llama-2), -0.40
+  (Llama-3), range -1.0 to 0.1; their score contribution is -2.8 / -2.9 logits (median);
+* token std in the pair / the mean's magnitude: 0.15-0.21 (Llama-2), 0.09-0.12 (Llama-3);
+* resulting top channel RMS / mean channel RMS per head (median): Q 8.4, K 8.7 (Llama-2),
+  Q 8.0, K 8.7 (Llama-3); at most 3 channels per head exceed 5x the mean.
+
+For Qwen2.5-7B and Mistral-7B only the appendix heat maps were found (layer 10, the L2 norm
+over the sequence of 64 plotted dims per head, colour scale 0-70): the largest dim over the
+head's mean, median over heads, is Q 3.7 / K 3.1 for Qwen2.5 and Q 4.7 / K 3.4 for Mistral
+(Llama-3 in the same plots: 4.1 / 3.4), argmax in the slowest quarter of dims in 25 / 28
+(Qwen, Q) and 30 / 32 (Mistral, Q) heads; Qwen's Q map saturates the scale in 42 cells, so its
+ratios are lower bounds. No per-channel Q/K magnitude for these two was found, so
+``qwen2.5-7b-massive`` uses the Llama-3 numbers and ``mistral-7b-massive`` the Llama-2 ones
+(Mistral-7B v0.1 shares Llama-2's theta 10000); both say so here rather than invent values.
+
+The model: per KV head one pair drawn from pair indices ``massive_pairs`` (default
+[0.625, 0.9375) of the pairs: 40-59 of 64) gets a constant of magnitude ``massive_qk * k_scale``
+in K (random direction in the pair, replacing the K bias there) and ``massive_qk * q_scale``
+(+-10 % per query head) in the group's queries at the angle ``acos(massive_cos)`` from K's;
+token noise in the pair is ``massive_jitter`` times the magnitude. Presets (on top of the base
+model preset): ``llama3-8b-massive`` 14 / -0.40 / 0.10, ``mistral-7b-massive`` 11 / -0.44 /
+0.18, ``qwen2.5-7b-massive`` 14 / -0.40 / 0.10 (with Qwen's K outliers of 40, which stay K's
+largest channels), each with ``q_scale`` 0.75 instead of 1.5: the pair's constant times K's
+token noise adds score variance (as in the real tensors, where it is about twice the
+noise-noise part), and halving Q keeps ordinary-key scores at a per-row std of ~2 logits, as the
+base presets (generated at S=1024, 8 heads: top-channel/mean RMS Q 7.2 / K 7.6 llama3, Q 7.8 /
+K 7.9 mistral). What is not modelled: the real sink key has a *small* norm (0.2x the median key
+norm in both tensors) and wins by the negative constant score of the others; the presets keep
+the base presets' large-norm sink key.
+
+Per-head variety (``head_temperature``; preset ``llama3-8b-heads``): the whole query of head
+``i`` (noise and bias, so the sink's advantage too) is multiplied by
+``head_temperature[i % len]``; llama3-8b with factors (0.05, 0.5, 1, 4): at 512 tokens the
+normalized attention entropy of the heads is ~1.0 / 0.84 / 0.3 / 0.02 (diffuse to near
+one-hot, the latter mostly on the sink). The Llama-3-8B-Instruct layer-10 tensors above show
+the same spread: normalized entropy 0.03-0.55 and sink share 0.52-0.99 across heads.
 
 Reproducibility: values depend only on (profile, shapes, seed), never on the device or the
 thread count. They are drawn on the CPU in float32 by blocks of ``BLOCK`` rows, each block
