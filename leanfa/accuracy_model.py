@@ -19,7 +19,9 @@ error to its sources. With ``block_n=32`` (the interpreter tile) and the default
 :class:`Scheme` it matches ``leanfa.attention(precision="fp8")`` under ``TRITON_INTERPRET=1``
 to float32 rounding (``tests/test_accuracy_levers.py`` checks it).
 
-Run ``python -m leanfa.accuracy_model`` for the lever table of ``docs/accuracy-notes.md``.
+Run ``python -m leanfa.accuracy_model`` for the lever table of ``docs/accuracy-notes.md``, and
+``python -m leanfa.accuracy_model --decompose --seqlen 2048`` for its error decomposition
+(:func:`decompose`: Q·K scores, P and V rounding, one at a time, on every activation preset).
 """
 
 from __future__ import annotations
@@ -268,6 +270,19 @@ LEVERS = {
 }
 
 PRESET_NAMES = ("gaussian", "llama3-8b", "mistral-7b", "qwen2.5-7b", "deepseek-v3-mla")
+#: every ``leanfa.activations`` preset (the ones above, then the massive-pair and per-head ones)
+ALL_PRESET_NAMES = PRESET_NAMES + ("llama3-8b-massive", "mistral-7b-massive", "qwen2.5-7b-massive",
+                                   "llama3-8b-heads")
+
+#: the components of :func:`decompose`: one quantization step at a time (the others exact),
+#: then all of them; every row keeps the shipped scheme's smoothing and scale granularity
+COMPONENTS = {
+    "Q·K scores (e4m3 Q, K)": dict(quant_v=False, p_format="exact"),
+    "P (e4m3 P)": dict(quant_q=False, quant_k=False, quant_v=False),
+    "V (e4m3 V)": dict(quant_q=False, quant_k=False, p_format="exact"),
+    "P and V": dict(quant_q=False, quant_k=False),
+    "all (shipped FP8)": {},
+}
 
 
 def study(seqlen: int = 1024, heads: int = 8, presets=PRESET_NAMES, levers=None, sources=True,
@@ -286,6 +301,35 @@ def study(seqlen: int = 1024, heads: int = 8, presets=PRESET_NAMES, levers=None,
         ref = reference(q, k, v)
         result[name] = {r: rel_l2(emulate(q, k, v, Scheme(**kwargs)), ref) for r, kwargs in rows.items()}
     return result
+
+
+def decompose(seqlen: int = 1024, heads: int = 8, presets=ALL_PRESET_NAMES, seed: int = 0):
+    """{preset: {component: rel_l2 vs float64}} of :data:`COMPONENTS` (float32 output, so the
+    output cast adds nothing), causal, ``make_qkv(preset, 1, seqlen, heads=heads)``
+    (deepseek-v3-mla: ``heads`` KV heads too), and per preset the squared-sum check
+    ``"sum of squares"`` = sqrt(QK² + P² + V²) of the single-source rows."""
+    from .activations import make_qkv
+
+    result = {}
+    for name in presets:
+        kw = dict(heads=heads) if name != "deepseek-v3-mla" else dict(heads=heads, kv_heads=heads)
+        q, k, v = make_qkv(name, 1, seqlen, seed=seed, **kw)
+        ref = reference(q, k, v)
+        row = {c: rel_l2(emulate(q, k, v, Scheme(out_dtype=None, **kw2)), ref)
+               for c, kw2 in COMPONENTS.items()}
+        singles = list(COMPONENTS)[:3]
+        row["sum of squares"] = math.sqrt(sum(row[c] ** 2 for c in singles))
+        result[name] = row
+    return result
+
+
+def format_decomposition(result) -> str:
+    """Markdown table (preset rows x component columns) of :func:`decompose`'s result."""
+    cols = list(next(iter(result.values())))
+    out = ["| preset | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+    for p, row in result.items():
+        out.append(f"| {p} | " + " | ".join(f"{row[c]:.2e}" for c in cols) + " |")
+    return "\n".join(out)
 
 
 def format_table(result) -> str:
@@ -312,6 +356,12 @@ if __name__ == "__main__":  # pragma: no cover
     ap.add_argument("--presets", nargs="*", default=list(PRESET_NAMES))
     ap.add_argument("--levers", nargs="*", default=None)
     ap.add_argument("--no-sources", action="store_true")
+    ap.add_argument("--decompose", action="store_true",
+                    help="the Q·K / P / V error decomposition (docs/accuracy-notes.md) instead")
     a = ap.parse_args()
     torch.set_num_threads(1)
-    print(format_table(study(a.seqlen, a.heads, a.presets, a.levers, not a.no_sources)))
+    if a.decompose:
+        presets = a.presets if a.presets != list(PRESET_NAMES) else list(ALL_PRESET_NAMES)
+        print(format_decomposition(decompose(a.seqlen, a.heads, presets)))
+    else:
+        print(format_table(study(a.seqlen, a.heads, a.presets, a.levers, not a.no_sources)))

@@ -48,6 +48,8 @@ published observations qualitatively; they are not fitted to a checkpoint (use
     mistral-7b       32    8  128 128 10000 (128)        4 x 6    0.5    1 token (4, 10)     5
     qwen2.5-7b       28    4  128 128 1000000 (128)      6 x 40   1.0    1 token (3, 11)     4
     deepseek-v3-mla 128  128  192 128 10000 (64 of 192)  4 x 6    0.5    1 token (4, 10)     5
+    llama3-8b-massive, mistral-7b-massive, qwen2.5-7b-massive: the base model's row plus a
+        massive Q/K pair per KV head (below); llama3-8b-heads: llama3-8b with per-head factors
 
 All but ``gaussian`` share q_scale 1.5, k_scale 1.3, q_bias_scale 0.5, sink_v_scale 0.05,
 q_head_spread 0.25, v_scale 1; ``gaussian`` has q/k/v scales 1 and everything else off.
@@ -61,6 +63,60 @@ sliding window is not modelled (the generator only makes Q/K/V). ``deepseek-v3-m
 prefill with the latent expanded: 128 KV heads, Q/K = 128 no-RoPE + 64 RoPE channels
 (trailing), V 128; its real softmax scale includes a YaRN factor, the preset assumes
 ``192**-0.5``.
+
+Massive Q/K pairs (``massive_qk``; presets ``*-massive``). Published observation: Jin et al.
+2025, "Massive Values in Self-Attention Modules are the Key to Contextual Knowledge
+Understanding" (arXiv 2502.01563, Fig. 1 and the appendix heat maps) find large values
+concentrated in a few low-frequency RoPE dimensions of Q and K, not of V, in Llama-2/3, Qwen2.5
+and Mistral. Sun et al. 2024, "Massive Activations in Large Language Models" (arXiv
+2402.17762) find the related hidden-state activations (Llama-2-7B dims 1415 and 2533, on the
+first token and the first "." or newline), near-constant across inputs, acting as biases that
+make attention sinks; they give hidden-state values, not per-channel Q/K numbers. The numbers
+used here were computed (this repository's session, not quoted from a paper) from the layer-10
+post-RoPE Q/K tensors that Jin et al.'s public repository (MingyuJ666/Rope_with_LLM,
+``saved_attn_scores/``) ships: Llama-2-7b-chat (66 tokens, 32 heads) and
+Llama-3-8B-Instruct (45 tokens, 32/8 heads), BOS token left out:
+
+* 78 % of heads (both models) have Q's and K's largest mean pair in the *same* RoPE pair,
+  pair index 41-55 of 64 (slow half; not the slowest four);
+* that pair's mean vector is 11.1 (Q) / 10.9 (K) times the mean per-channel token std on
+  Llama-2 and 14.3 / 13.5 on Llama-3, and holds 40-48 % of the energy of Q's and K's means;
+* cosine between Q's and K's mean vectors in the pair: median -0.44 (Llama-2), -0.40
+  (Llama-3), range -1.0 to 0.1; their score contribution is -2.8 / -2.9 logits (median);
+* token std in the pair / the mean's magnitude: 0.15-0.21 (Llama-2), 0.09-0.12 (Llama-3);
+* resulting top channel RMS / mean channel RMS per head (median): Q 8.4, K 8.7 (Llama-2),
+  Q 8.0, K 8.7 (Llama-3); at most 3 channels per head exceed 5x the mean.
+
+For Qwen2.5-7B and Mistral-7B only the appendix heat maps were found (layer 10, the L2 norm
+over the sequence of 64 plotted dims per head, colour scale 0-70): the largest dim over the
+head's mean, median over heads, is Q 3.7 / K 3.1 for Qwen2.5 and Q 4.7 / K 3.4 for Mistral
+(Llama-3 in the same plots: 4.1 / 3.4), argmax in the slowest quarter of dims in 25 / 28
+(Qwen, Q) and 30 / 32 (Mistral, Q) heads; Qwen's Q map saturates the scale in 42 cells, so its
+ratios are lower bounds. No per-channel Q/K magnitude for these two was found, so
+``qwen2.5-7b-massive`` uses the Llama-3 numbers and ``mistral-7b-massive`` the Llama-2 ones
+(Mistral-7B v0.1 shares Llama-2's theta 10000); both say so here rather than invent values.
+
+The model: per KV head one pair drawn from pair indices ``massive_pairs`` (default
+[0.625, 0.9375) of the pairs: 40-59 of 64) gets a constant of magnitude ``massive_qk * k_scale``
+in K (random direction in the pair, replacing the K bias there) and ``massive_qk * q_scale``
+(+-10 % per query head) in the group's queries at the angle ``acos(massive_cos)`` from K's;
+token noise in the pair is ``massive_jitter`` times the magnitude. Presets (on top of the base
+model preset): ``llama3-8b-massive`` 14 / -0.40 / 0.10, ``mistral-7b-massive`` 11 / -0.44 /
+0.18, ``qwen2.5-7b-massive`` 14 / -0.40 / 0.10 (with Qwen's K outliers of 40, which stay K's
+largest channels), each with ``q_scale`` 0.75 instead of 1.5: the pair's constant times K's
+token noise adds score variance (as in the real tensors, where it is about twice the
+noise-noise part), and halving Q keeps ordinary-key scores at a per-row std of ~2 logits, as the
+base presets (generated at S=1024, 8 heads: top-channel/mean RMS Q 7.2 / K 7.6 llama3, Q 7.8 /
+K 7.9 mistral). What is not modelled: the real sink key has a *small* norm (0.2x the median key
+norm in both tensors) and wins by the negative constant score of the others; the presets keep
+the base presets' large-norm sink key.
+
+Per-head variety (``head_temperature``; preset ``llama3-8b-heads``): the whole query of head
+``i`` (noise and bias, so the sink's advantage too) is multiplied by
+``head_temperature[i % len]``; llama3-8b with factors (0.05, 0.5, 1, 4): at 512 tokens the
+normalized attention entropy of the heads is ~1.0 / 0.84 / 0.3 / 0.02 (diffuse to near
+one-hot, the latter mostly on the sink). The Llama-3-8B-Instruct layer-10 tensors above show
+the same spread: normalized entropy 0.03-0.55 and sink share 0.52-0.99 across heads.
 
 Reproducibility: values depend only on (profile, shapes, seed), never on the device or the
 thread count. They are drawn on the CPU in float32 by blocks of ``BLOCK`` rows, each block
@@ -128,6 +184,17 @@ class Profile:
     v_tail_df: float | None = None  #: Student-t degrees of freedom of V (None: Gaussian)
     q_head_spread: float = 0.0  #: std of log per-head Q temperature (heads differ in peakiness)
     shared_rope_k: bool = False  #: MLA: K's RoPE channels are shared by all heads
+    #: massive Q/K pair: magnitude of Q's and K's constant in one slow RoPE pair per KV head, in
+    #: units of ``q_scale`` / ``k_scale`` (0: none); see "Massive Q/K pairs" in the module docstring
+    massive_qk: float = 0.0
+    massive_cos: float = 0.0  #: cosine between Q's and K's constant vectors in that pair
+    massive_jitter: float = 0.0  #: token std in that pair, relative to the constant's magnitude
+    #: range of pair indices (fractions of the RoPE pairs) the massive pair is drawn from; the
+    #: default [0.625, 0.9375) keeps it off the 4 slowest pairs, the sink's direction
+    massive_pairs: tuple[float, float] = (0.625, 0.9375)
+    #: per-query-head factors on the whole query (bias included), cycled over the heads
+    #: (``()``: all 1); large factors make near-one-hot heads, small ones diffuse heads
+    head_temperature: tuple[float, ...] = ()
     seed: int = 0  #: default seed
 
     def __post_init__(self):
@@ -136,6 +203,10 @@ class Profile:
                              f"({self.kv_heads})")
         if not 0 <= self.rope_dims <= self.head_dim_qk or self.rope_dims % 2:
             raise ValueError(f"rope_dims must be even, in [0, head_dim_qk]: {self.rope_dims}")
+        if self.massive_qk and (not self.rope_dims or self.shared_rope_k):
+            raise ValueError("massive_qk needs RoPE channels that are not shared (no MLA)")
+        if any(t <= 0 for t in self.head_temperature):
+            raise ValueError(f"head_temperature must be positive: {self.head_temperature}")
 
 
 _MODEL_LIKE = dict(
@@ -143,6 +214,14 @@ _MODEL_LIKE = dict(
     outlier_scale=8.0, sink_tokens=1, sink_scale=4.0, sink_logit=10.0, sink_v_scale=0.05,
     v_tail_df=5.0, q_head_spread=0.25,
 )
+
+#: the massive pair measured on Llama-3-8B-Instruct's layer-10 Q/K (module docstring)
+_MASSIVE_LLAMA3 = dict(massive_qk=14.0, massive_cos=-0.40, massive_jitter=0.10, q_scale=0.75)
+#: the same measured on Llama-2-7B-chat (theta 10000, like Mistral-7B v0.1)
+_MASSIVE_LLAMA2 = dict(massive_qk=11.0, massive_cos=-0.44, massive_jitter=0.18, q_scale=0.75)
+#: per-head factors of ``llama3-8b-heads``: a quarter each of diffuse, mild, model-like and
+#: near-one-hot heads (cycled; with 8 query heads: two of each)
+HEAD_TEMPERATURES = (0.05, 0.5, 1.0, 4.0)
 
 PRESETS: dict[str, Profile] = {
     p.name: p
@@ -159,6 +238,18 @@ PRESETS: dict[str, Profile] = {
             "deepseek-v3-mla", 128, 128, head_dim_qk=192, head_dim_v=128, rope_theta=10000.0,
             rope_dims=64, shared_rope_k=True, **{**_MODEL_LIKE, "outlier_scale": 6.0},
         ),
+        # massive Q/K pairs and per-head variety: see the module docstring for the sources
+        Profile("llama3-8b-massive", 32, 8, rope_theta=500000.0,
+                **{**_MODEL_LIKE, **_MASSIVE_LLAMA3}),
+        Profile("mistral-7b-massive", 32, 8, rope_theta=10000.0,
+                **{**_MODEL_LIKE, "outlier_scale": 6.0, **_MASSIVE_LLAMA2}),
+        Profile(
+            "qwen2.5-7b-massive", 28, 4, rope_theta=1000000.0,
+            **{**_MODEL_LIKE, "k_bias_scale": 1.0, "n_outlier_channels": 6, "outlier_scale": 40.0,
+               "sink_scale": 3.0, "sink_logit": 11.0, "v_tail_df": 4.0, **_MASSIVE_LLAMA3},
+        ),
+        Profile("llama3-8b-heads", 32, 8, rope_theta=500000.0,
+                **{**_MODEL_LIKE, "head_temperature": HEAD_TEMPERATURES}),
     )
 }
 
@@ -231,6 +322,9 @@ class _Params:
     k_bias: torch.Tensor  # (Hk, Dqk)
     sink_k: torch.Tensor | None  # (Hk, Dqk), added to sink keys
     v_chan: torch.Tensor  # (Hk, Dv)
+    massive_ch: torch.Tensor | None = None  # (Hk, 2) channels of each KV head's massive pair
+    q_noise: torch.Tensor | None = None  # (H, Dqk) factor on Q's token noise (massive pair)
+    k_noise: torch.Tensor | None = None  # (Hk, Dqk) factor on K's token noise (massive pair)
 
 
 def _make_params(p: Profile, seed: int) -> _Params:
@@ -270,7 +364,48 @@ def _make_params(p: Profile, seed: int) -> _Params:
     v_chan = torch.ones(hk, p.head_dim_v)
     if p.v_tail_df:
         v_chan = torch.exp(0.3 * torch.randn(hk, p.head_dim_v, generator=g))
-    return _Params(q_bias, head_scale, u_q, sink_ch, k_bias, sink_k, v_chan)
+    prm = _Params(q_bias, head_scale, u_q, sink_ch, k_bias, sink_k, v_chan)
+    if p.massive_qk:  # own generator: the draws above (the older presets' values) are unchanged
+        _add_massive_pairs(p, prm, _generator(seed, p.name, "massive", p.heads, p.kv_heads))
+    if p.head_temperature:
+        t = torch.tensor([p.head_temperature[i % len(p.head_temperature)] for i in range(h)])
+        prm.q_bias = prm.q_bias * t[:, None]
+        prm.head_scale = prm.head_scale * t[:, None]
+    return prm
+
+
+def massive_pair_channels(p: Profile, pair: torch.Tensor) -> torch.Tensor:
+    """Both channels ``(i, i + r/2)`` of RoPE pair ``pair`` (rotate-half layout), ``(..., 2)``."""
+    d, r = p.head_dim_qk, p.rope_dims
+    return torch.stack((d - r + pair, d - r // 2 + pair), -1)
+
+
+def _add_massive_pairs(p: Profile, prm: _Params, g: torch.Generator) -> None:
+    """Add each KV head's massive pair to the biases of K and its query heads (see docstring)."""
+    h, hk, d, r = p.heads, p.kv_heads, p.head_dim_qk, p.rope_dims
+    group = h // hk
+    lo, hi = (int(round(f * r / 2)) for f in p.massive_pairs)
+    pair = torch.randint(lo, max(lo + 1, hi), (hk,), generator=g)
+    ch = massive_pair_channels(p, pair)  # (Hk, 2)
+    phi = 2 * math.pi * torch.rand(hk, generator=g)  # direction of K's constant in the pair
+    turn = math.acos(max(-1.0, min(1.0, p.massive_cos)))
+    side = torch.randint(0, 2, (hk,), generator=g) * 2 - 1
+    psi = phi + side * turn  # Q's direction: at the measured angle from K's
+    mag_q = p.massive_qk * p.q_scale * (1 + 0.1 * torch.randn(h, generator=g))
+    k_const = p.massive_qk * p.k_scale * torch.stack((phi.cos(), phi.sin()), -1)  # (Hk, 2)
+    q_const = mag_q[:, None] * torch.stack((psi.cos(), psi.sin()), -1).repeat_interleave(group, 0)
+    rows_k, rows_q = torch.arange(hk)[:, None], torch.arange(h)[:, None]
+    ch_q = ch.repeat_interleave(group, 0)
+    prm.k_bias = prm.k_bias.clone()
+    prm.k_bias[rows_k, ch] = k_const  # replaces the per-channel bias there
+    prm.q_bias = prm.q_bias.clone()
+    prm.q_bias[rows_q, ch_q] = q_const
+    # token noise in the pair: massive_jitter x the constant's magnitude
+    prm.k_noise = torch.ones(hk, d)
+    prm.k_noise[rows_k, ch] = p.massive_jitter * p.massive_qk
+    prm.q_noise = torch.ones(h, d)
+    prm.q_noise[rows_q, ch_q] = p.massive_jitter * mag_q[:, None].abs() / p.q_scale
+    prm.massive_ch = ch
 
 
 def _student_t_rows(shape, df: float, g: torch.Generator, g2: torch.Generator) -> torch.Tensor:
@@ -303,6 +438,8 @@ def _fill_block(kind, p, prm, seed, b, j, t0, t1, pos0, out):
     sinks = max(0, min(n, p.sink_tokens - t0))  # sink rows in this block
     if kind == "q":
         x = torch.randn(n, p.heads, d, generator=g).mul_(p.q_scale * prm.head_scale)
+        if prm.q_noise is not None:
+            x.mul_(prm.q_noise)
         if prm.sink_ch is not None:  # damp the token noise along the sink direction
             u = prm.u_q[:, prm.sink_ch]
             xs = x[..., prm.sink_ch]
@@ -310,6 +447,8 @@ def _fill_block(kind, p, prm, seed, b, j, t0, t1, pos0, out):
         x += prm.q_bias
     elif kind == "k":
         x = torch.randn(n, p.kv_heads, d, generator=g).mul_(p.k_scale)
+        if prm.k_noise is not None:
+            x.mul_(prm.k_noise)
         if p.shared_rope_k and r:
             x[:, 1:, d - r :] = x[:, :1, d - r :]
         x += prm.k_bias

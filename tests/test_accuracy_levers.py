@@ -86,3 +86,18 @@ def test_rotation_keeps_scores_and_lse(device, llama):
 def test_default_is_unrotated(device):
     q = torch.randn(1, 16, 1, 64).to(device)
     assert leanfa.quantize_fp8(q, q, q).rotation is None
+
+
+def test_error_decomposition_components():
+    """decompose(): V rounding alone sits at the e4m3 per-element floor (2^-4/sqrt(3) x 0.736 =
+    2.66e-2 for values spread over a binade), the single sources add in squares to the total,
+    and the massive-pair preset's error is dominated by the Q·K scores."""
+    from leanfa.accuracy_model import decompose
+
+    r = decompose(256, 2, ["gaussian", "llama3-8b-massive"])
+    for row in r.values():
+        assert 0.021 < row["V (e4m3 V)"] < 0.032
+        assert 0.005 < row["P (e4m3 P)"] < 0.03
+        assert abs(row["sum of squares"] / row["all (shipped FP8)"] - 1) < 0.1
+    m = r["llama3-8b-massive"]
+    assert m["Q·K scores (e4m3 Q, K)"] > 3 * m["P and V"]

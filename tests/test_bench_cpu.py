@@ -548,3 +548,15 @@ def test_fp8_check_scales_with_the_rounding_floor():
     assert 0.01 < floors["gaussian"] < 0.1  # 3 mantissa bits on Q, K, V: ~4-5e-2
     assert floors["gaussian"] * errors.FP8_FLOOR_FACTOR < errors.CHECK_TOL["fp8"]
     assert floors["qwen2.5-7b"] * errors.FP8_FLOOR_FACTOR > errors.CHECK_TOL["fp8"]
+
+
+def test_accuracy_profiles_include_every_preset_with_its_heads():
+    from leanfa.activations import PRESETS
+    from leanfa.bench.accuracy import list_profiles, profile_case
+
+    assert list_profiles() == list(PRESETS)
+    for name in ("llama3-8b-massive", "qwen2.5-7b-massive", "llama3-8b-heads"):
+        c = profile_case(name, batch=1, seqlen=64, causal=True)
+        p = PRESETS[name]
+        assert (c.heads, c.kv_heads, c.head_dim, c.head_dim_v, c.preset) == (
+            p.heads, p.kv_heads, p.head_dim_qk, p.head_dim_v, name)

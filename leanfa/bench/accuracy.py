@@ -45,9 +45,20 @@ def list_profiles() -> list[str]:
 
 
 def profile_case(profile: str, *, batch: int, seqlen: int, causal: bool) -> Case:
-    """The case of a named preset (its model's heads; gaussian: 16 heads, d128)."""
-    hq, hkv, dqk, dv = MODELS.get(profile, GAUSSIAN_HEADS)
+    """The case of a named preset: its model's heads (a bench model, else the activation
+    preset's own heads and head dims; gaussian: 16 heads, d128)."""
+    hq, hkv, dqk, dv = MODELS.get(profile) or _preset_heads(profile) or GAUSSIAN_HEADS
     return Case("accuracy", profile, profile, batch, seqlen, hq, hkv, dqk, dv, causal)
+
+
+def _preset_heads(profile: str):
+    """(q heads, kv heads, Dqk, Dv) of a ``leanfa.activations`` preset, or None."""
+    try:
+        from leanfa.activations import PRESETS
+    except Exception:
+        return None
+    p = PRESETS.get(profile)
+    return None if p is None or profile == "gaussian" else (p.heads, p.kv_heads, p.head_dim_qk, p.head_dim_v)
 
 
 def file_case_and_inputs(path: str, *, batch: int, seqlen: int, causal: bool, device, seed: int):
