@@ -171,7 +171,7 @@ def compile_all(target=GPUTarget("cuda", 90, 32), limit=None, verbose=True, quic
     for i, (c, elem) in enumerate(attention_variants(quick, fp8)):
         if limit is not None and i >= limit:
             break
-        c = {**c, **_unit_strides(elem), **({"stride_sqd": 1, "stride_skd": 1, "stride_svd": 1} if c["SINK"] else {})}
+        c = {"HAS_USED_Q": False, "HAS_USED_K": False, **c, **_unit_strides(elem), **({"stride_sqd": 1, "stride_skd": 1, "stride_svd": 1} if c["SINK"] else {})}
         # the largest tile the autotuner may pick for this head-dim class (portable._configs):
         # 128x128, 3 stages up to d128; 128x64, 2 stages above
         wide = max(c["BLOCK_DQK"], c["BLOCK_DV"]) > 128

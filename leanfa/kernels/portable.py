@@ -9,15 +9,16 @@ The algorithm (one program = one block of BLOCK_M query rows of one head):
     l      = l * exp2(m - m_new) + rowsum(p)
     O      = O * exp2(m - m_new) + P V  (FP8: P in e4m3, each block's P V added in fp32)
 
-``seqused_q``/``seqused_k`` (FA3's): sequence ``b`` has only its first ``seqused_q[b]`` queries
-and ``seqused_k[b]`` keys (the causal mask is aligned to those lengths); rows past
-``seqused_q[b]`` are written as rows that see no key (output 0, LSE -inf).
-
 P_SHIFT = 8 for FP8 scales P by 256 into the e4m3 range at no cost (l carries the same
 factor, so O / l is unchanged); 0 for BF16/FP16. At the end O / l is multiplied by the
 per-channel V descale, and LSE = (m - P_SHIFT + log2 l) * ln 2 (plus softmax_scale * q·k_mean
 when K was smoothed). Causal programs skip KV blocks entirely above the diagonal and mask only
 the blocks that cross it; the grid launches the heaviest query blocks first.
+
+``seqused_q``/``seqused_k`` (FA3's): sequence ``b`` has only its first ``seqused_q[b]`` queries
+and ``seqused_k[b]`` keys (the causal mask is aligned to those lengths); rows past
+``seqused_q[b]`` are written as rows that see no key (output 0, LSE -inf). Query tiles wholly
+past ``seqused_q[b]`` visit no key block.
 """
 
 from __future__ import annotations
@@ -218,10 +219,9 @@ def _attn_fwd(
     causal_offset = seqlen_k - seqlen_q  # bottom-right alignment
     n_end = seqlen_k
     n_full = (seqlen_k // BLOCK_N) * BLOCK_N
-    if HAS_USED_Q:
-        if start_m >= seqlen_q:  # a tile past the used queries: written as rows that see no key
-            n_end = 0
-            n_full = 0
+    if HAS_USED_Q:  # a tile past the used queries visits no key (its rows are written as 0, LSE -inf)
+        n_end = tl.where(start_m < seqlen_q, n_end, 0)
+        n_full = tl.where(start_m < seqlen_q, n_full, 0)
     if CAUSAL:
         last_visible = start_m + BLOCK_M + causal_offset  # keys < this are seen by some row
         if last_visible < n_end:
