@@ -16,6 +16,7 @@ import torch
 from . import scales
 from .checks import check_cu_seqlens as _check_cu_seqlens
 from .checks import check_device, check_fp8_device, interpreter_enabled  # noqa: F401 (re-exported)
+from .checks import check_seqused as _check_seqused
 from .checks import resolve_softmax_scale as _resolve_scale
 from .problem import FP8_DTYPE, Problem  # Problem's home is leanfa.problem; leanfa.api.Problem stays importable
 from .quant import FP8QKV, quantize_fp8
@@ -100,7 +101,7 @@ def _unpack_quantized(q, k, v, q_descale, k_descale, v_descale, k_mean):
 
 def _build_problem(q, k, v, *, varlen, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                    softmax_scale, causal, q_descale, k_descale, v_descale, k_mean,
-                   return_lse, out_dtype) -> Problem:
+                   return_lse, out_dtype, seqused_q=None, seqused_k=None) -> Problem:
     _check_inputs(q, k, v, 3 if varlen else 4)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
@@ -127,9 +128,12 @@ def _build_problem(q, k, v, *, varlen, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
             raise ValueError(f"q, k, v must share the batch size, got {q.shape[0]}, {k.shape[0]}, {v.shape[0]}")
         if v.shape[1] != k.shape[1]:
             raise ValueError(f"k and v must have the same seqlen, got {k.shape[1]} and {v.shape[1]}")
-        if max_seqlen_q < 1 or max_seqlen_k < 1:
-            raise ValueError(f"seqlens must be >= 1, got seqlen_q={max_seqlen_q}, seqlen_k={max_seqlen_k}")
     dev = q.device
+    for name, used, cu, slot in (("seqused_q", seqused_q, cu_seqlens_q, max_seqlen_q),
+                                 ("seqused_k", seqused_k, cu_seqlens_k, max_seqlen_k)):
+        if used is not None and varlen and used.device.type == "cpu":
+            slot = cu[1:] - cu[:-1]
+        _check_seqused(name, used, batch, slot, dev)
     q_scale = scales.token_scale_table("q_descale", q_descale, batch=batch, heads=heads,
                                        kv_heads=kv_heads, max_seqlen=max_seqlen_q, device=dev)
     k_scale = scales.token_scale_table("k_descale", k_descale, batch=batch, heads=kv_heads,
@@ -144,6 +148,7 @@ def _build_problem(q, k, v, *, varlen, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         causal=causal, softmax_scale=_resolve_scale(softmax_scale, dqk),
         q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, k_mean=k_mean,
         out_dtype=_resolve_out_dtype(q.dtype, out_dtype), return_lse=return_lse,
+        seqused_q=seqused_q, seqused_k=seqused_k,
     )
 
 
@@ -172,6 +177,8 @@ def flash_attn_func(
     *,
     k_mean: torch.Tensor | None = None,
     backend: str = "auto",
+    seqused_q: torch.Tensor | None = None,
+    seqused_k: torch.Tensor | None = None,
 ):
     """Attention forward on ``(batch, seqlen, heads, head_dim)`` tensors.
 
@@ -194,8 +201,13 @@ def flash_attn_func(
             only needed to make the returned LSE exact. Set automatically for an FP8QKV.
         backend: ``"auto"`` (Hopper kernel where it applies, else portable), ``"portable"``
             or ``"hopper"`` (error where it does not apply).
+        seqused_q, seqused_k: FlashAttention-3's int32 ``(B,)`` tensors: batch entry ``b`` has
+            only its first ``seqused_q[b]`` queries and ``seqused_k[b]`` keys (the causal mask is
+            aligned to these lengths); output rows past ``seqused_q[b]`` are 0 and their LSE
+            ``-inf`` (FA3 leaves them unwritten). Runs on the portable kernel.
 
-    Any strides are accepted; inputs are never copied.
+    Any strides are accepted; inputs are never copied. Empty inputs (``B``, ``Sq`` or ``Sk`` 0)
+    are allowed: the output is empty, or 0 with LSE ``-inf`` where no key exists.
 
     Returns:
         ``out`` of shape ``(B, Sq, Hq, Dv)``, or ``(out, lse)`` when ``return_lse``.
@@ -206,7 +218,7 @@ def flash_attn_func(
         q, k, v, varlen=False, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
         max_seqlen_k=None, softmax_scale=softmax_scale, causal=causal, q_descale=q_descale,
         k_descale=k_descale, v_descale=v_descale, k_mean=k_mean, return_lse=return_lse,
-        out_dtype=out_dtype)
+        out_dtype=out_dtype, seqused_q=seqused_q, seqused_k=seqused_k)
     return _run(problem, backend)
 
 
@@ -228,12 +240,16 @@ def flash_attn_varlen_func(
     *,
     k_mean: torch.Tensor | None = None,
     backend: str = "auto",
+    seqused_q: torch.Tensor | None = None,
+    seqused_k: torch.Tensor | None = None,
 ):
     """Attention forward on packed ``(total_tokens, heads, head_dim)`` tensors.
 
     Sequence ``b`` holds query tokens ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` and key tokens
     ``cu_seqlens_k[b]:cu_seqlens_k[b+1]`` (int32, flash-attn convention). Empty sequences
-    are allowed. Per-block descales are ``(B, H, ceil(max_seqlen/128))``, blocks counted from
+    are allowed, also all of them (``max_seqlen_q``/``max_seqlen_k`` may then be 0). ``seqused_q``/
+    ``seqused_k`` (int32 ``(B,)``) as in :func:`flash_attn_func`: only the first that many tokens of
+    each sequence are used. Per-block descales are ``(B, H, ceil(max_seqlen/128))``, blocks counted from
     each sequence's start. The LSE is ``(Hq, total_q)``. Other arguments as
     :func:`flash_attn_func`; ``q`` may be an :class:`FP8QKV` from ``quantize_fp8(...,
     cu_seqlens_q=..., cu_seqlens_k=...)`` (then ``k`` and ``v`` are ``None``).
@@ -247,7 +263,8 @@ def flash_attn_varlen_func(
         q, k, v, varlen=True, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
         causal=causal, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
-        k_mean=k_mean, return_lse=return_lse, out_dtype=out_dtype)
+        k_mean=k_mean, return_lse=return_lse, out_dtype=out_dtype, seqused_q=seqused_q,
+        seqused_k=seqused_k)
     return _run(problem, backend)
 
 

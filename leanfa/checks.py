@@ -1,5 +1,6 @@
 """Argument checks shared by the public functions (:mod:`leanfa.api`) and the quantizer
-(:mod:`leanfa.quant`): the device, the ``cu_seqlens`` of a packed batch, ``softmax_scale``.
+(:mod:`leanfa.quant`): the device, the ``cu_seqlens`` of a packed batch, ``seqused_q/k``,
+``softmax_scale``.
 
 They raise ``TypeError`` (wrong kind or dtype) or ``ValueError`` (wrong shape, device, value)
 naming the argument, and read tensor values only on CPU tensors (never synchronize the GPU).
@@ -52,8 +53,9 @@ def check_cu_seqlens(name: str, cu: torch.Tensor, total: int, max_name: str, max
         raise ValueError(f"{name} must be 1-D with batch+1 >= 2 entries, got shape {tuple(cu.shape)}")
     if cu.device != device:
         raise ValueError(f"{name} is on {cu.device} but q is on {device}")
-    if not isinstance(max_seqlen, int) or isinstance(max_seqlen, bool) or max_seqlen < 1:
-        raise ValueError(f"{max_name} must be a positive int, got {max_seqlen!r}")
+    # 0 is allowed (a batch whose sequences are all empty, as FlashAttention-3 accepts)
+    if not isinstance(max_seqlen, int) or isinstance(max_seqlen, bool) or max_seqlen < 0:
+        raise ValueError(f"{max_name} must be a non-negative int, got {max_seqlen!r}")
     # Values are checked only on the CPU path (a GPU check would synchronize), and not while
     # torch.compile traces (reading values would break the graph).
     if cu.device.type == "cpu" and not torch.compiler.is_compiling():
@@ -64,8 +66,27 @@ def check_cu_seqlens(name: str, cu: torch.Tensor, total: int, max_name: str, max
             raise ValueError(f"{name} must be non-decreasing, got {cu.tolist()}")
         if int(cu[-1]) != total:
             raise ValueError(f"{name}[-1] = {int(cu[-1])} must equal the number of tokens ({total})")
-        if int(lengths.max()) > max_seqlen:
+        if lengths.numel() and int(lengths.max()) > max_seqlen:
             raise ValueError(f"{max_name} = {max_seqlen} is smaller than the longest sequence ({int(lengths.max())})")
+
+
+def check_seqused(name: str, used, batch: int, slot_lengths, device) -> None:
+    """FA3's ``seqused_q``/``seqused_k``: None, or an int32 ``(batch,)`` tensor on ``device`` whose
+    entries lie in ``[0, slot length]`` (``slot_lengths``: the sequences' lengths, a tensor, or an int
+    for dense inputs). Values are checked on CPU tensors only (as ``cu_seqlens``)."""
+    if used is None:
+        return
+    if not isinstance(used, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(used).__name__}")
+    if used.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32 (FlashAttention-3 convention), got {used.dtype}")
+    if used.dim() != 1 or used.numel() != batch:
+        raise ValueError(f"{name} must be 1-D with one entry per sequence ({batch}), got shape {tuple(used.shape)}")
+    if used.device != device:
+        raise ValueError(f"{name} is on {used.device} but q is on {device}")
+    if used.device.type == "cpu" and not torch.compiler.is_compiling() and batch:
+        if bool((used < 0).any()) or bool((used > slot_lengths).any()):
+            raise ValueError(f"{name} must lie in [0, the sequence's length], got {used.tolist()}")
 
 
 def resolve_softmax_scale(softmax_scale, head_dim: int) -> float:

@@ -46,10 +46,18 @@ class Problem:
     sink_q: torch.Tensor | None = None
     sink_k: torch.Tensor | None = None
     sink_v: torch.Tensor | None = None
+    #: FA3's ``seqused_q``/``seqused_k``: int32 ``(batch,)``; sequence ``b`` has only its first
+    #: ``seqused_q[b]`` queries and ``seqused_k[b]`` keys (None: the whole sequence)
+    seqused_q: torch.Tensor | None = None
+    seqused_k: torch.Tensor | None = None
 
     @property
     def varlen(self) -> bool:
         return self.cu_seqlens_q is not None
+
+    @property
+    def has_seqused(self) -> bool:
+        return self.seqused_q is not None or self.seqused_k is not None
 
     @property
     def is_fp8(self) -> bool:

@@ -27,7 +27,16 @@ UNSUPPORTED = [  # (id, call, option named in the message)
     ("fa2 window", lambda: fa2.flash_attn_func(Q, K, V, window_size=(128, 0)), "window_size"),
     ("fa2 softcap", lambda: fa2.flash_attn_func(Q, K, V, softcap=30.0), "softcap"),
     ("fa2 alibi", lambda: fa2.flash_attn_func(Q, K, V, alibi_slopes=torch.ones(4)), "alibi_slopes"),
-    ("fa2 attn probs", lambda: fa2.flash_attn_func(Q, K, V, return_attn_probs=True), "return_attn_probs"),
+    ("fa2 attn probs with dropout", lambda: fa2.flash_attn_func(Q, K, V, dropout_p=0.1, return_attn_probs=True),
+     "dropout_p"),
+    ("fa2 qkvpacked dropout", lambda: fa2.flash_attn_qkvpacked_func(torch.stack([Q, Q, Q], 2), dropout_p=0.1),
+     "dropout_p"),
+    ("fa2 kvpacked softcap", lambda: fa2.flash_attn_kvpacked_func(Q, torch.stack([K, V], 2), softcap=5.0), "softcap"),
+    ("fa2 varlen qkvpacked window", lambda: fa2.flash_attn_varlen_qkvpacked_func(torch.stack([Q[0]] * 3, 1), CU, 8,
+                                                                                window_size=(4, 0)), "window_size"),
+    ("fa2 varlen kvpacked alibi", lambda: fa2.flash_attn_varlen_kvpacked_func(Q[0], torch.stack([K[0], V[0]], 1), CU, CU,
+                                                                             8, 8, alibi_slopes=torch.ones(4)),
+     "alibi_slopes"),
     ("fa2 varlen dropout", lambda: fa2.flash_attn_varlen_func(Q[0], K[0], V[0], CU, CU, 8, 8, dropout_p=0.5), "dropout_p"),
     ("fa2 varlen block_table", lambda: fa2.flash_attn_varlen_func(Q[0], K[0], V[0], CU, CU, 8, 8,
                                                                   block_table=CU), "block_table"),
@@ -37,10 +46,8 @@ UNSUPPORTED = [  # (id, call, option named in the message)
     ("fa3 window", lambda: fa3.flash_attn_func(Q, K, V, window_size=(64, 64)), "window_size"),
     ("fa3 chunk", lambda: fa3.flash_attn_func(Q, K, V, attention_chunk=256), "attention_chunk"),
     ("fa3 softcap", lambda: fa3.flash_attn_func(Q, K, V, softcap=15.0), "softcap"),
-    ("fa3 varlen seqused_k", lambda: fa3.flash_attn_varlen_func(Q[0], K[0], V[0], CU, CU, 8, 8,
-                                                                seqused_k=CU[1:]), "seqused_k"),
-    ("fa3 varlen seqused_q", lambda: fa3.flash_attn_varlen_func(Q[0], K[0], V[0], CU, CU, 8, 8,
-                                                                seqused_q=CU[1:]), "seqused_q"),
+    ("fa3 varlen q, dense k", lambda: fa3.flash_attn_varlen_func(Q[0], K, V, CU, None, 8, 8,
+                                                                 seqused_k=CU[1:]), "cu_seqlens_q/cu_seqlens_k"),
     ("fa3 kvcache", lambda: fa3.flash_attn_with_kvcache(Q, K, V), "flash_attn_with_kvcache"),
 ]
 
@@ -81,3 +88,69 @@ def test_varlen_and_fp8_descales_match_leanfa(device):
     got = fa3.flash_attn_func(q8, k8, v8, causal=True, q_descale=d, k_descale=d, v_descale=d)
     want = leanfa.flash_attn_func(q8, k8, v8, causal=True, q_descale=d, k_descale=d, v_descale=d)
     assert got.dtype == BF16 and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fa2_packed_forms_equal_unpacked(device, causal):
+    """flash-attn 2's packed functions: views of the packed tensor, the same bits as the unpacked call
+    (against a contiguous copy of each part), and within bf16 tolerance of float64."""
+    from leanfa.reference import attention_ref
+
+    from helpers import TOL, cu_seqlens, rel_l2
+
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn((2, 45, 3, 4, 64), generator=g).to(BF16).to(device)
+    q, k, v = (qkv[:, :, i].contiguous() for i in range(3))
+    want = fa2.flash_attn_func(q, k, v, causal=causal, softmax_scale=0.2)
+    assert torch.equal(fa2.flash_attn_qkvpacked_func(qkv, causal=causal, softmax_scale=0.2), want)
+    assert rel_l2(want, attention_ref(q, k, v, causal=causal, softmax_scale=0.2)) < TOL[BF16]
+    kv = torch.randn((2, 70, 2, 2, 64), generator=g).to(BF16).to(device)  # GQA: 2 KV heads
+    k2, v2 = kv[:, :, 0].contiguous(), kv[:, :, 1].contiguous()
+    assert torch.equal(fa2.flash_attn_kvpacked_func(q, kv, causal=causal),
+                       fa2.flash_attn_func(q, k2, v2, causal=causal))
+    # varlen: (total, 3, H, D) with one cu_seqlens; (total_k, 2, Hkv, D)
+    lens, lens_k = [17, 0, 28], [30, 5, 35]
+    cu, cu_k = cu_seqlens(lens, device), cu_seqlens(lens_k, device)
+    qkv_p = torch.randn((sum(lens), 3, 4, 64), generator=g).to(BF16).to(device)
+    qp, kp, vp = (qkv_p[:, i].contiguous() for i in range(3))
+    want = fa2.flash_attn_varlen_func(qp, kp, vp, cu, cu, 28, 28, causal=causal)
+    assert torch.equal(fa2.flash_attn_varlen_qkvpacked_func(qkv_p, cu, 28, causal=causal), want)
+    kv_p = torch.randn((sum(lens_k), 2, 2, 64), generator=g).to(BF16).to(device)
+    want = fa2.flash_attn_varlen_func(qp, kv_p[:, 0].contiguous(), kv_p[:, 1].contiguous(), cu, cu_k, 28, 35,
+                                      causal=causal)
+    assert torch.equal(fa2.flash_attn_varlen_kvpacked_func(qp, kv_p, cu, cu_k, 28, 35, causal=causal), want)
+    ref = attention_ref(qp, kv_p[:, 0], kv_p[:, 1], causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu_k)
+    assert rel_l2(want, ref) < TOL[BF16]
+
+
+@pytest.mark.parametrize("name,args", [
+    ("qkvpacked", lambda q, k, v: (torch.stack([q, q, q], 3),)),  # (B, S, H, 3, D): the packed axis misplaced
+    ("kvpacked", lambda q, k, v: (q, torch.stack([k, v, v], 2))),  # three parts, not two
+])
+def test_fa2_packed_shape_checked(name, args):
+    with pytest.raises(ValueError, match="must have shape"):
+        getattr(fa2, f"flash_attn_{name}_func")(*args(Q, K, V))
+
+
+def test_fa2_return_attn_probs_shapes(device):
+    """flash-attn 2 with return_attn_probs and no dropout returns (out, softmax_lse, S_dmask): the LSE
+    (B, Hq, Sq) float32 (varlen (Hq, total_q)) and S_dmask an empty (0,) tensor of q's dtype (flash-attn
+    2 materializes the probabilities only with dropout); out and LSE equal leanfa's."""
+    q, k, v = _qkv(device, s=24)
+    ref, ref_lse = leanfa.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    res = fa2.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    assert isinstance(res, tuple) and len(res) == 3
+    out, lse, probs = res
+    assert torch.equal(out, ref) and torch.equal(lse, ref_lse) and lse.shape == (1, 4, 24)
+    assert lse.dtype == torch.float32 and probs.shape == (0,) and probs.dtype == BF16 and probs.device == q.device
+    qkv = torch.stack([q[:, :, :2], k, v], 2)
+    assert [t.shape for t in fa2.flash_attn_qkvpacked_func(qkv, return_attn_probs=True)] == [
+        (1, 24, 2, 64), (1, 2, 24), (0,)]
+    cu = torch.tensor([0, 9, 24], dtype=torch.int32, device=device)
+    out, lse, probs = fa2.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 15, 15, return_attn_probs=True)
+    want, want_lse = leanfa.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 15, 15, return_lse=True)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse) and lse.shape == (4, 24) and probs.shape == (0,)
+    out, lse, _ = fa2.flash_attn_varlen_kvpacked_func(q[0], torch.stack([k[0], v[0]], 1), cu, cu, 15, 15,
+                                                      return_attn_probs=True)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    assert isinstance(fa2.flash_attn_func(q, k, v), torch.Tensor)  # plain out by default

@@ -50,6 +50,21 @@ def test_opcheck_varlen_fwd(device):
                           test_utils=OPCHECK_TESTS)
 
 
+def test_opcheck_seqused(device):
+    """The ops' optional seqused_q/seqused_k tensors (FA3's): schema, fake shapes, AOT dispatch."""
+    q, k, v = _qkv(device, b=2, s=20)
+    used_q = torch.tensor([20, 7], dtype=torch.int32, device=device)
+    used_k = torch.tensor([3, 20], dtype=torch.int32, device=device)
+    args = _op_args(q, k, v, return_lse=True)
+    torch.library.opcheck(torch.ops.leanfa.fwd.default, args, {"seqused_q": used_q, "seqused_k": used_k},
+                          test_utils=OPCHECK_TESTS)
+    cu = torch.tensor([0, 7, 20], dtype=torch.int32, device=device)
+    torch.library.opcheck(torch.ops.leanfa.varlen_fwd.default,
+                          (q[0], k[0], v[0], cu, cu, 13, 13, *args[3:6], None, *args[7:]),
+                          {"seqused_q": torch.tensor([7, 2], dtype=torch.int32, device=device)},
+                          test_utils=OPCHECK_TESTS)
+
+
 def test_opcheck_quantize(device):
     q, k, v = _qkv(device, s=20)
     torch.library.opcheck(torch.ops.leanfa.quantize_fp8.default, (q, k, v, "block", True, None, None, None, None),

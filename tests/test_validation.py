@@ -36,7 +36,6 @@ CASES = [  # (id, call, exception, message fragment)
     ("qk dims differ", lambda: leanfa.flash_attn_func(Q, t(1, 8, 2, 64), V), ValueError, "same head_dim"),
     ("batch differs", lambda: leanfa.flash_attn_func(t(2, 8, 4, 128), K, V), ValueError, "batch size"),
     ("k/v seqlen differ", lambda: leanfa.flash_attn_func(Q, K, t(1, 9, 2, 128)), ValueError, "same seqlen"),
-    ("empty seqlen", lambda: leanfa.flash_attn_func(t(1, 0, 4, 128), K, V), ValueError, "seqlens must be >= 1"),
     ("softmax_scale negative", lambda: leanfa.flash_attn_func(Q, K, V, softmax_scale=-1.0), ValueError, "softmax_scale"),
     ("softmax_scale tensor", lambda: leanfa.flash_attn_func(Q, K, V, softmax_scale=torch.tensor(1.0)), TypeError, "softmax_scale"),
     ("causal not bool", lambda: leanfa.flash_attn_func(Q, K, V, causal=1), TypeError, "causal"),
@@ -55,7 +54,7 @@ CASES = [  # (id, call, exception, message fragment)
     ("cu total", lambda: leanfa.flash_attn_varlen_func(Q[0], K[0], V[0], torch.tensor([0, 7], dtype=torch.int32), CU, 8, 8), ValueError, "must equal the number of tokens"),
     ("cu first", lambda: leanfa.flash_attn_varlen_func(Q[0], K[0], V[0], torch.tensor([1, 8], dtype=torch.int32), CU, 8, 8), ValueError, r"cu_seqlens_q\[0\] must be 0"),
     ("max_seqlen small", lambda: leanfa.flash_attn_varlen_func(Q[0], K[0], V[0], CU, CU, 4, 8), ValueError, "max_seqlen_q = 4 is smaller"),
-    ("max_seqlen type", lambda: leanfa.flash_attn_varlen_func(Q[0], K[0], V[0], CU, CU, 8.0, 8), ValueError, "max_seqlen_q must be a positive int"),
+    ("max_seqlen type", lambda: leanfa.flash_attn_varlen_func(Q[0], K[0], V[0], CU, CU, 8.0, 8), ValueError, "max_seqlen_q must be a non-negative int"),
     ("cu lengths differ", lambda: leanfa.flash_attn_varlen_func(Q[0], K[0], V[0], CU, torch.tensor([0, 4, 8], dtype=torch.int32), 8, 4), ValueError, "same length"),
     ("precision", lambda: leanfa.attention(Q, K, V, precision="fp4"), ValueError, "precision"),
     ("attention fp8 input", lambda: leanfa.attention(Q8, K8, V8), TypeError, "attention\\(\\) takes bf16/fp16"),
@@ -67,8 +66,16 @@ CASES = [  # (id, call, exception, message fragment)
     ("varlen k/v tokens differ", lambda: leanfa.flash_attn_varlen_func(Q[0], K[0], t(9, 2, 128), CU, CU, 8, 8), ValueError, "same number of tokens"),
     ("cu 2-D", lambda: leanfa.flash_attn_varlen_func(Q[0], K[0], V[0], CU[None], CU, 8, 8), ValueError, "cu_seqlens_q must be 1-D"),
     ("cu not a tensor", lambda: leanfa.flash_attn_varlen_func(Q[0], K[0], V[0], [0, 8], CU, 8, 8), TypeError, "cu_seqlens_q must be a torch.Tensor"),
-    ("max_seqlen bool", lambda: leanfa.flash_attn_varlen_func(Q[0], K[0], V[0], CU, CU, True, 8), ValueError, "max_seqlen_q must be a positive int"),
-    ("max_seqlen zero", lambda: leanfa.flash_attn_varlen_func(Q[0], K[0], V[0], CU, CU, 8, 0), ValueError, "max_seqlen_k must be a positive int"),
+    ("max_seqlen bool", lambda: leanfa.flash_attn_varlen_func(Q[0], K[0], V[0], CU, CU, True, 8), ValueError, "max_seqlen_q must be a non-negative int"),
+    ("max_seqlen negative", lambda: leanfa.flash_attn_varlen_func(Q[0], K[0], V[0], CU, CU, 8, -1), ValueError, "max_seqlen_k must be a non-negative int"),
+    ("max_seqlen zero", lambda: leanfa.flash_attn_varlen_func(Q[0], K[0], V[0], CU, CU, 8, 0), ValueError, "max_seqlen_k = 0 is smaller"),
+    ("seqused dtype", lambda: leanfa.flash_attn_func(Q, K, V, seqused_k=torch.ones(1, dtype=torch.int64)), TypeError, "seqused_k must be int32"),
+    ("seqused shape", lambda: leanfa.flash_attn_func(Q, K, V, seqused_q=torch.ones(2, dtype=torch.int32)), ValueError, "seqused_q must be 1-D with one entry"),
+    ("seqused not a tensor", lambda: leanfa.flash_attn_func(Q, K, V, seqused_q=[1]), TypeError, "seqused_q must be a torch.Tensor"),
+    ("seqused device", lambda: leanfa.flash_attn_func(Q, K, V, seqused_k=torch.ones(1, dtype=torch.int32, device="meta")), ValueError, "seqused_k is on meta"),
+    ("seqused too long", lambda: leanfa.flash_attn_func(Q, K, V, seqused_k=torch.tensor([9], dtype=torch.int32)), ValueError, "seqused_k must lie in"),
+    ("seqused negative", lambda: leanfa.flash_attn_varlen_func(Q[0], K[0], V[0], CU, CU, 8, 8, seqused_q=torch.tensor([-1], dtype=torch.int32)), ValueError, "seqused_q must lie in"),
+    ("seqused past a varlen sequence", lambda: leanfa.flash_attn_varlen_func(Q[0], K[0], V[0], torch.tensor([0, 3, 8], dtype=torch.int32), torch.tensor([0, 3, 8], dtype=torch.int32), 5, 5, seqused_k=torch.tensor([4, 5], dtype=torch.int32)), ValueError, "seqused_k must lie in"),
     ("return_lse not bool", lambda: leanfa.flash_attn_func(Q, K, V, return_lse=1), TypeError, "return_lse"),
     ("softmax_scale nan", lambda: leanfa.flash_attn_func(Q, K, V, softmax_scale=float("nan")), ValueError, "softmax_scale"),
     ("softmax_scale inf", lambda: leanfa.flash_attn_func(Q, K, V, softmax_scale=float("inf")), ValueError, "softmax_scale"),
@@ -112,7 +119,8 @@ CASES = [  # (id, call, exception, message fragment)
 
 # cu_seqlens *values* are checked on CPU tensors only: reading them from a GPU tensor would
 # sync the host on every call (flash-attn does not check them either; documented in the API)
-CPU_VALUE_CHECKS = {"cu not monotonic", "cu total", "cu first", "max_seqlen small",
+CPU_VALUE_CHECKS = {"cu not monotonic", "cu total", "cu first", "max_seqlen small", "max_seqlen zero",
+                    "seqused too long", "seqused negative", "seqused past a varlen sequence",
                     "quantize varlen max_seqlen small", "quantize varlen cu total"}
 _CASES = [pytest.param(*c[1:], id=c[0], marks=pytest.mark.skipif(
     DEV.type == "cuda" and c[0] in CPU_VALUE_CHECKS, reason="cu_seqlens values on a GPU are not read (no host sync)"))

@@ -81,7 +81,8 @@ def _summary(name, ck, arch):
 def _attn_types(elem: str, out: str):
     t = {n: "i32" for n in portable._attn_fwd.arg_names if n.startswith("stride_")}
     t.update(Q=f"*{elem}", K=f"*{elem}", V=f"*{elem}", O=f"*{out}", LSE="*fp32", QS="*fp32", KS="*fp32",
-             VS="*fp32", KMEAN="*fp32", CU_Q="*i32", CU_K="*i32", qk_scale="fp32", sm_scale="fp32",
+             VS="*fp32", KMEAN="*fp32", CU_Q="*i32", CU_K="*i32", USED_Q="*i32", USED_K="*i32", qk_scale="fp32",
+             sm_scale="fp32",
              SQ=f"*{'bf16' if elem == 'fp8e4nv' else elem}", SK=f"*{'bf16' if elem == 'fp8e4nv' else elem}",
              SV=f"*{'bf16' if elem == 'fp8e4nv' else elem}",
              seqlen_q_dense="i32", seqlen_k_dense="i32", num_heads="i32", group="i32",
@@ -115,6 +116,11 @@ def attention_variants(quick: bool = False, fp8: bool = True):
                    BLOCK_DV=triton.next_power_of_2(dv), CAUSAL=True, VARLEN=False, IS_FP8=True, DOT_UPCAST=0,
                    EXACT_FP8_ROUND=False, RETURN_LSE=True, HAS_KMEAN=True, SCALE_BLK=128, SINK=128,
                    SINK_SHIFT=True, BLOCK_M=128, BLOCK_N=64 if dqk > 128 else 128), "fp8e4nv"
+    for varlen in (False, True):  # FA3's seqused_q/seqused_k (BF16, causal, with LSE)
+        yield dict(HEAD_DIM_QK=128, HEAD_DIM_V=128, BLOCK_DQK=128, BLOCK_DV=128, CAUSAL=True, VARLEN=varlen,
+                   IS_FP8=False, DOT_UPCAST=0, EXACT_FP8_ROUND=False, RETURN_LSE=True, HAS_KMEAN=False,
+                   SCALE_BLK=128, SINK=0, SINK_SHIFT=False, BLOCK_M=128, BLOCK_N=128, HAS_USED_Q=True,
+                   HAS_USED_K=True), "bf16"
 
 
 def quant_variants(quick: bool = False):
@@ -165,7 +171,7 @@ def compile_all(target=GPUTarget("cuda", 90, 32), limit=None, verbose=True, quic
     for i, (c, elem) in enumerate(attention_variants(quick, fp8)):
         if limit is not None and i >= limit:
             break
-        c = {**c, **_unit_strides(elem), **({"stride_sqd": 1, "stride_skd": 1, "stride_svd": 1} if c["SINK"] else {})}
+        c = {"HAS_USED_Q": False, "HAS_USED_K": False, **c, **_unit_strides(elem), **({"stride_sqd": 1, "stride_skd": 1, "stride_svd": 1} if c["SINK"] else {})}
         # the largest tile the autotuner may pick for this head-dim class (portable._configs):
         # 128x128, 3 stages up to d128; 128x64, 2 stages above
         wide = max(c["BLOCK_DQK"], c["BLOCK_DV"]) > 128
@@ -173,7 +179,8 @@ def compile_all(target=GPUTarget("cuda", 90, 32), limit=None, verbose=True, quic
                       num_stages=2 if wide else 3)
         results.append(_summary(f"attn {elem} d{c['HEAD_DIM_QK']}/{c['HEAD_DIM_V']} causal={c['CAUSAL']} "
                                 f"varlen={c['VARLEN']} lse={c['RETURN_LSE']}"
-                                + (f" sink={c['SINK']}" if c["SINK"] else ""), ck, target.arch))
+                                + (f" sink={c['SINK']}" if c["SINK"] else "")
+                                + (" seqused" if c.get("HAS_USED_Q") else ""), ck, target.arch))
     qtypes = {n: "i32" for n in quantize.quantize_blocks.arg_names if n.startswith("stride_")}
     for c, elem in quant_variants(quick) if fp8 else ():
         qtypes.update(X=f"*{elem}", Y="*fp8e4nv", CU="*i32", MEAN="*fp32", SCALE="*fp32", CH_SCALE="*fp32",

@@ -40,6 +40,8 @@ SELF_CHECK_TOKENS = 208
 SELF_CHECK_VARLEN = (150, 202)
 #: self-check verdicts by :func:`config_key`: True runs the Hopper kernel, False the portable one
 VERDICTS: dict[tuple, bool] = {}
+#: refusal reasons already warned about (once per process)
+_WARNED: set[str] = set()
 _lock = threading.Lock()
 
 
@@ -66,7 +68,14 @@ def hopper_applies(problem) -> tuple[bool, str]:
     if problem.sink_keys and not hopper.sink_in_kernel():
         return False, ("BF16 sink keys (bf16_sink_keys) run in the portable kernel here: the Hopper kernel's "
                        "sink is off (LEANFA_HOPPER_SINK=0)")
-    return hopper.supports(problem)
+    ok, why = hopper.supports(problem)
+    if ok and problem.has_seqused:  # one warning per process, as for the other portable fallbacks
+        why = "seqused_q/seqused_k are not implemented in the Hopper kernel: these calls run on the portable kernel"
+        if why not in _WARNED:
+            _WARNED.add(why)
+            warnings.warn(f"leanfa: {why}", UserWarning, stacklevel=2)
+        return False, why
+    return ok, why
 
 
 def run(problem, backend: str):

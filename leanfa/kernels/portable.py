@@ -14,6 +14,11 @@ factor, so O / l is unchanged); 0 for BF16/FP16. At the end O / l is multiplied 
 per-channel V descale, and LSE = (m - P_SHIFT + log2 l) * ln 2 (plus softmax_scale * q·k_mean
 when K was smoothed). Causal programs skip KV blocks entirely above the diagonal and mask only
 the blocks that cross it; the grid launches the heaviest query blocks first.
+
+``seqused_q``/``seqused_k`` (FA3's): sequence ``b`` has only its first ``seqused_q[b]`` queries
+and ``seqused_k[b]`` keys (the causal mask is aligned to those lengths); rows past
+``seqused_q[b]`` are written as rows that see no key (output 0, LSE -inf). Query tiles wholly
+past ``seqused_q[b]`` visit no key block.
 """
 
 from __future__ import annotations
@@ -144,7 +149,7 @@ def _attend_sink_block(
 # the autotuner's key.
 @triton.jit(do_not_specialize=["num_heads", "group", "seq_bucket"])
 def _attn_fwd(
-    Q, K, V, O, LSE, QS, KS, VS, KMEAN, CU_Q, CU_K, SQ, SK, SV,
+    Q, K, V, O, LSE, QS, KS, VS, KMEAN, CU_Q, CU_K, SQ, SK, SV, USED_Q, USED_K,
     qk_scale, sm_scale, seqlen_q_dense, seqlen_k_dense, num_heads, group, seq_bucket,
     stride_qb, stride_qs, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
@@ -165,6 +170,7 @@ def _attn_fwd(
     RETURN_LSE: tl.constexpr, HAS_KMEAN: tl.constexpr,
     SCALE_BLK: tl.constexpr, SINK: tl.constexpr, SINK_SHIFT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_USED_Q: tl.constexpr = False, HAS_USED_K: tl.constexpr = False,
 ):
     tl.static_assert(SCALE_BLK % BLOCK_N == 0, "a KV tile must lie inside one K scale block")
     P_SHIFT: tl.constexpr = 8.0 if IS_FP8 else 0.0
@@ -173,11 +179,18 @@ def _attn_fwd(
     b = pid_bh // num_heads
     h = pid_bh % num_heads
     hk = h // group
-    q_start, seqlen_q = sequence_span(CU_Q, b, seqlen_q_dense, VARLEN)
+    q_start, seqlen_q_slot = sequence_span(CU_Q, b, seqlen_q_dense, VARLEN)
     k_start, seqlen_k = sequence_span(CU_K, b, seqlen_k_dense, VARLEN)
     start_m = pid_m * BLOCK_M
-    if start_m >= seqlen_q:
+    if start_m >= seqlen_q_slot:
         return
+    # seqused: only the first seqused_q[b] queries / seqused_k[b] keys of the sequence's slot
+    # exist (clamped to the slot); the mask and its bottom-right alignment use these lengths
+    seqlen_q = seqlen_q_slot
+    if HAS_USED_Q:
+        seqlen_q = tl.minimum(tl.load(USED_Q + b), seqlen_q_slot)
+    if HAS_USED_K:
+        seqlen_k = tl.minimum(tl.load(USED_K + b), seqlen_k)
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -206,6 +219,9 @@ def _attn_fwd(
     causal_offset = seqlen_k - seqlen_q  # bottom-right alignment
     n_end = seqlen_k
     n_full = (seqlen_k // BLOCK_N) * BLOCK_N
+    if HAS_USED_Q:  # a tile past the used queries visits no key (its rows are written as 0, LSE -inf)
+        n_end = tl.where(start_m < seqlen_q, n_end, 0)
+        n_full = tl.where(start_m < seqlen_q, n_full, 0)
     if CAUSAL:
         last_visible = start_m + BLOCK_M + causal_offset  # keys < this are seen by some row
         if last_visible < n_end:
@@ -275,9 +291,11 @@ def _attn_fwd(
         v_scale = tl.load(VS + b * stride_vsb + hk * stride_vsh + offs_dv * stride_vsd,
                           mask=offs_dv < HEAD_DIM_V, other=1.0)
         out = out * v_scale[None, :]
+    if HAS_USED_Q:  # rows past the used queries (their q was read as zeros): output 0, LSE -inf
+        out = tl.where(row_ok[:, None], out, 0.0)
     o_base = O + b.to(tl.int64) * stride_ob + (q_start + start_m).to(tl.int64) * stride_os + h.to(tl.int64) * stride_oh
     tl.store(o_base + tl.arange(0, BLOCK_M)[:, None] * stride_os + offs_dv[None, :] * stride_od,
-             out.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
+             out.to(O.dtype.element_ty), mask=(offs_m < seqlen_q_slot)[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
     if RETURN_LSE:
         lse = (m_i - P_SHIFT + tl.math.log2(l_i)) * 0.6931471805599453
         if HAS_KMEAN:  # K was stored as K - mean: add back softmax_scale * q . mean
@@ -290,8 +308,10 @@ def _attn_fwd(
                 if IS_FP8:
                     q_dot_mean = q_dot_mean * q_scale
             lse = lse + q_dot_mean * sm_scale
+        if HAS_USED_Q:
+            lse = tl.where(row_ok, lse, NEG_INF)
         lse_ptrs = LSE + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + (q_start + offs_m).to(tl.int64) * stride_ls
-        tl.store(lse_ptrs, lse, mask=row_ok)
+        tl.store(lse_ptrs, lse, mask=offs_m < seqlen_q_slot)
 
 
 def _configs():
@@ -367,6 +387,7 @@ def _launch(problem, out, lse):
         EXACT_FP8_ROUND=interp,
         RETURN_LSE=p.return_lse, HAS_KMEAN=has_kmean, SCALE_BLK=SCALE_BLOCK,
         SINK=p.sink_keys, SINK_SHIFT=sink and k_mean is not None,
+        HAS_USED_Q=p.seqused_q is not None, HAS_USED_K=p.seqused_k is not None,
     )
     if interp:
         kernel = _attn_fwd
@@ -382,6 +403,7 @@ def _launch(problem, out, lse):
 
     kernel[grid](
         q, k, v, out, lse if lse is not None else out, q_scale, k_scale, p.v_scale, km, cu_q, cu_k, sq, sk, sv,
+        p.seqused_q if p.seqused_q is not None else cu_q, p.seqused_k if p.seqused_k is not None else cu_k,
         p.softmax_scale * LOG2E, p.softmax_scale,
         p.max_seqlen_q if not p.varlen else 0, k.shape[1] if not p.varlen else 0, p.heads,
         p.heads // p.kv_heads, min(triton.next_power_of_2(p.max_seqlen_q), 1 << 15),
