@@ -58,12 +58,10 @@ def p_operand(p, p_dtype: gl.constexpr, p_layout: gl.constexpr, PERMUTED: gl.con
     """P (in the QK accumulator layout) as PV's register A operand. ``PERMUTED``: V's keys are in
     :func:`key_slot_order`, so slot ``k`` of the operand takes P's column ``key_slot_order[k]`` --
     a reshape/permute that keeps every value in its thread (the conversion is asserted trivial)."""
+    p = p.to(p_dtype)
     if PERMUTED:
         M: gl.constexpr = p.shape[0]
         N: gl.constexpr = p.shape[1]
         p = p.reshape([M, N // 16, 2, 4, 2]).permute(0, 1, 3, 2, 4).reshape([M, N])
-        p = gl.convert_layout(p, p_layout, assert_trivial=True)
-        return gl.inline_asm_elementwise(
-            "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
-            "mov.b32 $0, {lo, hi}; }", "=r,r,r,r,r", [p], dtype=gl.float8e4nv, is_pure=True, pack=4)
-    return gl.convert_layout(p.to(p_dtype), p_layout)
+        return gl.convert_layout(p, p_layout, assert_trivial=True)
+    return gl.convert_layout(p, p_layout)
