@@ -62,7 +62,6 @@ def test_traced_launch_same_output_and_complete_trace(fp8, monkeypatch):
         kw = dict(qq.descales())
     outs, plans = [], []
     for flag in ("0", "1"):
-        monkeypatch.setenv("LEANFA_HOPPER_KERNEL", "v3")
         monkeypatch.setenv("LEANFA_HOPPER_TRACE", flag)
         problem = _build_problem(q, k, v, varlen=False, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
                                  max_seqlen_k=None, softmax_scale=d ** -0.5, causal=True, return_lse=False,
