@@ -859,7 +859,7 @@ def test_v3_sink_plan_and_dispatch(monkeypatch):
     """The plan: SINK = 2 with a smoothed K (1 without), a 3-slot ring next to the sink's 96 KB at d128; what
     v3 cannot run is refused with the reason; auto dispatch takes it (GPU-validated, run 45) unless
     LEANFA_HOPPER_SINK=0."""
-    from leanfa.kernels import dispatch, hopper
+    from leanfa.kernels import dispatch
 
     q, k, v = _inputs(1, 200, 200, 2, 1, 128, 128)
     p = _sink_problem(q, k, v, True)
@@ -876,7 +876,7 @@ def test_v3_sink_plan_and_dispatch(monkeypatch):
         emulate_mod._make_plan_cpu(L, p, out, None)
     monkeypatch.delenv("LEANFA_HOPPER_PINGPONG")
     monkeypatch.delenv("LEANFA_HOPPER_SINK", raising=False)
-    assert hopper.SINK_VALIDATED and dispatch.hopper_sink_enabled()  # GPU-validated: on by default (run 45)
+    assert dispatch.HOPPER_SINK_VALIDATED and dispatch.hopper_sink_enabled()  # GPU-validated: on by default (run 45)
     assert dispatch.hopper_sink_enabled((128, 128), 128) and not dispatch.hopper_sink_enabled((192, 128), 128)
     monkeypatch.setenv("LEANFA_HOPPER_SINK", "0")  # the escape hatch
     assert not dispatch.hopper_sink_enabled()

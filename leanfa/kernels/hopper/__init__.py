@@ -13,12 +13,12 @@ the compiled kernel launched directly on later calls), :mod:`.aot` (compile for 
 :mod:`.emulate` (run a kernel's own source on the CPU, checking the mbarrier/TMA protocol).
 
 :func:`supports` says whether a validated :class:`leanfa.problem.Problem` can run here, and why
-not; anything it rejects runs on the portable kernel instead -- never a wrong answer.
+not; anything it rejects runs on the portable kernel instead -- never a wrong answer. Whether a call
+that can run here does is decided by :mod:`leanfa.kernels.dispatch`.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 import weakref
 
@@ -31,49 +31,19 @@ from ..outputs import allocate_outputs
 from . import launch as _launch
 from . import plan_cache
 
-#: ``backend="auto"`` picks this kernel only once it passes the GPU check
-#: (scripts/hopper_gpu_check.py). First H200 run (2026-11-29): wrong (NaN) whenever Sk > 128 or
-#: Sq > 128 -- the broadcast Q/K descale tables were indexed with their size-1 block stride
-#: (1, not 0), reading past the table (fixed by scales.broadcast_strides; caught on CPU by
-#: tests/test_hopper_emulate.py). The fix passed 90/90 cases on the H200 (run 3), so it is on.
-#: The kernel (v3) passed the same 90 cases in runs 10 and 11.
-VALIDATED = True
-#: FP8 varlen: H200 run 15 died with "illegal instruction" -- FP8 V is stored transposed, tokens
-#: innermost, so a box of sequence b started at token cu_seqlens_k[b] + 128 j, not 16-byte aligned
-#: in general, which TMA refuses (run 16: lengths that are multiples of 16 passed). The plan now
-#: re-packs V with every sequence on a multiple of 16 tokens (launch.align_varlen_v: one copy of V
-#: per call, device ops only) and the kernel reads V's sequence starts from that table.
 #: 64/64 passed the 130-case H200 check (the 90 cases plus 40 at 64/64: BF16 and FP8, causal and not,
 #: odd lengths, GQA) and memcheck on its 24 small cases, 0 errors (run 22, b9e966e).
 #: 256/256 (Gemma-class heads): FP8 with PV in the wgmma accumulator, BF16 with 64-key blocks
 #: (launch.wide_head); 48/48 H200 cases, memcheck/synccheck 0 errors (runs 41, 43).
 HEAD_DIMS = ((64, 64), (128, 128), (192, 128), (256, 256))
-#: FP8 with BF16 sink keys in the kernel (:mod:`.sink`), d64/d128: validated on the H200 in run 45
-#: (e94907e: 29/29 GPU tests, memcheck/synccheck 0 errors, `leanfa accuracy` equal to the portable
-#: sink's error; d128 16K 0.97x the plain FP8 call), so ``backend="auto"`` runs it on sm90.
-#: ``LEANFA_HOPPER_SINK=0`` sends it back to the portable kernel (``backend="hopper"``: to the split).
-SINK_VALIDATED = True
-#: FP8 head dims where ``backend="auto"`` prefers the portable kernel although this one runs them: at 64/64
-#: the portable FP8 kernel measured 1.10x / 1.06-1.07x this kernel at 4K / 16K (causal, B*S = 16K, 16 heads,
-#: H200 runs 49 and 51); its sink beat this kernel's plain FP8 call there too (run 45). BF16 d64 stays here
-#: (0.94-1.07x either way).
-PORTABLE_FASTER_FP8 = ((64, 64),)
 IN_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def portable_faster(problem) -> bool:
-    """Whether ``backend="auto"`` runs this call on the portable kernel, measured faster there
-    (:data:`PORTABLE_FASTER_FP8`), although this kernel supports it (``backend="hopper"`` still runs it here)."""
-    return problem.is_fp8 and (problem.head_dim_qk, problem.head_dim_v) in PORTABLE_FASTER_FP8
-
-
-def sink_in_kernel(dims=None, sink_keys=None) -> bool:
-    """Whether FP8 calls with BF16 sink keys may run here (``LEANFA_HOPPER_SINK``, default 1 once
-    validated); with ``dims`` (Dqk, Dv) and ``sink_keys``, also whether the kernel supports them."""
-    if os.environ.get("LEANFA_HOPPER_SINK", "1" if SINK_VALIDATED else "0") != "1":
-        return False
-    return dims is None or _launch.sink_problem(True, dims, sink_keys) is None
+def sink_problem(dims, sink_keys) -> str | None:
+    """Why the kernel cannot attend ``sink_keys`` BF16 sink keys in an FP8 call of head dims ``dims`` (Dqk, Dv),
+    or None (:func:`.launch.sink_problem`)."""
+    return _launch.sink_problem(True, dims, sink_keys)
 
 
 def supports(problem) -> tuple[bool, str]:
