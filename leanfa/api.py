@@ -259,7 +259,7 @@ def _attention_fp8_in_kernel_sink(q, k, v, sink_keys, causal, softmax_scale, ret
                                   smooth_k, backend, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
     """``attention(precision="fp8", bf16_sink_keys=P)`` in one FP8 call on ``backend`` (the one
     :func:`leanfa.kernels.dispatch.sink_route` names) that attends keys ``[0, P)`` (of each sequence) from the
-    16-bit inputs (see :mod:`leanfa.sink`)."""
+    16-bit inputs (see :mod:`leanfa.sink_split`)."""
     from . import ops
 
     cu = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
@@ -300,7 +300,7 @@ def attention(
 
     ``bf16_sink_keys=P`` (FP8): attend the first ``P`` keys (of each sequence) (the attention-sink
     tokens, where most of the FP8 score error comes from) in 16 bits and the rest in FP8, in one
-    softmax (:mod:`leanfa.sink`). 128 is a good value: on model-like activations it cuts the
+    softmax (:mod:`leanfa.sink_split`). 128 is a good value: on model-like activations it cuts the
     FP8 error ~2-4x at 1K tokens (docs/accuracy-notes.md) for ``P`` extra 16-bit keys per
     query tile. A multiple of 128 runs inside the
     portable FP8 kernel (``backend="auto"`` picks it for this call), dense or varlen; other
@@ -322,7 +322,7 @@ def attention(
     if precision == "fp8" and bf16_sink_keys:
         from .kernels import dispatch
         from .quant import _check as _check_quantize
-        from .sink import attention_sink_bf16
+        from .sink_split import attention_sink_bf16
 
         # inside one FP8 call on the backend dispatch names, or the split below (dense only)
         in_kernel = dispatch.sink_route(backend, (q.shape[-1], v.shape[-1]), bf16_sink_keys)

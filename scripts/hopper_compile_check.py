@@ -26,7 +26,7 @@ import torch  # noqa: E402
 
 from leanfa import _versions  # noqa: E402
 from leanfa.kernels.hopper import launch as L  # noqa: E402
-from leanfa.kernels.hopper.aot import Variant, compile_variant  # noqa: E402
+from leanfa.kernels.hopper.gluon_aot import Variant, compile_variant  # noqa: E402
 
 SMEM_LIMIT = 227 * 1024
 

@@ -454,7 +454,7 @@ def list_kernels(path: str) -> list[dict]:
 
 
 def compile_leanfa(dtype: str, env: list[str], out_dir: str) -> str:
-    """Compile leanfa's d128 causal Hopper kernel for sm90 on the CPU (:mod:`leanfa.kernels.hopper.aot`,
+    """Compile leanfa's d128 causal Hopper kernel for sm90 on the CPU (:mod:`leanfa.kernels.hopper.gluon_aot`,
     as ``scripts/hopper_compile_check.py`` does; ``env``: ``LEANFA_HOPPER_*=value`` experiment knobs) and write
     its cubin; returns the path."""
     from unittest import mock
@@ -462,7 +462,7 @@ def compile_leanfa(dtype: str, env: list[str], out_dir: str) -> str:
     import triton
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    from leanfa.kernels.hopper import aot
+    from leanfa.kernels.hopper import gluon_aot
 
     got = {}
     real = triton.compile
@@ -473,7 +473,7 @@ def compile_leanfa(dtype: str, env: list[str], out_dir: str) -> str:
 
     knobs = tuple(tuple(e.split("=", 1)) for e in env)
     with mock.patch.object(triton, "compile", keep):
-        name = aot.compile_variant(aot.Variant(dtype, 128, 128, True, env=knobs)).name
+        name = gluon_aot.compile_variant(gluon_aot.Variant(dtype, 128, 128, True, env=knobs)).name
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, re.sub(r"[^\w.=-]+", "_", name) + ".cubin")
     with open(path, "wb") as f:

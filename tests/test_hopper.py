@@ -22,7 +22,7 @@ needs_sm90 = pytest.mark.skipif(not ON_H100, reason="needs an sm90 (Hopper) GPU"
 
 def _compile_available() -> bool:
     try:
-        from leanfa.kernels.hopper import aot  # noqa: F401
+        from leanfa.kernels.hopper import gluon_aot  # noqa: F401
         from triton.backends.nvidia.compiler import get_ptxas
 
         get_ptxas(90)
@@ -33,7 +33,7 @@ def _compile_available() -> bool:
 
 _AOT_SNIPPET = """
 import re, sys
-from leanfa.kernels.hopper.aot import Variant, compile_variant
+from leanfa.kernels.hopper.gluon_aot import Variant, compile_variant
 poly, persistent, lse, varlen = sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4] == "1"
 env = (("LEANFA_HOPPER_POLY", poly),)
 env += (("LEANFA_HOPPER_PERSISTENT", persistent),) if persistent != "default" else ()

@@ -16,7 +16,7 @@ configuration stays on the portable kernel, with one warning. The verdict is kep
 the process (:data:`VERDICTS`).
 
 BF16 sink keys (``attention(precision="fp8", bf16_sink_keys=P)``): :func:`sink_route` decides whether they
-are attended inside one FP8 call, and on which backend, or by the split path (:mod:`leanfa.sink`);
+are attended inside one FP8 call, and on which backend, or by the split path (:mod:`leanfa.sink_split`);
 :func:`hopper_sink_enabled` whether the Hopper kernel attends them (``LEANFA_HOPPER_SINK``).
 """
 
@@ -55,7 +55,7 @@ HOPPER_SINK_VALIDATED = True
 PORTABLE_FASTER_FP8 = ((64, 64),)
 #: ``bf16_sink_keys`` that are a multiple of this run inside the FP8 kernel (the portable kernel's sink blocks
 #: are whole KV tiles and K scale blocks; the Hopper kernel's sink is exactly one such block). Other values
-#: take the split path (:func:`leanfa.sink.attention_sink_bf16`).
+#: take the split path (:func:`leanfa.sink_split.attention_sink_bf16`).
 SINK_BLOCK = 128
 
 #: relative L2 error between the Hopper and the portable kernel's outputs (and LSE) on the self-check's

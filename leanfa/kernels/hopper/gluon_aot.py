@@ -15,7 +15,7 @@ from unittest import mock
 import torch
 import triton
 
-from ..aot import ptxas_perf_warnings, ptxas_usage
+from ..triton_aot import ptxas_perf_warnings, ptxas_usage
 from . import launch as L
 from .gluon_compat import GluonASTSource, GPUTarget, mangle_type
 from .varlen_v import repacked_tokens
