@@ -199,8 +199,9 @@ def flash_attn_func(
         out_dtype: output dtype; default bf16 for FP8 inputs, else the input dtype.
         k_mean: the per-channel mean that was subtracted from K before quantizing (K smoothing);
             only needed to make the returned LSE exact. Set automatically for an FP8QKV.
-        backend: ``"auto"`` (Hopper kernel where it applies, else portable), ``"portable"``
-            or ``"hopper"`` (error where it does not apply).
+        backend: ``"auto"`` (Hopper kernel where it applies, else portable: decided by
+            :func:`leanfa.kernels.dispatch.choose`), ``"portable"`` or ``"hopper"`` (error where it does
+            not apply).
         seqused_q, seqused_k: FlashAttention-3's int32 ``(B,)`` tensors: batch entry ``b`` has
             only its first ``seqused_q[b]`` queries and ``seqused_k[b]`` keys (the causal mask is
             aligned to these lengths); output rows past ``seqused_q[b]`` are 0 and their LSE
@@ -273,10 +274,9 @@ PRECISIONS = ("fp8", "bf16")
 
 def _attention_fp8_in_kernel_sink(q, k, v, sink_keys, causal, softmax_scale, return_lse, granularity,
                                   smooth_k, backend, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
-    """``attention(precision="fp8", bf16_sink_keys=P)`` with P a multiple of 128: one FP8 call
-    of the portable kernel (or, P = 128 with the Hopper sink enabled, of the Hopper v3 kernel,
-    :mod:`leanfa.kernels.hopper.sink`) that attends keys ``[0, P)`` (of each sequence) from the
-    16-bit inputs (see :mod:`leanfa.sink`)."""
+    """``attention(precision="fp8", bf16_sink_keys=P)`` in one FP8 call on ``backend`` (the one
+    :func:`leanfa.kernels.dispatch.sink_route` names) that attends keys ``[0, P)`` (of each sequence) from the
+    16-bit inputs (see :mod:`leanfa.sink_split`)."""
     from . import ops
 
     cu = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
@@ -287,9 +287,7 @@ def _attention_fp8_in_kernel_sink(q, k, v, sink_keys, causal, softmax_scale, ret
                              causal=causal, q_descale=qd, k_descale=kd, v_descale=vd, k_mean=km,
                              return_lse=return_lse, out_dtype=q.dtype)
     problem = dataclasses.replace(problem, sink_keys=sink_keys, sink_q=q, sink_k=k, sink_v=v)
-    from .kernels.dispatch import hopper_sink_enabled
-
-    return _run(problem, "portable" if backend == "auto" and not hopper_sink_enabled() else backend)
+    return _run(problem, backend)
 
 
 def attention(
@@ -319,7 +317,7 @@ def attention(
 
     ``bf16_sink_keys=P`` (FP8): attend the first ``P`` keys (of each sequence) (the attention-sink
     tokens, where most of the FP8 score error comes from) in 16 bits and the rest in FP8, in one
-    softmax (:mod:`leanfa.sink`). 128 is a good value: on model-like activations it cuts the
+    softmax (:mod:`leanfa.sink_split`). 128 is a good value: on model-like activations it cuts the
     FP8 error ~2-4x at 1K tokens (docs/accuracy-notes.md) for ``P`` extra 16-bit keys per
     query tile. A multiple of 128 runs inside the
     portable FP8 kernel (``backend="auto"`` picks it for this call), dense or varlen; other
@@ -339,22 +337,19 @@ def attention(
     if bf16_sink_keys and precision != "fp8":
         raise ValueError("bf16_sink_keys applies to precision='fp8' only")
     if precision == "fp8" and bf16_sink_keys:
+        from .kernels import dispatch
         from .quant import _check as _check_quantize
-        from .sink import SINK_BLOCK, attention_sink_bf16
+        from .sink_split import attention_sink_bf16
 
-        from .kernels.dispatch import hopper_sink_enabled
-
-        # in the FP8 kernel: the portable one (multiples of 128 keys); the Hopper one (exactly 128, d64/d128;
-        # LEANFA_HOPPER_SINK=0 turns it off). Else the split below (dense only)
-        in_kernel = bf16_sink_keys % SINK_BLOCK == 0 and (
-            backend != "hopper" or hopper_sink_enabled((q.shape[-1], v.shape[-1]), bf16_sink_keys))
-        if varlen and not in_kernel:
-            raise ValueError(f"bf16_sink_keys with varlen inputs must be a multiple of {SINK_BLOCK} "
+        # inside one FP8 call on the backend dispatch names, or the split below (dense only)
+        in_kernel = dispatch.sink_route(backend, (q.shape[-1], v.shape[-1]), bf16_sink_keys)
+        if varlen and in_kernel is None:
+            raise ValueError(f"bf16_sink_keys with varlen inputs must be a multiple of {dispatch.SINK_BLOCK} "
                              f"(the in-kernel path, backend 'auto' or 'portable'), got {bf16_sink_keys}")
         _check_quantize(q, k, v, granularity, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        if in_kernel:
+        if in_kernel is not None:
             return _attention_fp8_in_kernel_sink(q, k, v, bf16_sink_keys, causal, softmax_scale, return_lse,
-                                                 granularity, smooth_k, backend, cu_seqlens_q, cu_seqlens_k,
+                                                 granularity, smooth_k, in_kernel, cu_seqlens_q, cu_seqlens_k,
                                                  max_seqlen_q, max_seqlen_k)
         return attention_sink_bf16(q, k, v, prefix=bf16_sink_keys, causal=causal, softmax_scale=softmax_scale,
                                    return_lse=return_lse, backend=backend,

@@ -1,5 +1,5 @@
 """The ``leanfa`` command: ``demo`` (any machine), the GPU measurement tools ``bench``,
-``accuracy`` and ``profile`` (:mod:`leanfa.bench.cli`), ``report`` (any machine) and
+``accuracy`` and ``profile`` (:mod:`leanfa.bench.commands`), ``report`` (any machine) and
 ``--version``. Every command's ``--help`` is written for users: what it does, its main options,
 examples."""
 
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # --help (0) or a usage error argparse already printed (2)
         return e.code if isinstance(e.code, int) else 2
     if command in ("bench", "accuracy", "profile"):
-        from .bench.cli import main as bench_main
+        from .bench.commands import main as bench_main
 
         return bench_main(command, rest)
     print(f"leanfa: unknown command {command!r}\n{USAGE}", file=sys.stderr)

@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
 # Everything one H200 session checks, in one call (device time is scarce): GPU tests,
-# Hopper v2 check, bench sweeps, accuracy, profiles, the fuzz campaign and the sanitizers.
+# Hopper kernel configurations check, bench sweeps, accuracy, profiles, the fuzz campaign and the sanitizers.
 # Each step has its own time limit; logs go to $OUT/r/<step>.log, tails to stdout.
 # Usage (repo root, on the GPU machine): OUT=/some/dir bash scripts/gpu_session.sh [steps|group]
 #   ... or lanes separated by "::", each on its own GPU, run in parallel:
 #   bash scripts/gpu_session.sh sweep :: checks     (lane 0 on GPU 0, lane 1 on GPU 1)
 # Lane 0 is pinned to 4 CPU cores and the other lanes share the rest, so lane 0 can time
 # while another lane compiles (compiles are CPU-bound). Groups sized for one call (< 10 min):
-# `checks` (pytest, fuzz), `perf` (hopper_v2, bench, accuracy); `sweep` is the full standard
+# `checks` (pytest, fuzz), `perf` (hopper_configs, bench, accuracy); `sweep` is the full standard
 # bench sweep alone (~8 min), `models` the model-preset and varlen sweeps; `fuzz_long` a ~7 min
 # campaign, `bench_host` the short-sequence rows where host time matters (S = 512, 4K, 16K).
 # Lessons from the 2026-11-29 sessions: the GPU test suite is dominated by Triton compiles
-# (every constexpr combination compiles once), so pytest runs with xdist; the Hopper v2
+# (every constexpr combination compiles once), so pytest runs with xdist; a Hopper configuration's
 # correctness child alone needs > 120 s.
 set -u
 OUT=${OUT:-/tmp/leanfa-gpu-session}
@@ -45,7 +45,7 @@ step() {  # step NAME SECONDS TAIL_LINES CMD...
 run_steps() {
   local steps="$*"
   steps=${steps/checks/pytest fuzz}
-  steps=${steps/perf/hopper_v2 bench accuracy}
+  steps=${steps/perf/hopper_configs bench accuracy}
   for s in $steps; do
     case $s in
       pytest) step pytest "${PYTEST_LIMIT:-360}" 16 env LEANFA_FUZZ_PROFILE=ci python3 -m pytest -q -p no:cacheprovider -rfEs \
@@ -60,28 +60,28 @@ run_steps() {
                 --deselect tests/test_readme.py::test_api_docs_build_without_warnings ;;  # half 2 of the GPU suite
       pytest_long) step pytest_long 240 10 python3 -m pytest -q -p no:cacheprovider -rfEs \
                 tests/test_edge_cases.py -k "131k or 2_31" ;;
-      hopper_v2) step hopper_v2 560 30 python3 scripts/hopper_v2_gpu.py ;;  # v2 child alone up to 300 s
-      hopper_v3) step hopper_v3 560 60 python3 scripts/hopper_v2_gpu.py --check v3:small,v3,v3-nopp:small,v3-poly2:small \
-                --check-timeout 200 --time v2,v3,v3-nopp,v3-poly1,v3-poly2,v3-poly4 ;;
-      hopper_v3_time) step hopper_v3_time 300 50 python3 scripts/hopper_v2_gpu.py --check "" \
+      hopper_configs) step hopper_configs 560 30 python3 scripts/hopper_configs_gpu.py ;;  # the default's check + timings
+      hopper_v3) step hopper_v3 560 60 python3 scripts/hopper_configs_gpu.py --check v3:small,v3,v3-nopp:small,v3-poly2:small \
+                --check-timeout 200 --time v3,v3-nopp,v3-poly1,v3-poly2,v3-poly4 ;;
+      hopper_v3_time) step hopper_v3_time 300 50 python3 scripts/hopper_configs_gpu.py --check "" \
                 --time v3,v3-pp,v3-pvmma,v3-poly1 ;;
       varlen) step varlen 300 20 python3 -m pytest -q -p no:cacheprovider -rfEs tests/test_hopper.py \
                 tests/test_attention.py -k varlen
                 step bench_varlen 240 24 python3 -m leanfa.cli bench --no-progress --sweep varlen \
                 --impl 'leanfa-*,cudnn-*,sdpa-*' --name bench-varlen --out "$OUT/r/bench_varlen" ;;
-      persist) step persist 560 60 python3 scripts/hopper_v2_gpu.py --check v3-persist:small --check-timeout 200 \
+      persist) step persist 560 60 python3 scripts/hopper_configs_gpu.py --check v3-persist:small --check-timeout 200 \
                 --time v3,v3-persist ;;  # one program per SM, heaviest tiles first
-      persist_check) step persist_check 420 40 python3 scripts/hopper_v2_gpu.py --check v3-persist \
+      persist_check) step persist_check 420 40 python3 scripts/hopper_configs_gpu.py --check v3-persist \
                 --check-timeout 300 --no-bench --sanitize ;;
-      vperm) step vperm 560 60 python3 scripts/hopper_v2_gpu.py --check v3-vperm:small,v3-wide:small --check-timeout 200 \
+      vperm) step vperm 560 60 python3 scripts/hopper_configs_gpu.py --check v3-vperm:small,v3-wide:small --check-timeout 200 \
                 --time v3,v3-vperm,v3-pvmma,v3-vperm-pvmma,v3-wide ;;  # FP8 V keys permuted: P without the shuffle
-      vperm_check) step vperm_check 420 40 python3 scripts/hopper_v2_gpu.py --check v3-vperm \
+      vperm_check) step vperm_check 420 40 python3 scripts/hopper_configs_gpu.py --check v3-vperm \
                 --check-timeout 300 --no-bench --sanitize ;;
-      wide_check) step wide_check 420 40 python3 scripts/hopper_v2_gpu.py --check v3-wide \
+      wide_check) step wide_check 420 40 python3 scripts/hopper_configs_gpu.py --check v3-wide \
                 --check-timeout 300 --no-bench --sanitize ;;  # 256-key FP8 blocks: the full case set
       stalls_wide) step stalls_wide 240 120 env $WIDE python3 scripts/ncu_stalls.py --impl leanfa-hopper-fp8-kernel \
                 --out "$OUT/r/stalls_wide" ;;
-      vperm_time) step vperm_time 300 60 python3 scripts/hopper_v2_gpu.py --check "" \
+      vperm_time) step vperm_time 300 60 python3 scripts/hopper_configs_gpu.py --check "" \
                 --time v3,v3-vperm,v3-pvmma,v3-wide ;;  # timings only (the checks are vperm/wide_check)
       bench_d64) step bench_d64 200 16 python3 -m leanfa.cli bench --quick --no-progress --sweep standard \
                 --dims d64,d128,mla,d256 --seqlens 4k,16k --causal true --impl 'leanfa-hopper-*,cudnn-bf16,cudnn-fp8' \
@@ -114,11 +114,11 @@ run_steps() {
                 --name bench-sink --out "$OUT/r/bench_sink" ;;
       accuracy_sink) step accuracy_sink 150 40 env LEANFA_HOPPER_SINK=1 python3 -m leanfa.cli accuracy \
                 --out "$OUT/r/accuracy_sink" ;;  # leanfa-hopper-fp8-sink rows: the v3 in-kernel sink
-      early_q_check) step early_q_check 470 40 python3 scripts/hopper_v2_gpu.py --check v3,v3-persist:small \
+      early_q_check) step early_q_check 470 40 python3 scripts/hopper_configs_gpu.py --check v3,v3-persist:small \
                 --check-timeout 300 --no-bench --sanitize ;;  # the Q box handed back after the last QK (both grids)
-      tma_check) step tma_check 470 40 python3 scripts/hopper_v2_gpu.py --check v3-tma,v3-tma-persist:small \
+      tma_check) step tma_check 470 40 python3 scripts/hopper_configs_gpu.py --check v3-tma,v3-tma-persist:small \
                 --check-timeout 300 --no-bench --sanitize ;;  # the TMA-store epilogue (LEANFA_HOPPER_STORE_TMA=1)
-      tma_validate) step tma_validate 420 40 env LEANFA_CHECK_DTYPES=fp8 python3 scripts/hopper_v2_gpu.py \
+      tma_validate) step tma_validate 420 40 env LEANFA_CHECK_DTYPES=fp8 python3 scripts/hopper_configs_gpu.py \
                 --check v3-tma-persist,v3-tma:small,v3-persist:small --check-timeout 250 --no-bench --sanitize ;;
       short_grid) for tma in 0 1; do for p in 0 1; do  # 1K-4K: per-tile cost (grid x epilogue), no other lane
                 step "short_t${tma}p$p" 150 12 env LEANFA_HOPPER_STORE_TMA=$tma LEANFA_HOPPER_PERSISTENT=$p python3 -m leanfa.cli \
@@ -126,10 +126,10 @@ run_steps() {
                   --impl 'leanfa-hopper-fp8-kernel,cudnn-fp8' --name "short-t${tma}p$p" --out "$OUT/r/short_t${tma}p$p"; done; done ;;
       short_time) step short_time 200 20 python3 scripts/short_time.py ;;  # kernel alone: grid/persistent x epilogue
       short_bf16) step short_bf16 200 20 python3 scripts/short_time.py --dtype bf16 ;;  # BF16: grid/persistent x epilogue
-      bf16_tma) step bf16_tma 300 16 env LEANFA_HOPPER_STORE_TMA=2 LEANFA_CHECK_DTYPES=bf16 python3 scripts/hopper_v2_gpu.py \
+      bf16_tma) step bf16_tma 300 16 env LEANFA_HOPPER_STORE_TMA=2 LEANFA_CHECK_DTYPES=bf16 python3 scripts/hopper_configs_gpu.py \
                 --check v3-tma2,v3-tma2-persist:small --check-timeout 240 --no-bench --sanitize ;;  # BF16 TMA store
       tma_sync) step tma_sync 150 12 env LEANFA_CHECK_DTYPES=fp8 LEANFA_HOPPER_STORE_TMA=1 LEANFA_HOPPER_PERSISTENT=1 \
-                /usr/local/cuda/bin/compute-sanitizer --tool synccheck --error-exitcode 3 python3 scripts/hopper_v2_gpu.py \
+                /usr/local/cuda/bin/compute-sanitizer --tool synccheck --error-exitcode 3 python3 scripts/hopper_configs_gpu.py \
                 --child v3-tma-persist --small --child-sanitize ;;
       trace_short) step trace_short 240 60 python3 scripts/hopper_trace.py --out "$OUT/r/trace_short" \
                 --cases fp8-d128-1k,fp8-d128-1k-persist,fp8-d128-1k-tma,fp8-d128-1k-tma-persist,fp8-d128-4k,fp8-d128-4k-tma-persist,fp8-d128-16k,fp8-d128-16k-tma ;;  # per-tile cost
@@ -167,19 +167,19 @@ run_steps() {
                 step varlen_persist_check 300 12 env LEANFA_HOPPER_PERSISTENT=1 python3 -m pytest -q -p no:cacheprovider \
                   -rfEs -n "$WORKERS" -k varlen tests/test_hopper.py tests/test_flash_attn_compat.py tests/test_attention.py ;;
       pvmma_time) for r in 1 2; do  # FP8 PV in the wgmma accumulator against the default, two samples in one run
-                step "pvmma_time$r" 200 30 python3 scripts/hopper_v2_gpu.py --check "" --time v3,v3-pvmma-default; done ;;
+                step "pvmma_time$r" 200 30 python3 scripts/hopper_configs_gpu.py --check "" --time v3,v3-pvmma-default; done ;;
       varlen_v_time) step varlen_v_time 200 40 python3 scripts/varlen_v_time.py ;;  # the FP8 varlen V re-pack per tile
       host_time) step host_time 200 20 python3 scripts/host_time.py --profile --shapes 16x1024,4x4096,1x16384 ;;  # CPU time per call vs GPU time
       quant_time) step quant_time 200 40 python3 scripts/quant_time.py ;;  # FP8 end-to-end: quantizer kernels, GB/s
-      ablate) step ablate 300 60 python3 scripts/hopper_v2_gpu.py --check "" \
+      ablate) step ablate 300 60 python3 scripts/hopper_configs_gpu.py --check "" \
                 --time v3,v3-noexp,v3-nomax,v3-nosoftmax,v3-onewg ;;  # what the softmax parts cost; one warpgroup alone
-      c3) step c3 560 60 python3 scripts/hopper_v2_gpu.py --check v3-c3:small --check-timeout 200 \
+      c3) step c3 560 60 python3 scripts/hopper_configs_gpu.py --check v3-c3:small --check-timeout 200 \
                 --time v3,v3-pvmma,v3-bn64,v3-bn64-pvmma,v3-c3 ;;  # a third consumer warpgroup: small check + timings
-      c3_time) step c3_time 300 60 python3 scripts/hopper_v2_gpu.py --check "" \
+      c3_time) step c3_time 300 60 python3 scripts/hopper_configs_gpu.py --check "" \
                 --time v3,v3-bn64-pvmma,v3-c3 ;;  # timings only (c3_check passed in run 29)
-      c3_bn128) step c3_bn128 300 60 python3 scripts/hopper_v2_gpu.py --check "" \
+      c3_bn128) step c3_bn128 300 60 python3 scripts/hopper_configs_gpu.py --check "" \
                 --time v3,v3-c3,v3-c3-bn128 ;;  # FP8 three warpgroups at 128-key blocks (wgmmas serialized)
-      c3_check) step c3_check 420 40 python3 scripts/hopper_v2_gpu.py --check v3-c3 \
+      c3_check) step c3_check 420 40 python3 scripts/hopper_configs_gpu.py --check v3-c3 \
                 --check-timeout 300 --no-bench --sanitize ;;  # the full case set + sanitizers
       stalls_c3) step stalls_c3 240 60 env $C3 python3 scripts/ncu_stalls.py --impl leanfa-hopper-fp8-kernel \
                 --out "$OUT/r/stalls_c3" ;;
@@ -212,18 +212,17 @@ run_steps() {
                 step accuracy_32k_pvmma$pv 200 12 env LEANFA_HOPPER_PV_IN_MMA=$pv \
                 python3 -m leanfa.cli accuracy --seqlen 32768 --impl leanfa-hopper-fp8,cudnn-fp8 \
                 --profiles gaussian,llama3-8b,deepseek-v3-mla --no-plots --out "$OUT/r/accuracy_32k_pvmma$pv"; done ;;
-      d256_check) step d256_check 420 40 env LEANFA_CHECK_DIMS=256/256 python3 scripts/hopper_v2_gpu.py --check v3 \
+      d256_check) step d256_check 420 40 env LEANFA_CHECK_DIMS=256/256 python3 scripts/hopper_configs_gpu.py --check v3 \
                 --check-timeout 240 --no-bench --sanitize ;;  # head dim 256: its grid + varlen, sanitizers
-      hopper_v3_check) step hopper_v3_check 420 40 python3 scripts/hopper_v2_gpu.py --check v3 --check-timeout 300 \
+      hopper_v3_check) step hopper_v3_check 420 40 python3 scripts/hopper_configs_gpu.py --check v3 --check-timeout 300 \
                 --no-bench --sanitize ;;
-      bench_v3) step bench_v3 200 12 env LEANFA_HOPPER_KERNEL=v3 python3 -m leanfa.cli bench --quick --no-progress \
+      bench_v3) step bench_v3 200 12 python3 -m leanfa.cli bench --quick --no-progress \
                 --sweep standard --seqlens 4k,16k --causal true --impl 'leanfa-hopper-*,cudnn-bf16,cudnn-fp8' \
                 --name bench-v3 --out "$OUT/r/bench_v3" ;;
       stalls) step stalls 240 120 python3 scripts/ncu_stalls.py --out "$OUT/r/stalls" ;;  # which SASS waits, on what
-      profile_v3) step profile_v3 150 30 env LEANFA_HOPPER_KERNEL=v3 python3 -m leanfa.cli profile \
+      profile_v3) step profile_v3 150 30 python3 -m leanfa.cli profile \
                 --out "$OUT/r/profile_v3" --impl leanfa-hopper-fp8-kernel,leanfa-hopper-bf16,cudnn-fp8 ;;
-      v3_safety) step v2_sanitize 200 20 python3 scripts/hopper_v2_gpu.py --check v2:small --no-bench --sanitize
-                step v3_safety 330 20 python3 scripts/hopper_v2_gpu.py --check v3 --check-timeout 240 --no-bench \
+      v3_safety) step v3_safety 330 20 python3 scripts/hopper_configs_gpu.py --check v3 --check-timeout 240 --no-bench \
                 --sanitize ;;
       racecheck_ws) step racecheck_ws 120 20 /usr/local/cuda/bin/compute-sanitizer --tool racecheck --error-exitcode 3 \
                 python3 scripts/racecheck_ws_minimal.py  # is the warp-specialized kernels' racecheck report Triton's?
@@ -254,7 +253,7 @@ run_steps() {
                 --name bench-standard-full --out "$OUT/r/sweep" ;;
       pytest:*) step pytest_subset 300 12 python3 -m pytest -q -p no:cacheprovider -rfEs -n "$WORKERS" \
                 $(echo "${s#pytest:}" | tr ',' ' ') ;;
-      persist_time) step persist_time 300 60 python3 scripts/hopper_v2_gpu.py --check "" \
+      persist_time) step persist_time 300 60 python3 scripts/hopper_configs_gpu.py --check "" \
                 --time v3,v3-persist ;;  # the persistent grid again, with no other lane (run 37's trace: +4.6% at 4K)
       persist_short) for p in 0 1; do step "persist_short$p" 150 12 env LEANFA_HOPPER_PERSISTENT=$p python3 -m leanfa.cli \
                 bench --quick --no-progress --sweep standard --dims d128,mla --seqlens 1k,2k,4k --causal true \

@@ -26,7 +26,7 @@ import torch  # noqa: E402
 
 from leanfa import _versions  # noqa: E402
 from leanfa.kernels.hopper import launch as L  # noqa: E402
-from leanfa.kernels.hopper.aot import Variant, compile_variant  # noqa: E402
+from leanfa.kernels.hopper.gluon_aot import Variant, compile_variant  # noqa: E402
 
 SMEM_LIMIT = 227 * 1024
 
@@ -39,67 +39,52 @@ def variants():
     out.append(Variant("bf16", 128, 128, True, return_lse=True))
     out.append(Variant("bf16", 128, 128, True, v_kmajor=True))
     out.append(Variant("fp8", 192, 128, True, return_lse=True, out_dtype=torch.float32))
-    # v2: warp-specialized (kernel_ws.py), with and without the QK^T(j+1)-before-softmax(j) pipelining
-    v1 = list(out)
-    for pipe in (1, 0):
-        for v in v1:
-            out.append(Variant(v.dtype, v.dqk, v.dv, v.causal, v.return_lse, v.k_mean, v.v_kmajor, v.out_dtype,
-                               version="v2", env=(("LEANFA_HOPPER_PIPE", pipe),)))
-    out.append(Variant("bf16", 128, 128, True, version="v2",
-                       env=(("LEANFA_HOPPER_PIPE", 1), ("LEANFA_HOPPER_STAGES", 3))))
-    out.append(Variant("fp8", 128, 128, True, version="v2",
-                       env=(("LEANFA_HOPPER_PIPE", 1), ("LEANFA_HOPPER_RESCALE_SKIP", 1))))
-    # v3 (the default): two consumer partitions; also varlen and the measured options
-    for v in v1:
-        out.append(Variant(v.dtype, v.dqk, v.dv, v.causal, v.return_lse, v.k_mean, v.v_kmajor, v.out_dtype,
-                           version="v3"))
-    out.append(Variant("fp8", 128, 128, True, version="v3",  # 256-key blocks
+    # the default knobs above; below varlen, the other head dims, the sink and the measured options
+    out.append(Variant("fp8", 128, 128, True,  # 256-key blocks
                        env=(("LEANFA_HOPPER_BLOCK_N", 256), ("LEANFA_HOPPER_PV_IN_MMA", 1), ("LEANFA_HOPPER_V_PERMUTED", 1))))
     for dtype, causal in (("fp8", True), ("fp8", False), ("bf16", True), ("bf16", False)):  # head dim 64
-        out.append(Variant(dtype, 64, 64, causal, version="v3"))
+        out.append(Variant(dtype, 64, 64, causal))
     for dtype, causal in (("fp8", True), ("fp8", False), ("bf16", True), ("bf16", False)):  # head dim 256
-        out.append(Variant(dtype, 256, 256, causal, version="v3", return_lse=causal))
-    out.append(Variant("fp8", 256, 256, True, version="v3", env=(("LEANFA_HOPPER_BLOCK_N", 64),)))
-    out.append(Variant("fp8", 256, 256, True, return_lse=True, k_mean=True, version="v3"))
-    out.append(Variant("fp8", 256, 256, True, version="v3", varlen=True))
+        out.append(Variant(dtype, 256, 256, causal, return_lse=causal))
+    out.append(Variant("fp8", 256, 256, True, env=(("LEANFA_HOPPER_BLOCK_N", 64),)))
+    out.append(Variant("fp8", 256, 256, True, return_lse=True, k_mean=True))
+    out.append(Variant("fp8", 256, 256, True, varlen=True))
     for d, causal, lse, varlen in ((128, True, True, False), (128, False, False, False), (128, True, False, True),
                                    (64, True, True, False)):  # BF16 sink keys (K smoothed: k_mean)
-        out.append(Variant("fp8", d, d, causal, return_lse=lse, k_mean=True, version="v3", varlen=varlen, sink=True))
+        out.append(Variant("fp8", d, d, causal, return_lse=lse, k_mean=True, varlen=varlen, sink=True))
     for dtype, dqk in (("fp8", 128), ("bf16", 128), ("bf16", 192)):
-        out.append(Variant(dtype, dqk, 128, True, version="v3", varlen=dtype == "bf16"))
-    out.append(Variant("fp8", 128, 128, True, version="v3", varlen=True))  # V re-packed, its starts from a table
-    out.append(Variant("fp8", 192, 128, False, version="v3", varlen=True))
+        out.append(Variant(dtype, dqk, 128, True, varlen=dtype == "bf16"))
+    out.append(Variant("fp8", 128, 128, True, varlen=True))  # V re-packed, its starts from a table
+    out.append(Variant("fp8", 192, 128, False, varlen=True))
     for dtype in ("fp8", "bf16"):  # the clock trace (scripts/hopper_trace.py)
-        out.append(Variant(dtype, 128, 128, True, version="v3", env=(("LEANFA_HOPPER_TRACE", 1),)))
+        out.append(Variant(dtype, 128, 128, True, env=(("LEANFA_HOPPER_TRACE", 1),)))
     for knob in ("PV_IN_MMA", "PINGPONG", "PERSISTENT", "V_PERMUTED"):
-        out.append(Variant("fp8", 128, 128, True, version="v3", env=((f"LEANFA_HOPPER_{knob}", 1),)))
+        out.append(Variant("fp8", 128, 128, True, env=((f"LEANFA_HOPPER_{knob}", 1),)))
     three = (("LEANFA_HOPPER_CONSUMERS", 3), ("LEANFA_HOPPER_BLOCK_N", 64))  # 160 registers per consumer
     for dtype, dqk in (("fp8", 128), ("fp8", 192), ("bf16", 128), ("bf16", 192)):
         pv = (("LEANFA_HOPPER_PV_IN_MMA", 1),) if dtype == "fp8" else ()  # two-level FP8 PV spills at 160
-        out.append(Variant(dtype, dqk, 128, True, version="v3", env=three + pv))
-    out.append(Variant("fp8", 64, 64, False, version="v3", env=three + (("LEANFA_HOPPER_PV_IN_MMA", 1),)))
+        out.append(Variant(dtype, dqk, 128, True, env=three + pv))
+    out.append(Variant("fp8", 64, 64, False, env=three + (("LEANFA_HOPPER_PV_IN_MMA", 1),)))
     for dtype in ("fp8", "bf16"):  # the 64-key blocks alone, with two warpgroups
-        out.append(Variant(dtype, 128, 128, True, version="v3", env=(("LEANFA_HOPPER_BLOCK_N", 64),)))
+        out.append(Variant(dtype, 128, 128, True, env=(("LEANFA_HOPPER_BLOCK_N", 64),)))
     tma_store = (("LEANFA_HOPPER_STORE_TMA", 1),)  # FP8 output through shared memory and TMA (epilogue.py)
     for dqk, dv, causal, lse in ((128, 128, True, False), (128, 128, False, True), (192, 128, True, True),
                                  (64, 64, True, False)):
-        out.append(Variant("fp8", dqk, dv, causal, return_lse=lse, k_mean=lse, version="v3", env=tma_store))
-    out.append(Variant("fp8", 128, 128, True, version="v3", env=tma_store + (("LEANFA_HOPPER_PERSISTENT", 1),)))
+        out.append(Variant("fp8", dqk, dv, causal, return_lse=lse, k_mean=lse, env=tma_store))
+    out.append(Variant("fp8", 128, 128, True, env=tma_store + (("LEANFA_HOPPER_PERSISTENT", 1),)))
     bf16_tma = (("LEANFA_HOPPER_STORE_TMA", 2),)  # BF16 through the same epilogue (until GPU-validated: =2)
     for d, causal, lse, persistent in ((128, True, False, 0), (128, False, True, 0), (128, True, False, 1),
                                        (64, True, False, 1)):
-        out.append(Variant("bf16", d, d, causal, return_lse=lse, version="v3",
+        out.append(Variant("bf16", d, d, causal, return_lse=lse,
                            env=bf16_tma + (("LEANFA_HOPPER_PERSISTENT", persistent),)))
-    return out
+    return list({v.name: v for v in out}.values())  # each variant once
 
 
 def spill_budget(v: Variant) -> int:
-    """Bytes of spills accepted: v3's consumers (240 registers) may spill a few outside the key loop
+    """Bytes of spills accepted: the consumers (240 registers) may spill a few outside the key loop
     (tests/test_hopper.py allows 64); the persistent grid's ~330 B (the FP8 default since the tenth session; BF16
     128/128's since the twelfth, 68-120 B) are tile-invariant epilogue addresses LLVM hoists out of the tile loop
     (docs/perf-notes.md)."""
-    if v.version != "v3":
-        return 0
     if v.sink and v.return_lse:  # the LSE's q . mean from the 16-bit Q next to O and the row state (epilogue)
         return 256
     if v.dtype == "fp8" and v.dv == 256:  # 128-key blocks next to a 128-register O (run 42: 1.07-1.24x
@@ -119,14 +104,13 @@ def main():
     ap.add_argument("-k", default="", help="only variants whose name contains this")
     ap.add_argument("--dump", default=None)
     ap.add_argument("--defaults", action="store_true",
-                    help="only the default kernel (launch.DEFAULT_VERSION) with no knob set: the variants "
-                         "backend='auto' runs")
+                    help="only the variants with no knob set: those backend='auto' runs")
     a = ap.parse_args()
     bad = 0
     print(f"{'variant':56s} {'regs':>5s} {'spill':>9s} {'smem':>8s} {'wgmma':>6s} {'time':>6s}  status")
     todo = [v for v in variants() if a.k in v.name]
     if a.defaults:
-        todo = list({v.name: v for v in todo if v.version == L.DEFAULT_VERSION and not v.env}.values())
+        todo = [v for v in todo if not v.env]
     for v in todo:
         t0 = time.time()
         try:

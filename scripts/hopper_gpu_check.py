@@ -268,11 +268,10 @@ def _all_cases(small):
     if small:
         shapes = [(1, 1, 1, 4, 4), (2, 100, 100, 8, 2), (1, 129, 300, 4, 2), (1, 300, 129, 4, 4)]
     cases = []
-    v3 = os.environ.get("LEANFA_HOPPER_KERNEL", "v3") == "v3"
     only = _dims_from_env()
-    # 64/64: v3 only; 256/256 (v3) has its own step (gpu_session.sh d256_check: LEANFA_CHECK_DIMS=256/256),
-    # since with it the full set would outrun the check's time limit
-    dims = only or ((128, 128), (192, 128)) + (((64, 64), ) if v3 else ())
+    # 256/256 has its own step (gpu_session.sh d256_check: LEANFA_CHECK_DIMS=256/256), since with it the full
+    # set would outrun the check's time limit
+    dims = only or ((128, 128), (192, 128), (64, 64))
     for dtype in ("bf16", "fp8"):
         for dqk, dv in dims:
             for causal in (True, False):

@@ -87,7 +87,6 @@ def run_case(name, out_dir):
     kw = {}
     if dtype == "fp8":
         (q, k, v), kw = H.quantize(q, k, v)
-    env = {"LEANFA_HOPPER_KERNEL": "v3", **env}
     plain = plan_for(q, k, v, scale, kw, env)
     traced = plan_for(q, k, v, scale, kw, {**env, "LEANFA_HOPPER_TRACE": "1"})
     ms, clk = H.bench(lambda: launch(plain))

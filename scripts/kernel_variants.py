@@ -6,7 +6,7 @@
 Every shape builds BF16 inputs once (``hopper_gpu_check.make_qkv``, random normal), quantizes them the way each
 implementation takes them (leanfa's ``quantize_fp8``; FA3 one scale per (sequence, KV head); cuDNN per tensor), and
 times the kernel alone (``triton.testing.do_bench``, median) with the SM clock read by NVML right after. Configs
-are ``scripts/hopper_v2_gpu.py``'s ``CONFIGS`` (environment of the plan). Rounds repeat the whole shape's list
+are ``scripts/hopper_configs_gpu.py``'s ``CONFIGS`` (environment of the plan). Rounds repeat the whole shape's list
 (peers and configs interleaved) so that clock drift shows. Prints one row per (shape, implementation) with
 TFLOP/s, the ratio to the best peer (FA3 or cuDNN) of the same precision and round, and the clock.
 """
@@ -53,7 +53,7 @@ def main():
     import torch
 
     import hopper_gpu_check as H
-    from hopper_v2_gpu import _set_env, kernel_only
+    from hopper_configs_gpu import _set_env, kernel_only
     from leanfa.bench import cudnn_graphs, fa3, impls
     from leanfa.bench.inputs import Inputs
     from leanfa.bench.shapes import Case
@@ -143,7 +143,7 @@ def errors(configs, S):
 
     import hopper_gpu_check as H
     import leanfa
-    from hopper_v2_gpu import _set_env
+    from hopper_configs_gpu import _set_env
     from leanfa.activations import make_qkv
 
     inputs = {"check": H.make_qkv(1, S, S, 8, 2, 128, 128),

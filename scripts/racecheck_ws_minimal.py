@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Is compute-sanitizer racecheck's report on the warp-specialized Hopper kernels Triton's own?
 
-Runs 10 and 11 (2026-11-29): racecheck flags ~23 hazards in both v2 (kernel_ws.py) and v3
-(kernel_pingpong.py), always between the kernel's first instructions (worker warps reading a
+Runs 10 and 11 (2026-11-29): racecheck flags ~23 hazards in v3 (kernel_pingpong.py), as it did in
+the v2 kernel since deleted, always between the kernel's first instructions (worker warps reading a
 per-warp state table at the end of shared memory) and the default partition's writes of that
 table (before ``bar.sync 1``, and at exit) -- Triton's ``warp_specialize`` dispatch, not the
 kernels' Q/K/V buffers. This script launches a *minimal* Gluon kernel with the same structure

@@ -4,7 +4,7 @@
     python scripts/sass_mix.py FILE --list [--grep RE]              # kernels in a cubin / ELF / .so, registers
     python scripts/sass_mix.py FILE --kernel RE [--json OUT]        # loops of the one kernel matching RE
     python scripts/sass_mix.py dump.sass [--loop 0x2540]            # SASS text (cuobjdump -sass or nvdisasm)
-    python scripts/sass_mix.py --leanfa fp8 [--env LEANFA_HOPPER_X=1]  # compile leanfa's v3 d128 causal, then as above
+    python scripts/sass_mix.py --leanfa fp8 [--env LEANFA_HOPPER_X=1]  # compile leanfa's d128 causal, then as above
     python scripts/sass_mix.py --compare a.json b.json@0x8b10       # per-score classes side by side
 
 A binary is disassembled with ``cuobjdump -sass -fun`` (found on PATH, under /usr/local/cuda*/bin, or in Triton's
@@ -454,7 +454,7 @@ def list_kernels(path: str) -> list[dict]:
 
 
 def compile_leanfa(dtype: str, env: list[str], out_dir: str) -> str:
-    """Compile leanfa's default (v3) d128 causal kernel for sm90 on the CPU (:mod:`leanfa.kernels.hopper.aot`,
+    """Compile leanfa's d128 causal Hopper kernel for sm90 on the CPU (:mod:`leanfa.kernels.hopper.gluon_aot`,
     as ``scripts/hopper_compile_check.py`` does; ``env``: ``LEANFA_HOPPER_*=value`` experiment knobs) and write
     its cubin; returns the path."""
     from unittest import mock
@@ -462,7 +462,7 @@ def compile_leanfa(dtype: str, env: list[str], out_dir: str) -> str:
     import triton
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    from leanfa.kernels.hopper import aot
+    from leanfa.kernels.hopper import gluon_aot
 
     got = {}
     real = triton.compile
@@ -473,7 +473,7 @@ def compile_leanfa(dtype: str, env: list[str], out_dir: str) -> str:
 
     knobs = tuple(tuple(e.split("=", 1)) for e in env)
     with mock.patch.object(triton, "compile", keep):
-        name = aot.compile_variant(aot.Variant(dtype, 128, 128, True, version="v3", env=knobs)).name
+        name = gluon_aot.compile_variant(gluon_aot.Variant(dtype, 128, 128, True, env=knobs)).name
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, re.sub(r"[^\w.=-]+", "_", name) + ".cubin")
     with open(path, "wb") as f:
@@ -546,7 +546,7 @@ def main(argv=None) -> int:
     ap.add_argument("--loop", default=None, help="analyse the loop with this header address only")
     ap.add_argument("--scores", type=int, default=None, help="scores per thread per iteration (else inferred)")
     ap.add_argument("--json", default=None, help="also write the result here")
-    ap.add_argument("--leanfa", choices=("fp8", "bf16"), help="compile leanfa's v3 d128 causal kernel (no FILE)")
+    ap.add_argument("--leanfa", choices=("fp8", "bf16"), help="compile leanfa's d128 causal Hopper kernel (no FILE)")
     ap.add_argument("--env", action="append", default=[], help="with --leanfa: LEANFA_HOPPER_X=value (repeat)")
     ap.add_argument("--out-dir", default=os.path.join(tempfile.gettempdir(), "sass_mix"),
                     help="with --leanfa: where the cubin goes")

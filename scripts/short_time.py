@@ -7,7 +7,7 @@ register stores).
 
     python scripts/short_time.py [--seqlens 1024,2048,4096,16384] [--dtype fp8|bf16]
 
-Each Hopper row launches a plan built once (``hopper_v2_gpu.kernel_only``), so host time stays out of
+Each Hopper row launches a plan built once (``hopper_configs_gpu.kernel_only``), so host time stays out of
 it: at S <= 2K ``leanfa bench`` times ``flash_attn_func``'s host path as much as the kernel (run 47).
 Causal, B*S = 16K, 16 heads, d128 and MLA 192/128; ``do_bench`` medians and the SM clock.
 """
@@ -22,7 +22,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
-#: column -> the scripts/hopper_v2_gpu.py config it times (each pins both knobs)
+#: column -> the scripts/hopper_configs_gpu.py config it times (each pins both knobs)
 CONFIGS = {"grid": "v3-grid", "persist": "v3-persist", "tma": "v3-tma", "tma-persist": "v3-tma-persist"}
 BF16_CONFIGS = {"grid": "v3-grid", "persist": "v3-persist", "tma": "v3-tma2", "tma-persist": "v3-tma2-persist"}
 
@@ -35,7 +35,7 @@ def main():
     fp8 = args.dtype == "fp8"
     configs = CONFIGS if fp8 else BF16_CONFIGS
     import hopper_gpu_check as H
-    from hopper_v2_gpu import _set_env, kernel_only
+    from hopper_configs_gpu import _set_env, kernel_only
     from leanfa.bench import cudnn_graphs, impls
     from leanfa.bench.inputs import Inputs
     from leanfa.bench.shapes import Case

@@ -10,7 +10,7 @@ export PYTHONPATH=/tmp/site:$PYTHONPATH
 CONFIGS=${CONFIGS:-v3}; SHAPES=${SHAPES:-d128-4k,d128-16k,mla-16k}
 t0=$SECONDS
 for c in ${CHECK:-${CONFIGS//,/ }}; do
-  timeout ${CHECK_S:-300} python scripts/hopper_v2_gpu.py --check "$c:small" --no-bench > "$OUT/check-$c.log" 2>&1 &
+  timeout ${CHECK_S:-300} python scripts/hopper_configs_gpu.py --check "$c:small" --no-bench > "$OUT/check-$c.log" 2>&1 &
 done
 for c in ${CONFIGS//,/ }; do
   timeout 300 python scripts/kernel_variants.py --warm --configs "$c" --shapes "$SHAPES" ${BF16:+--bf16} > "$OUT/warm-$c.log" 2>&1 &

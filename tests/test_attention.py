@@ -184,7 +184,7 @@ def test_in_kernel_sink_and_split_agree(device):
     outlier-K presets. (Before the split added the K-mean term from the 16-bit q, its merge weights were
     off and Qwen2.5's error was 3x the in-kernel one.)"""
     from leanfa.activations import make_qkv
-    from leanfa.sink import attention_sink_bf16
+    from leanfa.sink_split import attention_sink_bf16
 
     for preset in ("llama3-8b", "qwen2.5-7b"):
         q, k, v = make_qkv(preset, 1, 320, heads=2, kv_heads=1, device=device)

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from leanfa.bench import cli, errors, profile, report, shapes
+from leanfa.bench import commands, errors, profile, report, shapes
 from leanfa.bench.impls import Impl, NotApplicable, Prepared, all_impls, select
 from leanfa.bench.inputs import Inputs, copies_for, input_bytes, make_inputs
 from leanfa.bench.runner import BenchConfig, add_ratios, run_bench
@@ -26,33 +26,33 @@ CPU_ONLY = pytest.mark.skipif(not NO_GPU, reason="runs the interpreter path on C
 @pytest.mark.skipif(not NO_GPU, reason="checks the no-GPU path")
 @pytest.mark.parametrize("command", ["bench", "accuracy", "profile"])
 def test_cli_without_gpu_exits_nonzero_with_one_line(command, capsys):
-    assert cli.main(command, []) != 0
+    assert commands.main(command, []) != 0
     err = capsys.readouterr().err.strip()
     assert err == f"leanfa {command} needs a CUDA GPU; none found"
 
 
 def test_cli_help_unknown_and_bad_args(capsys):
-    assert cli.main("bench", ["--help"]) == 0
+    assert commands.main("bench", ["--help"]) == 0
     assert "--quick" in capsys.readouterr().out
-    assert cli.main("frobnicate", []) == 2
-    assert cli.main("bench", ["--no-such-flag"]) == 2
-    assert cli.main("bench", ["--dry-run", "--sweep", "nope"]) == 2
+    assert commands.main("frobnicate", []) == 2
+    assert commands.main("bench", ["--no-such-flag"]) == 2
+    assert commands.main("bench", ["--dry-run", "--sweep", "nope"]) == 2
     assert "unknown sweep" in capsys.readouterr().err
 
 
 def test_cli_dry_run_quick_lists_cases(capsys):
-    assert cli.main("bench", ["--dry-run", "--quick"]) == 0
+    assert commands.main("bench", ["--dry-run", "--quick"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     assert out[-1].startswith("28 cases x ")  # 12 standard + 5 models x 3 + 1 varlen
     assert sum("/S16384/" in line for line in out) == 9  # 4 standard + 5 models
-    assert cli.main("bench", ["--dry-run", "--sweep", "standard", "--seqlens", "2k", "--causal", "true",
+    assert commands.main("bench", ["--dry-run", "--sweep", "standard", "--seqlens", "2k", "--causal", "true",
                               "--impl", "cudnn-*"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     assert out[-1].startswith("2 cases x 3 implementations")
 
 
 def test_cli_list(capsys):
-    assert cli.main("bench", ["--list", "--precision", "fp8"]) == 0
+    assert commands.main("bench", ["--list", "--precision", "fp8"]) == 0
     out = capsys.readouterr().out
     assert "cudnn-fp8" in out and "cudnn-bf16" not in out
 
@@ -470,7 +470,7 @@ def test_sdpa_impl_and_accuracy_rows_on_cpu():
 @pytest.mark.gpu
 def test_gpu_bench_smoke(tmp_path):
     """The whole pipeline on one small case: every available implementation checks and times."""
-    rc = cli.main("bench", ["--sweep", "standard", "--seqlens", "1024", "--causal", "true", "--quick",
+    rc = commands.main("bench", ["--sweep", "standard", "--seqlens", "1024", "--causal", "true", "--quick",
                             "--rep-ms", "20", "--warmup-ms", "10", "--no-progress", "--out", str(tmp_path),
                             "--name", "smoke", "--impl", "leanfa-portable-*,cudnn-*,sdpa-flash-bf16"])
     assert rc == 0

@@ -16,7 +16,7 @@ import pytest
 @pytest.mark.parametrize("arch", ["90", "80"])
 def test_kernels_compile_within_spill_budget(arch):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-m", "leanfa.kernels.aot", "--quick", arch], env=env,
+    r = subprocess.run([sys.executable, "-m", "leanfa.kernels.triton_aot", "--quick", arch], env=env,
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "all variants compiled within the spill budget" in r.stdout

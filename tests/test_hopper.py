@@ -22,7 +22,7 @@ needs_sm90 = pytest.mark.skipif(not ON_H100, reason="needs an sm90 (Hopper) GPU"
 
 def _compile_available() -> bool:
     try:
-        from leanfa.kernels.hopper import aot  # noqa: F401
+        from leanfa.kernels.hopper import gluon_aot  # noqa: F401
         from triton.backends.nvidia.compiler import get_ptxas
 
         get_ptxas(90)
@@ -33,42 +33,40 @@ def _compile_available() -> bool:
 
 _AOT_SNIPPET = """
 import re, sys
-from leanfa.kernels.hopper.aot import Variant, compile_variant
-version, poly, persistent, lse, varlen = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "1", sys.argv[5] == "1"
-env = (("LEANFA_HOPPER_POLY", poly),) if version == "v3" else ()
+from leanfa.kernels.hopper.gluon_aot import Variant, compile_variant
+poly, persistent, lse, varlen = sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4] == "1"
+env = (("LEANFA_HOPPER_POLY", poly),)
 env += (("LEANFA_HOPPER_PERSISTENT", persistent),) if persistent != "default" else ()
-r = compile_variant(Variant("fp8", 128, 128, causal=True, return_lse=lse, k_mean=lse, version=version, env=env,
+r = compile_variant(Variant("fp8", 128, 128, causal=True, return_lse=lse, k_mean=lse, env=env,
                             varlen=varlen))
 print(len(re.findall(r"setmaxnreg", r.ptx)), r.ptx.count("ex2.approx"), r.wgmma_ptx, r.spill_stores,
       r.spill_loads, r.shared)
 """
 
 
-# v1: one partition; v3: producer warp + two ping-pong consumer warpgroups, with and without the
-# polynomial exp2 (inline PTX: ptxas must accept it). v3's FP8 kernel at 240 registers per
+# The producer warp + two consumer warpgroups, with and without the polynomial exp2 (inline PTX: ptxas
+# must accept it). The FP8 kernel at 240 registers per
 # consumer may spill a few bytes outside the key loop (60 B measured for some variants); its default for
 # dense FP8 without the K-mean LSE term, persistent (launch.persistent_default), spills ~330 B of
 # tile-invariant epilogue addresses that LLVM hoists out of the tile loop (reloaded once per tile; in run 48's
 # timings); so does FP8 varlen's (persistent since the thirteenth session), which is compiled here over a
 # stand-in for the re-packed V (the re-pack itself is a kernel launch: aot._fake_problem).
 @pytest.mark.skipif(not _compile_available(), reason="Gluon/ptxas for sm90 not available")
-@pytest.mark.parametrize("version,poly,persistent,lse,spill_budget,varlen", [
-    ("v1", 0, "default", 1, 0, 0), ("v3", 0, "default", 1, 64, 0), ("v3", 2, "0", 1, 64, 0),
-    ("v3", 0, "default", 0, 400, 0), ("v3", 0, "default", 0, 400, 1)])
-def test_aot_compiles_for_sm90(version, poly, persistent, lse, spill_budget, varlen):
+@pytest.mark.parametrize("poly,persistent,lse,spill_budget,varlen", [
+    (0, "default", 1, 64, 0), (2, "0", 1, 64, 0), (0, "default", 0, 400, 0), (0, "default", 0, 400, 1)])
+def test_aot_compiles_for_sm90(poly, persistent, lse, spill_budget, varlen):
     # In a subprocess: the CPU test session runs with TRITON_INTERPRET=1, which replaces
     # Triton's builtins by interpreter stubs that the compiler cannot lower.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, "-c", _AOT_SNIPPET, version, str(poly), persistent, str(lse), str(varlen)], env=env, cwd=root,
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-c", _AOT_SNIPPET, str(poly), persistent, str(lse), str(varlen)], env=env,
+                       cwd=root, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     setmaxnreg, ex2, wgmma, spill_st, spill_ld, shared = map(int, r.stdout.split()[-6:])
     assert wgmma > 0
     assert spill_st <= spill_budget and spill_ld <= spill_budget
     assert 0 < shared <= 227 * 1024
-    if version == "v3":
-        assert setmaxnreg > 0  # the consumers really get more registers than the producer
+    assert setmaxnreg > 0  # the consumers really get more registers than the producer
     if poly:
         assert ex2 > 0  # MUFU still does 8 - POLY of every 8
 
@@ -245,11 +243,10 @@ def test_dispatch_picks_hopper_and_rejects_what_it_cannot_run():
     assert hopper.supports(_build_problem(q8, k8, v8, **kw)) == (True, "")
     out8 = leanfa.flash_attn_func(q8, k8, v8, causal=True, backend="hopper")
     assert _rel(out8, attention_ref(q8, k8, v8, causal=True)) < 4e-2
-    # head dims 64 and 256 run on v3 only (test_v3_head_dims)
+    # head dims 64 and 256 (test_v3_head_dims)
     for d in (64, 256):
         qd, kd, vd = _inputs(1, 128, 128, 4, 4, d, d)
-        ok, why = hopper.supports(_build_problem(qd, kd, vd, **kw))
-        assert ok == (hopper._launch.kernel_version() == "v3") and (ok or f"{d}/{d}" in why)
+        assert hopper.supports(_build_problem(qd, kd, vd, **kw)) == (True, "")
     # misaligned strides (head_dim contiguous, but the token stride is odd)
     big = torch.randn(1, 128, 4 * 128 + 1, device="cuda").to(torch.bfloat16)
     qm = big[..., : 4 * 128].view(1, 128, 4, 128)
@@ -266,9 +263,8 @@ def test_dispatch_picks_hopper_and_rejects_what_it_cannot_run():
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("d", [64, 256])
 def test_v3_head_dims(d, dtype, causal, monkeypatch):
-    """Head dims 64 and 256 (256: BF16/FP16 64-key blocks, FP8 PV in the wgmma accumulator) on the
-    v3 kernel: against float64, odd lengths, GQA."""
-    monkeypatch.setenv("LEANFA_HOPPER_KERNEL", "v3")
+    """Head dims 64 and 256 (256: BF16/FP16 64-key blocks, FP8 PV in the wgmma accumulator): against
+    float64, odd lengths, GQA."""
     q, k, v = _inputs(2, 300, 700, 8, 2, d, d)
     fp8 = dtype == "fp8"
     if dtype == "fp16":

@@ -3,8 +3,8 @@
 
 Checks the numbers against the float64 reference, the key-block schedule of every tile, the
 pointer/TMA/mbarrier/shared-memory rules, and -- by mutation -- that the emulator does catch
-the classes of bug we care about (wrong scale strides, wrong phase parity, missing CTA barrier,
-prefetching into a slot still in use, a second loop that restarts the ring).
+the classes of bug we care about (wrong scale strides, wrong phase parity, a slot released before
+its readers are done or refilled before it was released, missing masks, wrong tile offsets).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from leanfa.reference import attention_ref
 from helpers import cu_seqlens, poison_empty
 
 emulate_mod = pytest.importorskip("leanfa.kernels.hopper.emulate")
-from leanfa.kernels.hopper import kernel as K  # noqa: E402
 from leanfa.kernels.hopper import launch as L  # noqa: E402
 from leanfa.kernels.hopper import pipeline as P  # noqa: E402
 from leanfa.kernels.hopper import schedule as S  # noqa: E402
@@ -49,8 +48,10 @@ def _inputs(B, Sq, Sk, Hq, Hkv, dqk, dv, seed=0):
     return q, k.to(torch.bfloat16), v
 
 
-def _check(p, tol, version=None, **ref_kw):
-    out, lse, rep = emulate(p, version=version)
+def _check(p, tol, ws_order="consumer-first", **ref_kw):
+    """The emulated kernel's output within relative L2 error ``tol`` of the float64 reference (``ref_kw``: FP8
+    descales), its LSE -inf exactly where the reference's is and within 2e-2 elsewhere."""
+    out, lse, rep = emulate(p, ws_order=ws_order)
     ref, ref_lse = attention_ref(p.q, p.k, p.v, causal=p.causal, softmax_scale=p.softmax_scale,
                                  return_lse=True, **ref_kw)
     assert not torch.isnan(out).any(), "NaN (or never written) in out"
@@ -84,44 +85,37 @@ SHAPES = [  # B, Sq, Sk, Hq, Hkv -- the shapes of the 2026-11-29 H200 failures, 
 DIMS = [(128, 128), (192, 128), (64, 64), (256, 256)]
 
 
-def _skip_v3_only(dims, version):
-    if dims == (256, 256) and version != "v3":
-        pytest.skip("head dim 256 runs on v3 only")
-
-
-@pytest.mark.parametrize("version", ["v1", "v3"])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dims", DIMS)
 @pytest.mark.parametrize("causal", [True, False])
-def test_bf16_emulated_matches_reference(shape, dims, causal, version, monkeypatch):
+def test_bf16_emulated_matches_reference(shape, dims, causal, monkeypatch):
     """On the one-tile grid, whose schedule (program = tile) :func:`_check_schedule` reads; the persistent grid
     that BF16 128/128 takes by default is checked by the test below."""
-    _skip_v3_only(dims, version)
     monkeypatch.setenv("LEANFA_HOPPER_PERSISTENT", "0")
     reset_shadows()
     p = _problem(*_inputs(*shape, *dims), causal)
-    rep = _check(p, 1e-2, version=version)
+    rep = _check(p, 1e-2)
     _check_schedule(p, rep)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("causal", [True, False])
 def test_bf16_default_path_matches_reference(shape, causal, monkeypatch):
-    """BF16 128/128's default on v3 (twelfth session): the persistent grid with the TMA-store epilogue, output
-    and LSE against the float64 reference."""
-    for name in ("LEANFA_HOPPER_PERSISTENT", "LEANFA_HOPPER_STORE_TMA", "LEANFA_HOPPER_KERNEL"):
+    """BF16 128/128's default: the persistent grid with the TMA-store epilogue, output and LSE against the
+    float64 reference."""
+    for name in ("LEANFA_HOPPER_PERSISTENT", "LEANFA_HOPPER_STORE_TMA"):
         monkeypatch.delenv(name, raising=False)
     reset_shadows()
     p = _problem(*_inputs(*shape, 128, 128), causal)
     plan = emulate_mod._make_plan_cpu(L, p, torch.empty(*p.q.shape[:3], 128, dtype=torch.bfloat16),
                                       torch.empty(p.q.shape[0], p.q.shape[2], p.q.shape[1]))
     assert plan.constexprs["PERSISTENT"] and plan.constexprs["STORE_TMA"]
-    _check(p, 1e-2, version="v3")
+    _check(p, 1e-2)
 
 
 def _check_schedule(p, rep):
     """Each tile reads exactly the key blocks some real row of it can see, in order, once each
-    (once per consumer partition: v3 has two, each reading every block of the tile). Head dim 256
+    (once per consumer partition: there are two, each reading every block of the tile). Head dim 256
     reads 64-key blocks in BF16 (``launch.wide_head``)."""
     B, Sq, Hq, dqk = p.q.shape
     Sk = p.k.shape[1]
@@ -147,17 +141,15 @@ def _check_schedule(p, rep):
 @pytest.mark.parametrize("shape", [(1, 300, 700, 2, 1), (1, 700, 300, 2, 2), (1, 1, 600, 2, 1)])
 @pytest.mark.parametrize("dims", DIMS)
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("version", ["v1", "v3"])
-def test_fp8_emulated_matches_reference(shape, dims, causal, version):
-    _skip_v3_only(dims, version)
+def test_fp8_emulated_matches_reference(shape, dims, causal):
     reset_shadows()
     q, k, v = _inputs(*shape, *dims)
     qq = leanfa.quantize_fp8(q, k, v)
     kw = dict(q_descale=qq.q_descale, k_descale=qq.k_descale, v_descale=qq.v_descale, k_mean=qq.k_mean)
-    _check(_problem(qq.q, qq.k, qq.v, causal, **kw), 4e-2, version=version, **kw)
+    _check(_problem(qq.q, qq.k, qq.v, causal, **kw), 4e-2, **kw)
 
 
-def _fp8_block_scaled_error(version):
+def _fp8_block_scaled_error():
     """FP8 with keys whose magnitude changes 32x between 128-token blocks (so each block's K scale
     matters): relative L2 error of the emulated kernel against the float64 reference."""
     q, k, v = _inputs(1, 300, 700, 2, 1, 128, 128, seed=3)
@@ -166,30 +158,29 @@ def _fp8_block_scaled_error(version):
     qq = leanfa.quantize_fp8(q, k, v)
     kw = dict(q_descale=qq.q_descale, k_descale=qq.k_descale, v_descale=qq.v_descale, k_mean=qq.k_mean)
     p = _problem(qq.q, qq.k, qq.v, True, **kw)
-    out, _, _ = emulate(p, version=version)
+    out, _, _ = emulate(p)
     ref = attention_ref(p.q, p.k, p.v, causal=True, **kw)
     return float((out.double() - ref).norm() / ref.norm())
 
 
-@pytest.mark.parametrize("version", ["v1", "v3"])
-def test_fp8_per_block_k_scales(version):
+def test_fp8_per_block_k_scales():
     reset_shadows()
-    assert _fp8_block_scaled_error(version) < 4e-2
+    assert _fp8_block_scaled_error() < 4e-2
 
 
 def _block_scaled_mutation_caught(jit_fn, old, new):
-    """v3 is accurate on block-scaled keys, and ``old -> new`` in ``jit_fn`` makes it > 10% wrong."""
+    """The kernel is accurate on block-scaled keys, and ``old -> new`` in ``jit_fn`` makes it > 10% wrong."""
     reset_shadows()
     try:
-        assert _fp8_block_scaled_error("v3") < 4e-2
+        assert _fp8_block_scaled_error() < 4e-2
         _mutated(jit_fn, old, new)
-        assert _fp8_block_scaled_error("v3") > 1e-1
+        assert _fp8_block_scaled_error() > 1e-1
     finally:
         reset_shadows()
 
 
 def test_mutation_k_scale_of_wrong_block():
-    """v3 loads the K scale a block ahead; using the current block's index there is caught."""
+    """The kernel loads the K scale a block ahead; using the current block's index there is caught."""
     _block_scaled_mutation_caught(KP._consumer_tile, "_k_scales(k_scale_row, stride_ksblk, j + 1,",
                                   "_k_scales(k_scale_row, stride_ksblk, j,")
 
@@ -213,16 +204,17 @@ def test_ablation_knob(monkeypatch):
 def test_onewg_ablation_runs_one_warpgroup(order, monkeypatch):
     """``LEANFA_HOPPER_ABLATE=onewg`` (timing only): warpgroup 1 does nothing and the barriers count
     one consumer, so the kernel finishes in either partition order and warpgroup 0's rows (the
-    first 64 of each 128-row tile) are still right."""
+    first 64 of each 128-row tile) are still right against float64."""
     monkeypatch.setenv("LEANFA_HOPPER_ABLATE", "onewg")
     q, k, v = _inputs(1, 300, 300, 2, 1, 128, 128)
     p = _problem(q, k, v, True)
     with pytest.warns(UserWarning, match="results are wrong"):
-        o3, _, _ = emulate(p, version="v3", ws_order=order)
-    monkeypatch.delenv("LEANFA_HOPPER_ABLATE")
-    o1, _, _ = emulate(p, version="v1")
+        out, _, _ = emulate(p, ws_order=order)
+    ref = attention_ref(p.q, p.k, p.v, causal=True)
     wg0 = (torch.arange(300) % BLOCK) < BLOCK // 2
-    assert torch.allclose(o1[:, wg0].float(), o3[:, wg0].float(), atol=1e-2, rtol=1e-2)
+    got, want = out[:, wg0].double(), ref[:, wg0]
+    assert not torch.isnan(got).any()
+    assert float((got - want).norm() / want.norm()) < 1e-2
 
 
 def test_permute_v_keys():
@@ -277,15 +269,18 @@ def test_fp8_broadcast_descales(form):
 # ----------------------------------------------------------------------------- mutations
 
 def _mutated(jit_fn, old, new):
+    """Shadow ``jit_fn`` with ``old`` replaced by ``new`` in its source (tuples: each pair in turn)."""
     src = inspect.getsource(jit_fn.fn)
-    assert old in src, old
-    shadow(jit_fn, source=src.replace(old, new))
+    for o, n in zip(old, new) if isinstance(old, tuple) else [(old, new)]:
+        assert o in src, o
+        src = src.replace(o, n)
+    shadow(jit_fn, source=src)
 
 
-def _expect_caught(shape=(1, 600, 600, 2, 1), causal=True, version="v1", ws_order="consumer-first"):
+def _expect_caught(shape=(1, 600, 600, 2, 1), causal=True, ws_order="consumer-first"):
     p = _problem(*_inputs(*shape, 128, 128), causal)
     try:
-        out, _, _ = emulate(p, version=version, ws_order=ws_order)
+        out, _, _ = emulate(p, ws_order=ws_order)
     except EmulationError as e:
         return str(e)
     ref = attention_ref(p.q, p.k, p.v, causal=causal)
@@ -314,39 +309,9 @@ def test_mutation_pipeline(old, new):
     reset_shadows()
 
 
-@pytest.mark.parametrize("old,new", [
-    ("        gl.thread_barrier()\n", ""),  # slot refilled while the other warpgroup may read it
-    ("nxt = j + STAGES - 1", "nxt = j + STAGES"),  # prefetch into the slot in use
-    ("acc = warpgroup_mma_wait(0, deps=(acc, ))", "pass"),  # PV not waited before the refill
-    ("if MASK:", "if False:"),  # no mask on diagonal / tail blocks
-    ("p, m_i, l_i, alpha = online_softmax_step(s, c, m_i, l_i, P_OFFSET)",
-     "p, m_i, l_i, alpha = online_softmax_step(s, c, m_i, l_i, P_OFFSET)\n        alpha = alpha * 0 + 1"),
-])
-def test_mutation_attend_loop(old, new):
-    reset_shadows()
-    _mutated(K._attend_blocks, old, new)
-    _expect_caught()
-    reset_shadows()
-
-
-def test_mutation_second_loop_restarts():
-    reset_shadows()
-    _mutated(K.attn_fwd_kernel, "_attend_blocks(n_full, n_end, n_end,", "_attend_blocks(0, n_end, n_end,")
-    _expect_caught()
-    reset_shadows()
-
-
-def test_mutation_q_tile_offset():
-    reset_shadows()
-    _mutated(S.program_tile, "pid_m = num_m_tiles - 1 - gl.program_id(1)", "pid_m = gl.program_id(1) * 0")
-    _expect_caught()
-    reset_shadows()
-
-
-@pytest.mark.parametrize("version", ["v1", "v3"])
 @pytest.mark.parametrize("stages", [2, 3, 4])
 @pytest.mark.parametrize("causal", [True, False])
-def test_ring_depths(monkeypatch, stages, causal, version):
+def test_ring_depths(monkeypatch, stages, causal):
     """The ring arithmetic (slot = j % STAGES, parity = (j // STAGES) & 1) for every depth (on the one-tile grid
     with register stores, whose schedule :func:`_check_schedule` reads and whose shared memory any depth fits)."""
     reset_shadows()
@@ -354,41 +319,32 @@ def test_ring_depths(monkeypatch, stages, causal, version):
     monkeypatch.setenv("LEANFA_HOPPER_STORE_TMA", "0")
     monkeypatch.setattr(L, "stages_for", lambda *a: stages)
     p = _problem(*_inputs(1, 900, 1300, 2, 1, 128, 128), causal)
-    _check_schedule(p, _check(p, 1e-2, version=version))
+    _check_schedule(p, _check(p, 1e-2))
 
 
-# ----------------------------------------------------------------------------- v2 (warp-specialized)
+# ----------------------------------------------------------------------------- knobs, both partition orders
 
 
-V2_SHAPES = [(1, 1, 1, 2, 2), (1, 129, 700, 2, 1), (1, 700, 300, 2, 2), (1, 1, 1500, 2, 1)]
+KNOB_SHAPES = [(1, 1, 1, 2, 2), (1, 129, 700, 2, 1), (1, 700, 300, 2, 2), (1, 1, 1500, 2, 1)]
 
 
-@pytest.mark.parametrize("version,knob", [("v2", "LEANFA_HOPPER_PIPE"), ("v3", "LEANFA_HOPPER_PINGPONG"),
-                                          ("v3", "LEANFA_HOPPER_PV_IN_MMA"), ("v3", "LEANFA_HOPPER_PERSISTENT"),
-                                          ("v3", "LEANFA_HOPPER_V_PERMUTED")])
+@pytest.mark.parametrize("knob", ["LEANFA_HOPPER_PINGPONG", "LEANFA_HOPPER_PV_IN_MMA", "LEANFA_HOPPER_PERSISTENT",
+                                  "LEANFA_HOPPER_V_PERMUTED"])
 @pytest.mark.parametrize("order", ["consumer-first", "producer-first"])
 @pytest.mark.parametrize("flag", ["1", "0"])
 @pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("shape", V2_SHAPES)
-def test_warp_specialized_matches_v1(shape, fp8, flag, order, version, knob, monkeypatch):
-    """v2 (producer warp + one consumer partition; ``flag``: QK^T of block j+1 issued before the
-    softmax of block j) and v3 (producer warp + two consumer partitions; ``flag``: turn barriers,
-    FP8 PV accumulated in the wgmma accumulator, persistent programs that run several tiles
-    each, or FP8 V with its keys permuted so that P needs no shuffle) give v1's numbers, whichever
-    partition runs first."""
-    for name in knob.split(","):
-        monkeypatch.setenv(name, flag)
+@pytest.mark.parametrize("shape", KNOB_SHAPES)
+def test_knobs_match_reference(shape, fp8, flag, order, knob, monkeypatch):
+    """Each knob on and off (``flag``: turn barriers, FP8 PV accumulated in the wgmma accumulator, persistent
+    programs that run several tiles each, or FP8 V with its keys permuted so that P needs no shuffle): output
+    and LSE against float64, whichever partition runs first."""
+    monkeypatch.setenv(knob, flag)
     q, k, v = _inputs(*shape, 128, 128)
     kw = {}
     if fp8:
         qq = leanfa.quantize_fp8(q, k, v)
         q, k, v, kw = qq.q, qq.k, qq.v, qq.descales()
-    p = _problem(q, k, v, True, **kw)
-    o1, l1, _ = emulate(p, version="v1")
-    o2, l2, _ = emulate(p, version=version, ws_order=order)
-    assert not torch.isnan(o2).any()
-    assert torch.allclose(o1.float(), o2.float(), atol=1e-2, rtol=1e-2)
-    assert torch.equal(torch.isinf(l1), torch.isinf(l2))
+    _check(_problem(q, k, v, True, **kw), 4e-2 if fp8 else 1e-2, ws_order=order, **kw)
 
 
 WIDE = {"LEANFA_HOPPER_BLOCK_N": "256", "LEANFA_HOPPER_PV_IN_MMA": "1"}
@@ -396,33 +352,14 @@ WIDE = {"LEANFA_HOPPER_BLOCK_N": "256", "LEANFA_HOPPER_PV_IN_MMA": "1"}
 
 @pytest.mark.parametrize("vperm", ["0", "1"])
 @pytest.mark.parametrize("order", ["consumer-first", "producer-first"])
-@pytest.mark.parametrize("shape", V2_SHAPES)
-def test_v3_block_n_256_matches_v1(shape, order, vperm, monkeypatch):
+@pytest.mark.parametrize("shape", KNOB_SHAPES)
+def test_v3_block_n_256_matches_reference(shape, order, vperm, monkeypatch):
     """LEANFA_HOPPER_BLOCK_N=256 (FP8, PV in the wgmma accumulator; with and without the permuted
-    V): 256-key blocks, partial ones at the tail and on the causal diagonal, are as accurate as v1's
-    128-key blocks against float64. (Not elementwise equal: P is rounded to e4m3 relative to the
-    running row max, which a wider block reaches in fewer steps.)"""
+    V): 256-key blocks, partial ones at the tail and on the causal diagonal, against float64."""
     for name, value in {**WIDE, "LEANFA_HOPPER_V_PERMUTED": vperm}.items():
         monkeypatch.setenv(name, value)
-    _v3_as_accurate_as_v1(*_fp8_problem(shape), order)
-
-
-def _v3_as_accurate_as_v1(p, kw, order):
-    """v3's error against float64 within 10% of v1's (causal ``p``, descales ``kw``), the same -inf
-    LSE pattern, and LSEs within 2e-2 where finite."""
-    o1, l1, _ = emulate(p, version="v1")
-    o3, l3, _ = emulate(p, version="v3", ws_order=order)
-    assert not torch.isnan(o3).any()
-    ref = attention_ref(p.q, p.k, p.v, causal=True, **kw)
-    if ref.norm() > 0:
-        err1, err3 = (float((o.double() - ref).norm() / ref.norm()) for o in (o1, o3))
-        assert err3 < 1.1 * err1 + 1e-3, (err1, err3)
-    else:
-        assert (o3 == 0).all()
-    assert torch.equal(torch.isinf(l1), torch.isinf(l3))
-    fin = torch.isfinite(l1)
-    if fin.any():
-        assert float((l1 - l3)[fin].abs().max()) < 2e-2
+    p, kw = _fp8_problem(shape)
+    _check(p, 4e-2, ws_order=order, **kw)
 
 
 def _fp8_problem(shape, causal=True):
@@ -446,15 +383,14 @@ THREE_WGS = {"LEANFA_HOPPER_CONSUMERS": "3", "LEANFA_HOPPER_BLOCK_N": "64", "LEA
 @pytest.mark.parametrize("persistent", ["0", "1"])
 @pytest.mark.parametrize("order", ["consumer-first", "producer-first"])
 @pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("shape", V2_SHAPES + [(2, 385, 385, 2, 2)])
-def test_v3_three_consumers_matches_v1(shape, fp8, order, persistent, monkeypatch):
-    """LEANFA_HOPPER_CONSUMERS=3: as accurate as v1 against float64 (not elementwise equal: 64-key
-    blocks reach the row max in other steps), whichever partition runs first, one tile per program
+@pytest.mark.parametrize("shape", KNOB_SHAPES + [(2, 385, 385, 2, 2)])
+def test_v3_three_consumers_matches_reference(shape, fp8, order, persistent, monkeypatch):
+    """LEANFA_HOPPER_CONSUMERS=3 against float64, whichever partition runs first, one tile per program
     or persistent; tiles whose last 64-row boxes lie past the sequence (Sq = 1, 129, 385) included."""
     for name, value in {**THREE_WGS, "LEANFA_HOPPER_PERSISTENT": persistent}.items():
         monkeypatch.setenv(name, value)
     p, kw = _fp8_problem(shape) if fp8 else (_problem(*_inputs(*shape, 128, 128), True), {})
-    _v3_as_accurate_as_v1(p, kw, order)
+    _check(p, 4e-2 if fp8 else 1e-2, ws_order=order, **kw)
 
 
 @pytest.mark.parametrize("shape", [(1, 129, 700, 2, 1), (2, 385, 385, 2, 2)])
@@ -463,11 +399,11 @@ def test_v3_three_consumers_fp8_128_key_blocks(shape, monkeypatch):
     serializes its wgmmas at 160 registers: a timing experiment)."""
     for name, value in {**THREE_WGS, "LEANFA_HOPPER_BLOCK_N": "128"}.items():
         monkeypatch.setenv(name, value)
-    _v3_as_accurate_as_v1(*_fp8_problem(shape), "producer-first")
+    p, kw = _fp8_problem(shape)
+    _check(p, 4e-2, ws_order="producer-first", **kw)
 
 
-@pytest.mark.parametrize("version", ["v1", "v3"])
-def test_nan_row_gives_nan_lse(version):
+def test_nan_row_gives_nan_lse():
     """NaN in one query row: that row's output *and* LSE are NaN (run 32 on the GPU: the Hopper
     kernels wrote LSE -inf, reading the NaN row sum as "no key"); every other row stays finite."""
     from leanfa.kernels.hopper import softmax as SM
@@ -475,13 +411,13 @@ def test_nan_row_gives_nan_lse(version):
     q, k, v = _inputs(1, 200, 200, 2, 1, 64, 64)
     q[0, 150, 1, 7] = float("nan")
     p = _problem(q, k, v, True)
-    out, lse, _ = emulate(p, version=version)
+    out, lse, _ = emulate(p)
     assert torch.isnan(out[0, 150, 1]).all() and torch.isnan(lse[0, 1, 150])
     assert int(torch.isnan(lse).sum()) == 1 and int(torch.isnan(out).any(-1).sum()) == 1
     reset_shadows()
     try:  # the old test of a row sum, `l > 0`, is caught
         _mutated(SM.finish_rows, "seen = l_i != 0.0", "seen = l_i > 0.0")
-        _, lse_old, _ = emulate(p, version=version)
+        _, lse_old, _ = emulate(p)
         assert not torch.isnan(lse_old[0, 1, 150])
     finally:
         reset_shadows()
@@ -507,31 +443,7 @@ def test_v3_three_consumers_mutations_caught(fn, old, new, shape, monkeypatch):
         _mutated(getattr(KP, fn), old, new)
         for order in ("producer-first", "consumer-first"):
             with pytest.raises(EmulationError):
-                emulate(_fp8_problem(shape)[0], version="v3", ws_order=order)
-    finally:
-        reset_shadows()
-
-
-# the K/V ring protocol the warp-specialized kernels share (pipeline.py), mutated
-RING_MUTATIONS = [
-    ("release_slot", "    gl.thread_barrier()\n", "    pass\n"),  # arrive before the partition's warps are done
-    ("produce_kv", "            mbarrier.wait(empty_bars.index(g % STAGES), ((g // STAGES) - 1) & 1)\n",
-     "            pass\n"),  # refill without waiting for the release
-    ("produce_kv", "((g // STAGES) - 1) & 1", "(g // STAGES) & 1"),  # wrong empty parity
-]
-
-
-@pytest.mark.parametrize("fn,old,new", RING_MUTATIONS)
-def test_v2_mutations_caught(fn, old, new):
-    reset_shadows()
-    try:
-        src = inspect.getsource(getattr(P, fn).fn)
-        assert old in src
-        shadow(getattr(P, fn), source=src.replace(old, new))
-        q, k, v = _inputs(1, 300, 700, 2, 1, 128, 128)
-        p = _problem(q, k, v, True)
-        with pytest.raises(EmulationError):
-            emulate(p, version="v2", ws_order="producer-first")
+                emulate(_fp8_problem(shape)[0], ws_order=order)
     finally:
         reset_shadows()
 
@@ -564,6 +476,21 @@ from leanfa.kernels.hopper import kernel_pingpong as KP  # noqa: E402
      "LEANFA_HOPPER_PERSISTENT"),
     # S_0 read by the softmax while its wgmma may still be writing it (no wait)
     (KP, "_consumer_tile", "s = warpgroup_mma_wait(0, deps=(s_acc, ))", "s = s_acc", ""),
+    # the producer waits for the wrong phase of a slot's release
+    (P, "produce_kv", "((g // STAGES) - 1) & 1", "(g // STAGES) & 1", ""),
+    # a slot released while its PV may still be reading it (the release moved before the PV wait)
+    (KP, "_consumer_block",
+     ("    pv_acc = _issue_pv(p_op, v, acc, alpha_o, TWO_LEVEL)\n",
+      "    release_slot(empty_bars, (ring + j) % STAGES)  # one release per warpgroup (empty counts 2)\n"),
+     ("    pv_acc = _issue_pv(p_op, v, acc, alpha_o, TWO_LEVEL)\n    release_slot(empty_bars, (ring + j) % STAGES)\n",
+      ""), ""),
+    # no mask on the diagonal / tail blocks
+    (KP, "_softmax_block", "    if j >= n_full:\n", "    if False:\n", ""),
+    # O not rescaled when the row max grows
+    (KP, "_softmax_block", "    alpha_o = gl.convert_layout(alpha,", "    alpha = alpha * 0 + 1\n    alpha_o = gl.convert_layout(alpha,",
+     ""),
+    # every tile computes the last query tile of its head
+    (S, "tile_coords", "pid_m = num_m_tiles - 1 - t // num_bh", "pid_m = num_m_tiles - 1 + 0 * t", ""),
 ])
 def test_v3_mutations_caught(mod, fn, old, new, knobs, monkeypatch):
     for name in ("LEANFA_HOPPER_PINGPONG", "LEANFA_HOPPER_PERSISTENT"):
@@ -571,7 +498,7 @@ def test_v3_mutations_caught(mod, fn, old, new, knobs, monkeypatch):
     reset_shadows()
     try:
         _mutated(getattr(mod, fn), old, new)
-        caught = [_expect_caught((1, 300, 700, 2, 1), version="v3", ws_order=o) for o in
+        caught = [_expect_caught((1, 300, 700, 2, 1), ws_order=o) for o in
                   ("producer-first", "consumer-first")]
         assert all(caught)
     finally:
@@ -617,7 +544,7 @@ def test_v3_varlen(lens, causal, fp8, mode, monkeypatch):
         q, k, v, kw = qq.q, qq.k, qq.v, qq.descales()
     p = _build_problem(q, k, v, varlen=True, **cu, softmax_scale=None, causal=causal, return_lse=True,
                        out_dtype=None, **kw)
-    out, lse, _ = emulate(p, version="v3")
+    out, lse, _ = emulate(p)
     ref, ref_lse = attention_ref(p.q, p.k, p.v, causal=causal, return_lse=True, cu_seqlens_q=cu_q,
                                  cu_seqlens_k=cu_k, **{n: getattr(p, n) for n in ("k_mean",)},
                                  q_descale=p.q_scale if fp8 else None, k_descale=p.k_scale if fp8 else None,
@@ -647,11 +574,11 @@ def test_v3_fp8_varlen_unaligned_is_flagged(monkeypatch):
     qq = leanfa.quantize_fp8(q, k[:, :1], v[:, :1], **kw)
     p = _build_problem(qq.q, qq.k, qq.v, varlen=True, **kw, softmax_scale=None, causal=True, return_lse=False,
                        out_dtype=None, **qq.descales())
-    out, _, _ = emulate(p, version="v3")  # re-packed: runs
+    out, _, _ = emulate(p)  # re-packed: runs
     assert not torch.isnan(out).any()
     monkeypatch.setattr(L, "align_varlen_v", lambda v, cu_k, *_: (v, cu_k))  # V as packed, K's starts
     with pytest.raises(EmulationError, match="16 bytes"):
-        emulate(p, version="v3")
+        emulate(p)
 
 
 @pytest.mark.parametrize("d", [128, 256])
@@ -679,7 +606,7 @@ def test_v3_fp8_token_major_v(varlen, d):
         p = _build_problem(qq.q, qq.k, vv, varlen=varlen, **(kw or dict(cu_seqlens_q=None, cu_seqlens_k=None,
                            max_seqlen_q=None, max_seqlen_k=None)), softmax_scale=None, causal=True,
                            return_lse=False, out_dtype=None, **qq.descales())
-        outs.append(emulate(p, version="v3")[0])
+        outs.append(emulate(p)[0])
     assert not torch.isnan(outs[0]).any()
     assert torch.equal(outs[0], outs[1])
     ref = attention_ref(p.q, p.k, p.v, causal=True, q_descale=p.q_scale, k_descale=p.k_scale, v_descale=p.v_scale,
@@ -735,17 +662,6 @@ def test_align_varlen_v(lens, layout, max_seqlen, monkeypatch):
     assert (got[:, :, ~covered] == 0).all()
 
 
-def test_varlen_needs_v3(monkeypatch):
-    """v1/v2 have no varlen path: the plan refuses (and supports() sends varlen to the portable kernel)."""
-    monkeypatch.setenv("LEANFA_HOPPER_KERNEL", "v1")
-    q = torch.randn(10, 2, 128).to(torch.bfloat16)
-    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
-    with pytest.raises(ValueError, match="v3"):
-        L.make_plan(q, q, q, torch.empty_like(q), None, *[torch.ones(2, 2, 1)] * 2, torch.ones(2, 2, 128), None,
-                    causal=True, softmax_scale=0.1, return_lse=False, cu_seqlens_q=cu, cu_seqlens_k=cu,
-                    max_seqlen_q=6, max_seqlen_k=6)
-
-
 # ----------------------------------------------------------------------------- knobs
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -753,8 +669,7 @@ def test_head_dim_256_plan(fp8, monkeypatch):
     """Head dim 256: FP8 with PV in the wgmma accumulator at 128-key blocks (64 on request), BF16 at
     64-key blocks, the builds that fit the registers (launch.wide_head); asking for anything else is an
     error, not a spilling or serialized kernel."""
-    for k in ("LEANFA_HOPPER_KERNEL", "LEANFA_HOPPER_PV_IN_MMA", "LEANFA_HOPPER_BLOCK_N", "LEANFA_HOPPER_CONSUMERS",
-              "LEANFA_HOPPER_STAGES"):
+    for k in ("LEANFA_HOPPER_PV_IN_MMA", "LEANFA_HOPPER_BLOCK_N", "LEANFA_HOPPER_CONSUMERS", "LEANFA_HOPPER_STAGES"):
         monkeypatch.delenv(k, raising=False)
     q, k, v = _inputs(1, 200, 200, 2, 1, 256, 256)
     kw = {}
@@ -784,18 +699,14 @@ def test_head_dim_256_plan(fp8, monkeypatch):
     monkeypatch.setenv("LEANFA_HOPPER_CONSUMERS", "3")
     with pytest.raises(ValueError, match="two consumer warpgroups"):
         emulate_mod._make_plan_cpu(L, p, out, None)
-    monkeypatch.delenv("LEANFA_HOPPER_CONSUMERS")
-    with pytest.raises(ValueError, match="two consumer warpgroups"):
-        emulate_mod._make_plan_cpu(L, p, out, None, version="v1")
 
 
 def test_hopper_knobs(monkeypatch):
-    """v3 is the default Hopper kernel; a bad knob value is an error, never a silent fallback."""
-    for k in ("LEANFA_HOPPER_KERNEL", "LEANFA_HOPPER_POLY", "LEANFA_HOPPER_PINGPONG", "LEANFA_HOPPER_PV_IN_MMA",
+    """The plan's defaults; a bad knob value is an error, never a silent fallback."""
+    for k in ("LEANFA_HOPPER_POLY", "LEANFA_HOPPER_PINGPONG", "LEANFA_HOPPER_PV_IN_MMA",
               "LEANFA_HOPPER_PERSISTENT", "LEANFA_HOPPER_V_PERMUTED", "LEANFA_HOPPER_BLOCK_N",
               "LEANFA_HOPPER_CONSUMERS"):
         monkeypatch.delenv(k, raising=False)
-    assert L.kernel_version() == "v3"
     q, k, v = _inputs(1, 200, 200, 2, 1, 128, 128)
     qq = leanfa.quantize_fp8(q, k, v)
     p = _problem(qq.q, qq.k, qq.v, True, lse=False, **qq.descales())
@@ -804,7 +715,7 @@ def test_hopper_knobs(monkeypatch):
                                             torch.empty(1, 2, 200))
     assert plan_kmean.constexprs["PERSISTENT"] is False  # the LSE's K-mean term reads Q late: the one-tile grid
     plan = emulate_mod._make_plan_cpu(L, p, torch.empty(1, 200, 2, 128, dtype=torch.bfloat16), None)
-    assert plan.version == "v3"
+    assert plan.kernel is KP.attn_fwd_pingpong_kernel
     assert plan.constexprs["PINGPONG"] is False and plan.constexprs["POLY"] == 0
     assert plan.constexprs["PV_IN_MMA"] is False and plan.constexprs["num_warps"] == 4
     # dense FP8 at head dim <= 128: persistent, output through TMA (run 48); BF16 at 128/128 too (runs 53-54);
@@ -861,10 +772,6 @@ def test_hopper_knobs(monkeypatch):
         emulate_mod._make_plan_cpu(L, p, torch.empty(1, 200, 2, 128, dtype=torch.bfloat16), None)
     for name in THREE_WGS:
         monkeypatch.delenv(name)
-    monkeypatch.setenv("LEANFA_HOPPER_KERNEL", "v9")
-    with pytest.raises(ValueError, match="LEANFA_HOPPER_KERNEL"):
-        L.kernel_version()
-    monkeypatch.setenv("LEANFA_HOPPER_KERNEL", "v3")
     monkeypatch.setenv("LEANFA_HOPPER_POLY", "9")
     with pytest.raises(ValueError, match="LEANFA_HOPPER_POLY"):
         emulate_mod._make_plan_cpu(L, p, torch.empty(1, 200, 2, 128, dtype=torch.bfloat16), None)
@@ -890,7 +797,7 @@ def _sink_errors(p, ref, ref_lse, **emulate_kw):
     LSE's -inf pattern must match the reference's and its worst error be within 1.2x the portable one's."""
     from leanfa.kernels import portable
 
-    out, lse, _ = emulate(p, version="v3", **emulate_kw)
+    out, lse, _ = emulate(p, **emulate_kw)
     out_p, lse_p = portable.run(p)
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
     fin = torch.isfinite(ref_lse)
@@ -923,7 +830,7 @@ def test_v3_bf16_sink_keys(preset, sq, sk, causal, d, mode, monkeypatch):
     p = _sink_problem(q, k, v, causal)
     ref, ref_lse = attention_ref(q, k, v, causal=causal, return_lse=True)
     plain, _, _ = emulate(_problem(p.q, p.k, p.v, causal, q_descale=p.q_scale, k_descale=p.k_scale,
-                                   v_descale=p.v_scale, k_mean=p.k_mean), version="v3")
+                                   v_descale=p.v_scale, k_mean=p.k_mean))
     e_plain = float((plain.double() - ref).norm() / ref.norm())
     for order in ("consumer-first", "producer-first"):
         reset_shadows()
@@ -952,7 +859,7 @@ def test_v3_sink_plan_and_dispatch(monkeypatch):
     """The plan: SINK = 2 with a smoothed K (1 without), a 3-slot ring next to the sink's 96 KB at d128; what
     v3 cannot run is refused with the reason; auto dispatch takes it (GPU-validated, run 45) unless
     LEANFA_HOPPER_SINK=0."""
-    from leanfa.kernels import dispatch, hopper
+    from leanfa.kernels import dispatch
 
     q, k, v = _inputs(1, 200, 200, 2, 1, 128, 128)
     p = _sink_problem(q, k, v, True)
@@ -961,15 +868,15 @@ def test_v3_sink_plan_and_dispatch(monkeypatch):
     assert plan.constexprs["SINK"] == 2 and plan.constexprs["STAGES"] == 3
     assert plan.args[-4].block_shape == [1, 1, 64, 128] and plan.args[-2].block_shape == [1, 1, 128, 128]
     assert plan.args[-1] is None and not plan.constexprs["STORE_TMA"]  # (the sink's buffers take that room)
-    assert L.sink_problem("v3", True, (128, 128), 256) and L.sink_problem("v3", True, (192, 128), 128)
-    assert L.sink_problem("v1", True, (128, 128), 128) and L.sink_problem("v3", False, (128, 128), 128)
-    assert L.sink_problem("v3", True, (64, 64), 128) is None
+    assert L.sink_problem(True, (128, 128), 256) and L.sink_problem(True, (192, 128), 128)
+    assert L.sink_problem(False, (128, 128), 128)
+    assert L.sink_problem(True, (64, 64), 128) is None
     monkeypatch.setenv("LEANFA_HOPPER_PINGPONG", "1")
     with pytest.raises(ValueError, match="turn barriers"):
         emulate_mod._make_plan_cpu(L, p, out, None)
     monkeypatch.delenv("LEANFA_HOPPER_PINGPONG")
     monkeypatch.delenv("LEANFA_HOPPER_SINK", raising=False)
-    assert hopper.SINK_VALIDATED and dispatch.hopper_sink_enabled()  # GPU-validated: on by default (run 45)
+    assert dispatch.HOPPER_SINK_VALIDATED and dispatch.hopper_sink_enabled()  # GPU-validated: on by default (run 45)
     assert dispatch.hopper_sink_enabled((128, 128), 128) and not dispatch.hopper_sink_enabled((192, 128), 128)
     monkeypatch.setenv("LEANFA_HOPPER_SINK", "0")  # the escape hatch
     assert not dispatch.hopper_sink_enabled()
@@ -1046,13 +953,13 @@ def _store_tma_bit_for_bit(p, off: str, on: str, monkeypatch):
     """With LEANFA_HOPPER_STORE_TMA=``on`` the plan stores through TMA, with ``off`` it does not, and output and
     LSE are the same bits, whichever partition runs first."""
     monkeypatch.setenv("LEANFA_HOPPER_STORE_TMA", off)
-    o0, l0, _ = emulate(p, version="v3")
+    o0, l0, _ = emulate(p)
     assert not torch.isnan(o0).any()
     assert not emulate_mod._make_plan_cpu(L, p, o0.clone(), l0.clone()).constexprs["STORE_TMA"]
     monkeypatch.setenv("LEANFA_HOPPER_STORE_TMA", on)
     assert emulate_mod._make_plan_cpu(L, p, o0.clone(), l0.clone()).constexprs["STORE_TMA"]
     for order in ("consumer-first", "producer-first"):
-        o1, l1, _ = emulate(p, version="v3", ws_order=order)
+        o1, l1, _ = emulate(p, ws_order=order)
         assert torch.equal(o0, o1), order
         assert torch.equal(l0, l1), order
 
@@ -1118,7 +1025,7 @@ def _caught_against(p, ref_out, orders=("producer-first", "consumer-first")):
     caught = []
     for order in orders:
         try:
-            o, _, _ = emulate(p, version="v3", ws_order=order)
+            o, _, _ = emulate(p, ws_order=order)
             caught.append(not torch.equal(o, ref_out))
         except EmulationError:
             caught.append(True)
@@ -1145,7 +1052,7 @@ def test_v3_store_tma_mutations_caught(mod, fn, old, new, monkeypatch):
     monkeypatch.setenv("LEANFA_HOPPER_PERSISTENT", "1")  # (programs run several tiles on the CPU's 3 "SMs")
     p = _fp8((1, 700, 700, 2, 1), (128, 128), True)
     monkeypatch.setenv("LEANFA_HOPPER_STORE_TMA", "0")
-    ref_out, _, _ = emulate(p, version="v3")
+    ref_out, _, _ = emulate(p)
     monkeypatch.setenv("LEANFA_HOPPER_STORE_TMA", "1")
     _assert_caught(getattr(mod, fn), old, new, p, ref_out)
 
@@ -1165,7 +1072,7 @@ def test_v3_early_q_release_mutation_caught(monkeypatch):
     assert early in src and loop in src
     qq = leanfa.quantize_fp8(*_inputs(1, 700, 700, 2, 1, 128, 128))
     p = _problem(qq.q, qq.k, qq.v, True, lse=False, **qq.descales())  # no LSE: the early release applies
-    ref_out, _, _ = emulate(p, version="v3")
+    ref_out, _, _ = emulate(p)
     reset_shadows()
     try:
         shadow(KP._consumer_tile, source=src.replace(early, f"{ind}EARLY_Q: gl.constexpr = not SINK and not HAS_KMEAN\n")

@@ -1,4 +1,4 @@
-"""The v3 kernel's SM-clock trace (LEANFA_HOPPER_TRACE, leanfa/kernels/hopper/trace.py).
+"""The Hopper kernel's SM-clock trace (LEANFA_HOPPER_TRACE, leanfa/kernels/hopper/trace.py).
 
 CPU: the traced kernel compiles for sm90 without spills and reads the clock; without the knob no
 clock read is compiled in. GPU: the traced launch gives bitwise the same output, and every tile
@@ -16,11 +16,11 @@ from test_hopper import ON_H100, _compile_available
 
 _SNIPPET = """
 import sys
-from leanfa.kernels.hopper.aot import Variant, compile_variant
+from leanfa.kernels.hopper.gluon_aot import Variant, compile_variant
 # the one-tile grid: the traced build there has no spills (the persistent FP8 default spills ~150 B more with
 # the trace's registers, in the per-tile epilogue: run 46 traced it at +7-9% against +4% for the grid)
 env = (("LEANFA_HOPPER_TRACE", sys.argv[1]), ("LEANFA_HOPPER_PERSISTENT", "0"))
-r = compile_variant(Variant(sys.argv[2], 128, 128, causal=True, version="v3", env=env))
+r = compile_variant(Variant(sys.argv[2], 128, 128, causal=True, env=env))
 print(r.ptx.count("%clock"), r.ptx.count("%smid"), r.spill_stores, r.spill_loads, len(r.perf_warnings))
 """
 
@@ -62,7 +62,6 @@ def test_traced_launch_same_output_and_complete_trace(fp8, monkeypatch):
         kw = dict(qq.descales())
     outs, plans = [], []
     for flag in ("0", "1"):
-        monkeypatch.setenv("LEANFA_HOPPER_KERNEL", "v3")
         monkeypatch.setenv("LEANFA_HOPPER_TRACE", flag)
         problem = _build_problem(q, k, v, varlen=False, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
                                  max_seqlen_k=None, softmax_scale=d ** -0.5, causal=True, return_lse=False,

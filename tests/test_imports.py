@@ -172,7 +172,7 @@ LAYERS = (
     ("foundation", ("leanfa.problem", "leanfa.scales", "leanfa.hadamard", "leanfa._versions", "leanfa.activations")),
     ("kernels", ("leanfa.kernels",)),
     ("host", ("leanfa.checks", "leanfa.quant")),
-    ("ops", ("leanfa.ops", "leanfa.sink")),
+    ("ops", ("leanfa.ops", "leanfa.sink_split")),
     ("api", ("leanfa.api",)),
     ("analysis", ("leanfa.reference", "leanfa.accuracy_model")),
     ("front ends", ("leanfa", "leanfa.flash_attn_interface", "leanfa.compat", "leanfa.integrations", "leanfa.cli",
@@ -203,7 +203,7 @@ def test_layers_import_only_downward():
 
 def test_layer_table_places_each_module():
     assert layer_of("leanfa.kernels.hopper.varlen_v") == 1
-    assert layer_of("leanfa.bench.cli") == layer_of("leanfa") == len(LAYERS) - 1
+    assert layer_of("leanfa.bench.commands") == layer_of("leanfa") == len(LAYERS) - 1
     assert layer_of("leanfa.quant") > layer_of("leanfa.kernels.quantize")
 
 

@@ -23,6 +23,6 @@ Nothing here is imported by ``import leanfa``; the modules import torch/leanfa l
 where they can so that ``--help`` and the CPU tests stay light.
 """
 
-from .cli import main
+from .commands import main
 
 __all__ = ["main"]

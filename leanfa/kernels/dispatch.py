@@ -1,10 +1,12 @@
-"""Pick the kernel backend for a validated :class:`leanfa.problem.Problem` and run it.
+"""The one place that decides which kernel runs a call, and why; the others ask here.
 
-Order: the Hopper kernel where it applies (sm90, supported shape, supported Triton) *and* it has
-passed its GPU validation (``hopper.VALIDATED``) *and* the portable kernel was not measured faster
-for the call (``hopper.portable_faster``: FP8 at head dim 64), else the portable kernel.
-``backend="hopper"`` demands the Hopper kernel (also before validation, for development) and
-raises where it does not apply; ``backend="portable"`` forces the portable kernel.
+:func:`choose` decides the backend of a validated :class:`leanfa.problem.Problem` and says why
+(:class:`Choice`); :func:`run` runs it. The order: the Hopper kernel where it applies (sm90, supported
+shape, supported Triton: :func:`hopper_applies`, which asks :func:`leanfa.kernels.hopper.supports`)
+*and* it has passed its GPU validation (:data:`HOPPER_VALIDATED`) *and* the portable kernel was not
+measured faster for the call (:func:`portable_faster`: FP8 at head dim 64), else the portable kernel.
+``backend="hopper"`` demands the Hopper kernel (also before validation, for development) and raises
+where it does not apply; ``backend="portable"`` forces the portable kernel.
 
 On a supported Triton that never ran the GPU suite (:data:`leanfa._versions.GPU_VALIDATED`),
 ``backend="auto"`` runs the first Hopper call of each kernel configuration (:func:`config_key`) in a
@@ -12,6 +14,10 @@ process only after a self-check (:func:`self_check`): the Hopper and the portabl
 problem of that configuration, and where their outputs disagree (beyond :data:`SELF_CHECK_TOL`) the
 configuration stays on the portable kernel, with one warning. The verdict is kept per configuration for
 the process (:data:`VERDICTS`).
+
+BF16 sink keys (``attention(precision="fp8", bf16_sink_keys=P)``): :func:`sink_route` decides whether they
+are attended inside one FP8 call, and on which backend, or by the split path (:mod:`leanfa.sink_split`);
+:func:`hopper_sink_enabled` whether the Hopper kernel attends them (``LEANFA_HOPPER_SINK``).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import os
 import threading
 import warnings
 
@@ -28,6 +35,28 @@ from .. import _versions
 from . import portable
 
 _log = logging.getLogger(__name__)
+
+#: ``backend="auto"`` picks the Hopper kernel only once it passes the GPU check
+#: (scripts/hopper_gpu_check.py). First H200 run (2026-11-29): wrong (NaN) whenever Sk > 128 or
+#: Sq > 128 -- the broadcast Q/K descale tables were indexed with their size-1 block stride
+#: (1, not 0), reading past the table (fixed by scales.broadcast_strides; caught on CPU by
+#: tests/test_hopper_emulate.py). The fix passed 90/90 cases on the H200 (run 3), so it is on.
+#: The kernel (v3) passed the same 90 cases in runs 10 and 11.
+HOPPER_VALIDATED = True
+#: FP8 with BF16 sink keys in the Hopper kernel (:mod:`.hopper.sink`), d64/d128: validated on the H200 in run 45
+#: (e94907e: 29/29 GPU tests, memcheck/synccheck 0 errors, `leanfa accuracy` equal to the portable
+#: sink's error; d128 16K 0.97x the plain FP8 call), so ``backend="auto"`` runs it on sm90.
+#: ``LEANFA_HOPPER_SINK=0`` sends it back to the portable kernel (``backend="hopper"``: to the split).
+HOPPER_SINK_VALIDATED = True
+#: FP8 head dims where ``backend="auto"`` prefers the portable kernel although the Hopper kernel runs them: at
+#: 64/64 the portable FP8 kernel measured 1.10x / 1.06-1.07x the Hopper kernel at 4K / 16K (causal, B*S = 16K,
+#: 16 heads, H200 runs 49 and 51); its sink beat the Hopper kernel's plain FP8 call there too (run 45). BF16 d64
+#: stays on the Hopper kernel (0.94-1.07x either way).
+PORTABLE_FASTER_FP8 = ((64, 64),)
+#: ``bf16_sink_keys`` that are a multiple of this run inside the FP8 kernel (the portable kernel's sink blocks
+#: are whole KV tiles and K scale blocks; the Hopper kernel's sink is exactly one such block). Other values
+#: take the split path (:func:`leanfa.sink_split.attention_sink_bf16`).
+SINK_BLOCK = 128
 
 #: relative L2 error between the Hopper and the portable kernel's outputs (and LSE) on the self-check's
 #: problem above which they disagree: the sum of the two kernels' bounds against a float64 reference in the
@@ -45,6 +74,14 @@ _WARNED: set[str] = set()
 _lock = threading.Lock()
 
 
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """The kernel :func:`choose` picked for a call (``"hopper"`` or ``"portable"``), and why."""
+
+    kernel: str
+    why: str
+
+
 def _hopper():
     try:
         from . import hopper
@@ -53,11 +90,36 @@ def _hopper():
     return hopper
 
 
+def portable_faster(problem) -> bool:
+    """Whether ``backend="auto"`` runs this call on the portable kernel, measured faster there
+    (:data:`PORTABLE_FASTER_FP8`), although the Hopper kernel supports it (``backend="hopper"`` still runs it
+    there)."""
+    return problem.is_fp8 and (problem.head_dim_qk, problem.head_dim_v) in PORTABLE_FASTER_FP8
+
+
 def hopper_sink_enabled(dims=None, sink_keys=None) -> bool:
-    """Whether FP8 calls with BF16 sink keys may run on the Hopper kernel (:mod:`.hopper.sink`); with
-    ``dims`` (Dqk, Dv) and ``sink_keys``, also whether it supports them."""
+    """Whether FP8 calls with BF16 sink keys may run on the Hopper kernel (``LEANFA_HOPPER_SINK``, default 1 once
+    validated: :data:`HOPPER_SINK_VALIDATED`); with ``dims`` (Dqk, Dv) and ``sink_keys``, also whether it supports
+    them (:func:`leanfa.kernels.hopper.sink_problem`)."""
     hopper = _hopper()
-    return hopper is not None and hopper.sink_in_kernel(dims, sink_keys)
+    if hopper is None or os.environ.get("LEANFA_HOPPER_SINK", "1" if HOPPER_SINK_VALIDATED else "0") != "1":
+        return False
+    return dims is None or hopper.sink_problem(dims, sink_keys) is None
+
+
+def sink_route(backend: str, dims, sink_keys: int) -> str | None:
+    """Where ``attention(precision="fp8", bf16_sink_keys=sink_keys)`` with head dims ``dims`` (Dqk, Dv) attends
+    its sink keys: the backend of the one FP8 call that attends them itself, or None for the split path (a
+    16-bit call and an FP8 call merged through their LSEs; dense only). In the FP8 kernel: multiples of
+    :data:`SINK_BLOCK` keys; on the Hopper kernel only where :func:`hopper_sink_enabled` (``backend="hopper"``
+    elsewhere takes the split; ``"auto"`` runs on the portable kernel while the Hopper sink is off)."""
+    if sink_keys % SINK_BLOCK:
+        return None
+    if backend == "hopper":
+        return backend if hopper_sink_enabled(dims, sink_keys) else None
+    if backend == "auto" and not hopper_sink_enabled():
+        return "portable"
+    return backend
 
 
 def hopper_applies(problem) -> tuple[bool, str]:
@@ -65,7 +127,7 @@ def hopper_applies(problem) -> tuple[bool, str]:
     hopper = _hopper()
     if hopper is None:
         return False, "triton.experimental.gluon is not available"
-    if problem.sink_keys and not hopper.sink_in_kernel():
+    if problem.sink_keys and not hopper_sink_enabled():
         return False, ("BF16 sink keys (bf16_sink_keys) run in the portable kernel here: the Hopper kernel's "
                        "sink is off (LEANFA_HOPPER_SINK=0)")
     ok, why = hopper.supports(problem)
@@ -78,16 +140,36 @@ def hopper_applies(problem) -> tuple[bool, str]:
     return ok, why
 
 
-def run(problem, backend: str):
-    # an unsupported torch/triton warns once (leanfa/_versions.py) and "auto" stays portable
+def choose(problem, backend: str) -> Choice:
+    """The kernel that runs ``problem`` with ``backend`` (``"auto"``, ``"hopper"`` or ``"portable"``), and why.
+    An unsupported torch/triton warns once (:func:`leanfa._versions.check`) and ``"auto"`` stays portable;
+    ``backend="hopper"`` where the Hopper kernel does not apply raises ``ValueError``. On a Triton that is not
+    GPU-validated, ``"auto"``'s first Hopper call of a configuration runs the self-check here."""
     supported = _versions.check()
-    if backend == "hopper" or (backend == "auto" and supported and getattr(_hopper(), "VALIDATED", False)):
-        ok, why = hopper_applies(problem)
-        if ok and (backend == "hopper" or not _hopper().portable_faster(problem)):
-            if backend == "hopper" or _versions.triton_gpu_validated() or _self_checked(problem):
-                return _hopper().run(problem)
-        elif backend == "hopper":
+    if backend not in ("auto", "hopper"):
+        return Choice("portable", f"backend={backend!r}")
+    if backend == "auto" and not supported:
+        return Choice("portable", "an unsupported torch/triton runs the portable kernel only")
+    if backend == "auto" and not HOPPER_VALIDATED:
+        return Choice("portable", "the Hopper kernel has not passed its GPU check")
+    ok, why = hopper_applies(problem)
+    if not ok:
+        if backend == "hopper":
             raise ValueError(f"backend='hopper' cannot run this call: {why}")
+        return Choice("portable", why)
+    if backend == "hopper":
+        return Choice("hopper", "backend='hopper'")
+    if portable_faster(problem):
+        return Choice("portable", "the portable kernel was measured faster for FP8 at these head dims")
+    if not (_versions.triton_gpu_validated() or _self_checked(problem)):
+        return Choice("portable", "the Hopper kernel's self-check on this Triton failed for this configuration")
+    return Choice("hopper", "the Hopper kernel applies")
+
+
+def run(problem, backend: str):
+    """Run ``problem`` on the kernel :func:`choose` picks; return ``(out, lse or None)``."""
+    if choose(problem, backend).kernel == "hopper":
+        return _hopper().run(problem)
     return portable.run(problem)
 
 

@@ -37,7 +37,7 @@ from .fp8 import E4M3_MAX_C, to_e4m3
 from .sequences import sequence_span
 
 # Launch parameters of the fused kernels, shared by the host (leanfa.quant) and the AOT
-# compile (leanfa.kernels.aot).
+# compile (leanfa.kernels.triton_aot).
 
 #: the fused quantizer's largest head dim (larger ones take the per-tensor kernels). One
 #: quantize_qkv program holds a 128-token tile (and three inlined branches); AOT sm90, 8 warps,

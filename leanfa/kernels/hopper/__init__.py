@@ -1,25 +1,24 @@
 """Hand-scheduled Hopper (sm90) attention forward in Gluon (``triton.experimental.gluon``).
 
 One concern per module: :mod:`.layouts` (register/shared layouts), :mod:`.pipeline` (TMA +
-mbarrier K/V ring), :mod:`.schedule` (which query tile a program computes), :mod:`.masking`
+mbarrier K/V ring), :mod:`.schedule` (which query tiles a program computes), :mod:`.masking`
 (which key blocks a tile visits, diagonal/tail masks), :mod:`.softmax` / :mod:`.softmax_ws`
 (Lean-P online softmax), :mod:`.exp2` (exp2 split between MUFU and an FMA-pipe polynomial),
-:mod:`.epilogue` (output rows: register stores, or for dense FP8 a shared-memory box and one TMA
-store per warpgroup; the LSE's K-mean term), :mod:`.sink` (BF16 sink keys in v3),
-:mod:`.trace` (SM-clock trace of the key loop); the kernels :mod:`.kernel_pingpong` (v3,
-the default: producer warp + two consumer warpgroups in their own partitions), :mod:`.kernel`
-(v1, one partition) and :mod:`.kernel_ws` (v2, one 8-warp consumer partition); :mod:`.launch`
+:mod:`.epilogue` (output rows: register stores, or for dense calls a shared-memory box and one TMA
+store per warpgroup; the LSE's K-mean term), :mod:`.sink` (BF16 sink keys),
+:mod:`.trace` (SM-clock trace of the key loop); the kernel :mod:`.kernel_pingpong` (v3: a producer
+warp and two consumer warpgroups in their own partitions); :mod:`.launch`
 (host: descriptors, knobs, launch), :mod:`.plan_cache` (a dense call's plan kept per call signature, and
 the compiled kernel launched directly on later calls), :mod:`.aot` (compile for sm90 without a GPU) and
 :mod:`.emulate` (run a kernel's own source on the CPU, checking the mbarrier/TMA protocol).
 
 :func:`supports` says whether a validated :class:`leanfa.problem.Problem` can run here, and why
-not; anything it rejects runs on the portable kernel instead -- never a wrong answer.
+not; anything it rejects runs on the portable kernel instead -- never a wrong answer. Whether a call
+that can run here does is decided by :mod:`leanfa.kernels.dispatch`.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 import weakref
 
@@ -32,51 +31,19 @@ from ..outputs import allocate_outputs
 from . import launch as _launch
 from . import plan_cache
 
-#: ``backend="auto"`` picks this kernel only once it passes the GPU check
-#: (scripts/hopper_gpu_check.py). First H200 run (2026-11-29): wrong (NaN) whenever Sk > 128 or
-#: Sq > 128 -- the broadcast Q/K descale tables were indexed with their size-1 block stride
-#: (1, not 0), reading past the table (fixed by scales.broadcast_strides; caught on CPU by
-#: tests/test_hopper_emulate.py). The fix passed 90/90 cases on the H200 (run 3), so it is on.
-#: v3 (the default since 107077e) passed the same 90 cases in runs 10 and 11.
-VALIDATED = True
-#: FP8 varlen: H200 run 15 died with "illegal instruction" -- FP8 V is stored transposed, tokens
-#: innermost, so a box of sequence b started at token cu_seqlens_k[b] + 128 j, not 16-byte aligned
-#: in general, which TMA refuses (run 16: lengths that are multiples of 16 passed). The plan now
-#: re-packs V with every sequence on a multiple of 16 tokens (launch.align_varlen_v: one copy of V
-#: per call, device ops only) and the kernel reads V's sequence starts from that table.
-HEAD_DIMS = ((128, 128), (192, 128))
-#: Head dims only the v3 kernel runs: 64/64 needed no kernel change and passed the 130-case H200
-#: check (the 90 cases plus 40 at 64/64: BF16 and FP8, causal and not, odd lengths, GQA) and
-#: memcheck on its 24 small cases, 0 errors (run 22, b9e966e).
-#: 256/256 (Gemma-class heads): the same kernel, FP8 with PV in the wgmma accumulator, BF16 with
-#: 64-key blocks (launch.wide_head); 48/48 H200 cases, memcheck/synccheck 0 errors (runs 41, 43).
-V3_HEAD_DIMS = ((64, 64), (256, 256))
-#: FP8 with BF16 sink keys in the v3 kernel (:mod:`.sink`), d64/d128: validated on the H200 in run 45
-#: (e94907e: 29/29 GPU tests, memcheck/synccheck 0 errors, `leanfa accuracy` equal to the portable
-#: sink's error; d128 16K 0.97x the plain FP8 call), so ``backend="auto"`` runs it on sm90.
-#: ``LEANFA_HOPPER_SINK=0`` sends it back to the portable kernel (``backend="hopper"``: to the split).
-SINK_VALIDATED = True
-#: FP8 head dims where ``backend="auto"`` prefers the portable kernel although this one runs them: at 64/64
-#: the portable FP8 kernel measured 1.10x / 1.06-1.07x this kernel at 4K / 16K (causal, B*S = 16K, 16 heads,
-#: H200 runs 49 and 51); its sink beat this kernel's plain FP8 call there too (run 45). BF16 d64 stays here
-#: (0.94-1.07x either way).
-PORTABLE_FASTER_FP8 = ((64, 64),)
+#: 64/64 passed the 130-case H200 check (the 90 cases plus 40 at 64/64: BF16 and FP8, causal and not,
+#: odd lengths, GQA) and memcheck on its 24 small cases, 0 errors (run 22, b9e966e).
+#: 256/256 (Gemma-class heads): FP8 with PV in the wgmma accumulator, BF16 with 64-key blocks
+#: (launch.wide_head); 48/48 H200 cases, memcheck/synccheck 0 errors (runs 41, 43).
+HEAD_DIMS = ((64, 64), (128, 128), (192, 128), (256, 256))
 IN_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def portable_faster(problem) -> bool:
-    """Whether ``backend="auto"`` runs this call on the portable kernel, measured faster there
-    (:data:`PORTABLE_FASTER_FP8`), although this kernel supports it (``backend="hopper"`` still runs it here)."""
-    return problem.is_fp8 and (problem.head_dim_qk, problem.head_dim_v) in PORTABLE_FASTER_FP8
-
-
-def sink_in_kernel(dims=None, sink_keys=None) -> bool:
-    """Whether FP8 calls with BF16 sink keys may run here (``LEANFA_HOPPER_SINK``, default 1 once
-    validated); with ``dims`` (Dqk, Dv) and ``sink_keys``, also whether the v3 kernel supports them."""
-    if os.environ.get("LEANFA_HOPPER_SINK", "1" if SINK_VALIDATED else "0") != "1":
-        return False
-    return dims is None or _launch.sink_problem(_launch.kernel_version(), True, dims, sink_keys) is None
+def sink_problem(dims, sink_keys) -> str | None:
+    """Why the kernel cannot attend ``sink_keys`` BF16 sink keys in an FP8 call of head dims ``dims`` (Dqk, Dv),
+    or None (:func:`.launch.sink_problem`)."""
+    return _launch.sink_problem(True, dims, sink_keys)
 
 
 def supports(problem) -> tuple[bool, str]:
@@ -104,15 +71,12 @@ def _supports(problem) -> tuple[bool, str]:
     cap = capability(q.device)
     if cap != (9, 0):
         return False, f"the Hopper kernel needs an sm90 GPU (found sm{cap[0]}{cap[1]})"
-    if problem.varlen and _launch.kernel_version() != "v3":
-        return False, f"varlen needs the v3 Hopper kernel (LEANFA_HOPPER_KERNEL={_launch.kernel_version()})"
     if q.numel() == 0 or k.numel() == 0:  # a TMA descriptor cannot have a zero-sized dim
         return False, "empty inputs (no query or no key token; GPU fuzz, run 17): nothing for TMA to load"
     dims = (problem.head_dim_qk, problem.head_dim_v)
-    v3_only = dims in V3_HEAD_DIMS and _launch.kernel_version() == "v3"
-    if dims not in HEAD_DIMS and not v3_only:
+    if dims not in HEAD_DIMS:
         return False, (f"head dims {dims[0]}/{dims[1]} are not implemented in the Hopper kernel "
-                       f"({_launch.kernel_version()}: 128/128, 192/128; v3 also 64/64 and 256/256)")
+                       f"({', '.join(f'{a}/{b}' for a, b in HEAD_DIMS)})")
     if q.dtype not in IN_DTYPES:
         return False, f"dtype {q.dtype} is not supported by the Hopper kernel"
     if problem.out_dtype not in OUT_DTYPES:
@@ -132,7 +96,7 @@ def _supports(problem) -> tuple[bool, str]:
     if problem.max_seqlen_q >= 2**31 or problem.max_seqlen_k >= 2**31:
         return False, "sequence too long"
     if problem.sink_keys:
-        why = _launch.sink_problem(_launch.kernel_version(), problem.is_fp8, dims, problem.sink_keys,
+        why = _launch.sink_problem(problem.is_fp8, dims, problem.sink_keys,
                                    (("q", problem.sink_q), ("k", problem.sink_k), ("v", problem.sink_v)))
         if why:
             return False, why

@@ -1,7 +1,7 @@
 """CPU emulation of the Hopper kernel: runs the *kernel's own Python source* on CPU tensors.
 
 There is no Gluon interpreter, so this module re-executes the source of
-:func:`.kernel.attn_fwd_kernel` (and every ``@gluon.jit`` helper it calls, recursively) with the
+:func:`.kernel_pingpong.attn_fwd_pingpong_kernel` (and every ``@gluon.jit`` helper it calls, recursively) with the
 Gluon names rebound to small PyTorch-backed fakes: ``gl`` (tensor math on torch tensors, layouts
 are no-ops), shared memory, ``mbarrier``, ``tma`` and ``warpgroup_mma``. It consumes the real
 :class:`.launch.Plan` (descriptors, pointers, strides, constexprs, grid) built by
@@ -17,14 +17,16 @@ What it checks, beyond the numbers (every violation raises :class:`EmulationErro
   possible (only when a wait needs them), so a wait on a stale parity returns at once and the
   following read of a buffer whose copy is still in flight is flagged;
 * shared-memory hazards: a wgmma (or ``.load``) may only read a buffer whose TMA copy landed
-  *and* was observed through its mbarrier; a TMA may only overwrite a buffer after every wgmma
-  reading it was waited for (``warpgroup_mma_wait``) *and* a CTA barrier (``gl.thread_barrier``)
-  followed -- the other warpgroup must be done too (both warpgroups run in lockstep here, so the
-  barrier is what stands in for them). Compiler-inserted ``bar.sync`` are not counted;
+  *and* was observed through its mbarrier; a TMA (issued in a ``warp_specialize`` partition) may
+  only overwrite a buffer that every partition which read it released: its wgmmas waited for
+  (``warpgroup_mma_wait``), then a barrier over the partition's warps (``gl.thread_barrier``), then
+  an mbarrier arrive that the loading partition observed. Compiler-inserted ``bar.sync`` are not
+  counted;
 * at the end: no copy in flight, every loaded K/V box read exactly once.
 
-Limits: it runs a whole CTA as one thread of control (warpgroup interleavings are checked by the
-barrier rule above, not explored); integer ``//`` and ``%`` follow Python (floor), Triton's follow
+Limits: each ``warp_specialize`` partition is a thread of control, and they take turns
+deterministically (``ws_order`` picks which starts; a partition blocked on an mbarrier hands over):
+other interleavings are checked by the release rule above, not explored; integer ``//`` and ``%`` follow Python (floor), Triton's follow
 C (truncation) -- they agree for the non-negative values this kernel uses; layouts are ignored;
 wgmma is an fp32 matmul of the exact operand values (the hardware's accumulation order and FP8
 accumulator precision differ slightly).
@@ -63,8 +65,7 @@ class _Buf:
     bar: object = None
     coords: tuple = ()
     desc_name: str = ""
-    read_done_epoch: int = -1
-    free: bool = True  # warp-specialized mode: released through an mbarrier the producer observed
+    free: bool = True  # released through an mbarrier the producer observed
     # per reading partition: [reads, wgmmas in flight, epoch of its last completed read, released]
     read_parts: dict = field(default_factory=dict)
     # a TMA store's staging buffer (the output epilogue): generic writes -> fence_async_shared -> a barrier
@@ -84,7 +85,7 @@ class _Buf:
 
 
 class _Part:
-    """One thread of control: the whole CTA (v1), or one ``warp_specialize`` partition."""
+    """One thread of control: the whole CTA (outside ``warp_specialize``), or one of its partitions."""
 
     def __init__(self, name="cta"):
         self.name = name
@@ -260,7 +261,6 @@ class SmemView:
 
     def load(self, layout=None):
         t = self.read("a generic load").clone()
-        self.buf().read_done_epoch = M.epoch
         self.buf().reader(M.part)[2] = M.epoch
         return t
 
@@ -358,7 +358,7 @@ class _MBarrier:
         if M.ws is not None:
             # happens-before: every read this partition completed (wgmma waited) *and* followed by a
             # barrier over the partition's warps is released by this arrive; a buffer is handed
-            # back once every partition that read it released it (v3: both consumer warpgroups)
+            # back once every partition that read it released it (both consumer warpgroups)
             for a in M.allocs:
                 for b in a.bufs:
                     rp = b.read_parts.get(M.part)
@@ -480,14 +480,13 @@ class _TMA:
             M.err(f"TMA into a buffer whose previous copy is still in flight ({desc.name}{coords})")
         if b.readers:
             M.err(f"TMA {desc.name}{coords} overwrites a buffer a wgmma is still reading (no warpgroup_mma_wait)")
-        if M.ws is not None:
-            if not b.free:
-                M.err(f"TMA {desc.name}{coords} overwrites a buffer (last {b.desc_name}{b.coords}) that was not "
-                      "released to this partition (consumer arrive after wgmma wait + partition barrier, "
-                      "observed by an mbarrier wait)")
-        elif b.read_done_epoch >= M.epoch:
-            M.err(f"TMA {desc.name}{coords} overwrites a buffer read since the last CTA barrier "
-                  "(the other warpgroup may still be reading it)")
+        if M.ws is None:
+            M.err(f"TMA {desc.name}{coords} issued outside a warp_specialize partition (the kernel loads in its "
+                  "producer partition; the emulator checks that protocol only)")
+        if not b.free:
+            M.err(f"TMA {desc.name}{coords} overwrites a buffer (last {b.desc_name}{b.coords}) that was not "
+                  "released to this partition (consumer arrive after wgmma wait + partition barrier, "
+                  "observed by an mbarrier wait)")
         if list(result.shape) != desc.block_shape:
             M.err(f"TMA box {desc.block_shape} into a buffer of shape {result.shape}")
         if (coords[-1] * desc.dtype.itemsize) % 16:
@@ -559,7 +558,6 @@ def _warpgroup_mma_wait(num_outstanding=0, deps=None):
     retire, keep = (groups[:-n], groups[-n:]) if n > 0 else (groups, [])
     for group in retire:
         for b in group:
-            b.read_done_epoch = M.epoch
             rp = b.reader(M.part)
             rp[1] -= 1
             rp[2] = M.epoch
@@ -820,7 +818,7 @@ class _LazyShadow:
 @dataclass
 class Report:
     programs: int = 0
-    # (pid_bh, pid_m) -> {partition: [K box coords it read, in order]} (v3: one list per consumer)
+    # (pid_bh, pid_m) -> {partition: [K box coords it read, in order]} (one list per consumer partition)
     schedule: dict = field(default_factory=dict)
     waits: dict = field(default_factory=dict)
 
@@ -828,11 +826,11 @@ class Report:
 def run_plan(plan, *, programs=None, ws_order="consumer-first") -> Report:
     """Emulate every program of ``plan`` (or the listed ``(pid0, pid1)``); raise on any violation.
 
-    ``ws_order`` (warp-specialized kernels): which partition gets the first turn,
+    ``ws_order``: which ``warp_specialize`` partition gets the first turn,
     ``"consumer-first"`` or ``"producer-first"`` (the producer then runs as far ahead as it can)."""
-    attn_fwd_kernel = plan.kernel
-    kern = shadow(attn_fwd_kernel)
-    names = [n for n in attn_fwd_kernel.arg_names if n not in plan.constexprs]
+    kernel = plan.kernel
+    kern = shadow(kernel)
+    names = [n for n in kernel.arg_names if n not in plan.constexprs]
     args = []
     for n, a in zip(names, plan.args):
         if hasattr(a, "block_shape"):
@@ -872,7 +870,7 @@ def run_plan(plan, *, programs=None, ws_order="consumer-first") -> Report:
     return rep
 
 
-def emulate(problem, *, programs=None, poison=True, version=None, ws_order="consumer-first"):
+def emulate(problem, *, programs=None, poison=True, ws_order="consumer-first"):
     """Run a :class:`leanfa.problem.Problem` (dense or varlen) through the emulated kernel on CPU:
     ``(out, lse, report)``."""
     from . import launch as L
@@ -888,15 +886,14 @@ def emulate(problem, *, programs=None, poison=True, version=None, ws_order="cons
         out.fill_(float("nan"))
         if lse is not None:
             lse.fill_(float("nan"))
-    plan = _make_plan_cpu(L, problem, out, lse, version)
+    plan = _make_plan_cpu(L, problem, out, lse)
     rep = run_plan(plan, programs=programs, ws_order=ws_order)
     return out, lse, rep
 
 
-def _make_plan_cpu(L, p, out, lse, version=None):
+def _make_plan_cpu(L, p, out, lse):
     """``launch.make_plan`` on CPU tensors (the TMA descriptor checks only look at pointers)."""
     from . import plan_kwargs
 
     return L.make_plan(p.q, p.k, p.v, out, lse, p.q_scale, p.k_scale, p.v_scale, p.k_mean,
-                       causal=p.causal, softmax_scale=p.softmax_scale, return_lse=p.return_lse, version=version,
-                       **plan_kwargs(p))
+                       causal=p.causal, softmax_scale=p.softmax_scale, return_lse=p.return_lse, **plan_kwargs(p))

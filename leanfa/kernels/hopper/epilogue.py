@@ -1,7 +1,7 @@
-"""The end of a query tile, shared by the Hopper kernels: the output rows and the LSE's K-mean term.
+"""The end of a query tile: the output rows and the LSE's K-mean term.
 
 ``O = acc / l * v_scale`` (V's per-channel FP8 descale, ones for 16-bit V) is written straight
-from the wgmma accumulator layout with a row mask (:func:`write_rows`), or (v3, dense FP8 calls) staged in
+from the wgmma accumulator layout with a row mask (:func:`write_rows`), or (dense calls, :func:`.launch.store_tma`) staged in
 shared memory and written by one TMA store per warpgroup (:func:`stage_and_store`), which also clips
 the rows past the sequence's end. When K was smoothed (``K - mean`` before
 quantization, softmax-exact) the LSE lacks ``softmax_scale * <q_row, mean>``, added back from the
@@ -52,16 +52,6 @@ def stage_and_store(acc, inv_l, v_scale, out_desc, o_buf, b, h, row0):
     fence_async_shared()  # the generic writes, visible to the TMA unit ...
     gl.thread_barrier()  # ... from every warp of the warpgroup, before one thread issues the store
     tma.async_copy_shared_to_global(out_desc, [b, h, row0, 0], o_buf)
-
-
-@gluon.jit
-def store_output(acc, inv_l, row0, out_ptr, stride_ob, stride_os, stride_oh, b, h, hkv,
-                 v_scale_ptr, stride_vsb, stride_vsh, stride_vsd, seqlen_q):
-    """Rows ``[row0, row0 + acc.shape[0])`` of head ``h``: ``acc * inv_l * v_scale``."""
-    o_layout: gl.constexpr = acc.type.layout
-    HEAD_DV: gl.constexpr = acc.shape[1]
-    v_scale = load_v_scale(v_scale_ptr + b * stride_vsb + hkv * stride_vsh, stride_vsd, HEAD_DV, o_layout)
-    write_rows(acc, inv_l, v_scale, row0, out_ptr, stride_ob, stride_os, stride_oh, b, h, seqlen_q)
 
 
 @gluon.jit

@@ -21,16 +21,14 @@ from ...problem import V_TOKEN_ALIGN  # 16 FP8 tokens = 16 bytes: where a TMA bo
 from ...scales import SCALE_BLOCK, broadcast_strides
 from .exp2 import ABLATE_BITS
 from .gluon_compat import TensorDescriptor, gl
-from .kernel import attn_fwd_kernel
 from .kernel_pingpong import attn_fwd_pingpong_kernel
-from .kernel_ws import attn_fwd_ws_kernel
 from .layouts import PERMUTED_KEYS
 from .trace import TRACE_BLOCKS, TRACE_EVENTS
 from .varlen_v import align_varlen_v
 
-BLOCK_M = 128
+BLOCK_M = 128  # two consumer warpgroups, 64 query rows each
 BLOCK_N = 128
-NUM_WARPS = 8  # two consumer warpgroups, 64 query rows each
+WG_WARPS = 4  # warps per consumer warpgroup (the kernel's num_warps: its default partition is one warpgroup)
 LOG2E = 1.4426950408889634
 SMEM_LIMIT = 227 * 1024
 
@@ -123,7 +121,7 @@ def _smem_bytes(dqk: int, dv: int, elt: int, stages: int, block_n: int = BLOCK_N
 
 
 def wide_head(dv: int) -> bool:
-    """Head dim 256 (v3 only): O alone takes 128 registers per thread (64 x 256 fp32 over a warpgroup),
+    """Head dim 256: O alone takes 128 registers per thread (64 x 256 fp32 over a warpgroup),
     so FP8 PV accumulates in O itself (``PV_IN_MMA``: no second 128-register fp32 PV tile) and BF16
     runs 64-key blocks (S in 32 registers; at 128 keys ptxas serializes its wgmmas, C7512). FP8 keeps
     128-key blocks (S 64 + O 128 + P 16 registers; AOT sm90: 52-80 B of spills): run 42 timed them
@@ -131,10 +129,10 @@ def wide_head(dv: int) -> bool:
     return dv > 128
 
 
-def _block_n(version: str, is_fp8: bool, dv: int = 128) -> int:
+def _block_n(is_fp8: bool, dv: int = 128) -> int:
     """Keys per block: 128 (BF16 at head dim 256: 64, :func:`wide_head`); 64 with ``LEANFA_HOPPER_BLOCK_N=64``
-    (v3: S takes 32 registers, the room a third consumer warpgroup needs); or 256 with
-    ``LEANFA_HOPPER_BLOCK_N=256`` (v3 FP8 with PV in the wgmma accumulator: cuDNN's FP8 kernel runs a
+    (S takes 32 registers, the room a third consumer warpgroup needs); or 256 with
+    ``LEANFA_HOPPER_BLOCK_N=256`` (FP8 with PV in the wgmma accumulator: cuDNN's FP8 kernel runs a
     64x256 S tile per warpgroup, run 20's SASS; S then takes 128 registers, which leave no room for a
     separate fp32 PV tile)."""
     default = 64 if wide_head(dv) and not is_fp8 else BLOCK_N
@@ -147,8 +145,8 @@ def _block_n(version: str, is_fp8: bool, dv: int = 128) -> int:
     if n not in (64, 256):
         raise ValueError(f"LEANFA_HOPPER_BLOCK_N must be 64, 128 or 256, got {n}")
     if n == 64:
-        return n if version == "v3" else BLOCK_N
-    if version != "v3" or not is_fp8:
+        return n
+    if not is_fp8:
         return BLOCK_N  # BF16's P (64 registers at 256 keys) does not fit next to S and O
     if not _flag("LEANFA_HOPPER_PV_IN_MMA", False):
         raise ValueError("LEANFA_HOPPER_BLOCK_N=256 needs LEANFA_HOPPER_PV_IN_MMA=1 (no registers for a separate "
@@ -164,26 +162,14 @@ def _stages(dqk: int, dv: int, elt: int, block_n: int = BLOCK_N, block_m: int = 
     return env if env in (2, 3, 4) else stages_for(dqk, dv, elt, block_n, block_m, extra)
 
 
-def kernel_version() -> str:
-    """``LEANFA_HOPPER_KERNEL``: ``v3`` (default: producer warp + two consumer warpgroups in their
-    own partitions, :mod:`.kernel_pingpong`), ``v1`` (one partition, CTA barrier per refill) or
-    ``v2`` (producer warp + one 8-warp consumer partition, :mod:`.kernel_ws`). H200 run 10:
-    v3 is 1.11-1.24x v1 in FP8 and BF16 at 4K-16K causal (docs/perf-notes.md)."""
-    v = os.environ.get("LEANFA_HOPPER_KERNEL", DEFAULT_VERSION).strip().lower() or DEFAULT_VERSION
-    if v not in KERNELS:
-        raise ValueError(f"LEANFA_HOPPER_KERNEL must be one of {', '.join(KERNELS)}, got {v!r}")
-    return v
-
-
 def _flag(name: str, default: bool) -> bool:
     return os.environ.get(name, "1" if default else "0").strip() not in ("0", "", "false", "no")
 
 
-#: v2 knobs (env, read at plan time): LEANFA_HOPPER_PIPE (issue QK^T of block j+1 before the
-#: softmax of block j; default on), LEANFA_HOPPER_RESCALE_SKIP (stale-max threshold; default off),
-#: LEANFA_HOPPER_PRODUCER_REGS (setmaxnreg of the producer warp; default 24).
-#: v3 knobs: LEANFA_HOPPER_PINGPONG (turn barriers between the consumer warpgroups; default off:
-#: with them FP8 was 1-3% slower than letting the warpgroups drift apart, run 10),
+#: Knobs (env, read at plan time): LEANFA_HOPPER_RESCALE_SKIP (stale-max threshold; default off),
+#: LEANFA_HOPPER_PRODUCER_REGS (setmaxnreg of the producer warp; default 24), LEANFA_HOPPER_PINGPONG
+#: (turn barriers between the consumer warpgroups; default off: with them FP8 was 1-3% slower than
+#: letting the warpgroups drift apart, run 10),
 #: LEANFA_HOPPER_POLY (of every 8 FP8 exponentials, how many run as a polynomial on the FMA pipe;
 #: default 0: POLY=1 was within 2% either way, 2 and 4 were ~3% and ~10% slower, runs 9-10),
 #: LEANFA_HOPPER_PV_IN_MMA (FP8 PV accumulated in the wgmma accumulator, not in fp32 per block:
@@ -197,31 +183,28 @@ def _flag(name: str, default: bool) -> bool:
 #: within groups of 16 so that P needs no layout shuffle, see layouts.key_slot_order; an experiment,
 #: off: kernel +1-2%, run 24, less than the per-call copy costs), LEANFA_HOPPER_CONSUMERS=3 (a third
 #: consumer warpgroup, 192-row tiles, 160 registers each: FP8 needs LEANFA_HOPPER_PV_IN_MMA=1 (64- or
-#: 128-key blocks), BF16/FP16 LEANFA_HOPPER_BLOCK_N=64; an experiment, off: 0.95-1.04x v3, runs 30-31),
-#: LEANFA_HOPPER_TRACE=1 (v3: each consumer warpgroup records SM clocks at the phases of its key loop
-#: into ``Plan.trace``, see trace.py and scripts/hopper_trace.py; off: without it the PTX is unchanged),
-#: LEANFA_HOPPER_RESCALE_SKIP,
-#: LEANFA_HOPPER_PRODUCER_REGS.
-KERNELS = {"v1": attn_fwd_kernel, "v2": attn_fwd_ws_kernel, "v3": attn_fwd_pingpong_kernel}
-DEFAULT_VERSION = "v3"
-V3_CONSUMER_REGS = 240  # with a 24-register producer this is what the default partition gets too
+#: 128-key blocks), BF16/FP16 LEANFA_HOPPER_BLOCK_N=64; an experiment, off: 0.95-1.04x the default's
+#: two warpgroups, runs 30-31),
+#: LEANFA_HOPPER_TRACE=1 (each consumer warpgroup records SM clocks at the phases of its key loop
+#: into ``Plan.trace``, see trace.py and scripts/hopper_trace.py; off: without it the PTX is unchanged).
+CONSUMER_REGS = 240  # with a 24-register producer this is what the default partition gets too
 #: with three consumer warpgroups (16 warps, 128 registers each at launch): 3 x 160 + 24 <= 4 x 128
-V3_CONSUMER_REGS_3WG = 160
+CONSUMER_REGS_3WG = 160
 
 
-def _consumer_wgs(version: str) -> int:
-    """``LEANFA_HOPPER_CONSUMERS``: consumer warpgroups of v3, 2 (default) or 3 (an experiment: a
+def _consumer_wgs() -> int:
+    """``LEANFA_HOPPER_CONSUMERS``: consumer warpgroups, 2 (default) or 3 (an experiment: a
     192-row tile, a third independent QK -> softmax -> PV chain per SM at 160 registers each, so FP8
     needs PV in the wgmma accumulator and BF16/FP16 64-key blocks (:func:`make_plan` checks); run 28
     timed one warpgroup alone at 0.67-0.73x the pair's time: each chain is mostly latency)."""
     n = int(os.environ.get("LEANFA_HOPPER_CONSUMERS", "2") or 2)
     if n not in (2, 3):
         raise ValueError(f"LEANFA_HOPPER_CONSUMERS must be 2 or 3, got {n}")
-    return n if version == "v3" else 2  # (v1 and v2 ignore the v3 knobs)
+    return n
 
 
 def _ablation() -> int:
-    """``LEANFA_HOPPER_ABLATE`` (e.g. ``exp,max``): parts of the v3 kernel left out to time what they
+    """``LEANFA_HOPPER_ABLATE`` (e.g. ``exp,max``): parts of the kernel left out to time what they
     cost (``exp``, ``max``: of the softmax; ``onewg``: every consumer warpgroup but 0), passed to
     the kernel as ``POLY = -bits`` (:data:`.exp2.ABLATE_BITS`). The answers are wrong: a warning says
     so on every plan."""
@@ -241,13 +224,12 @@ class Plan:
     args: tuple
     constexprs: dict
     grid: tuple
-    version: str = "v1"
-    trace: torch.Tensor | None = None  # the clock-trace buffer the launch fills (LEANFA_HOPPER_TRACE=1, v3)
+    trace: torch.Tensor | None = None  # the clock-trace buffer the launch fills (LEANFA_HOPPER_TRACE=1)
     template: object = None  # the plan_cache.Template this plan was bound from (None: built by make_plan)
 
     @property
     def kernel(self):
-        return KERNELS[self.version]
+        return attn_fwd_pingpong_kernel
 
 
 @functools.lru_cache(maxsize=None)
@@ -271,7 +253,7 @@ def as_bshd(t: torch.Tensor) -> torch.Tensor:
     return t.unsqueeze(0) if t.dim() == 3 else t
 
 
-#: BF16 sink keys the v3 kernel attends in 16 bits (:mod:`.sink`): exactly key block 0
+#: BF16 sink keys the kernel attends in 16 bits (:mod:`.sink`): exactly key block 0
 SINK_KEYS = BLOCK_N
 SINK_HEAD_DIMS = ((64, 64), (128, 128))  # one Q box per warpgroup; room for the sink's buffers
 
@@ -297,16 +279,16 @@ def bf16_tma_default(dqk: int, dv: int) -> bool:
     return BF16_STORE_TMA_VALIDATED and dqk == dv == 128
 
 
-def store_tma(version: str, is_fp8: bool, varlen: bool, out: torch.Tensor, sink_mode: int, block_n: int = BLOCK_N,
+def store_tma(is_fp8: bool, varlen: bool, out: torch.Tensor, sink_mode: int, block_n: int = BLOCK_N,
               wgs: int = 2, dqk: int = 128) -> bool:
-    """Whether the v3 epilogue writes O through shared memory and TMA (:func:`.epilogue.stage_and_store`):
+    """Whether the epilogue writes O through shared memory and TMA (:func:`.epilogue.stage_and_store`):
     dense FP8 calls with a 16-bit output of head dim <= 128 whose (B, H, S, D) view TMA can address, no sink
     (its buffers take that shared memory), not the experiments (other key blocks, three warpgroups).
     ``LEANFA_HOPPER_STORE_TMA=0``: the register stores (128
     ``STG.E.U16`` per thread, ~2100-2900 cycles per tile against ~800; validated on the H200 in runs 46-48).
     BF16/FP16 calls at head dim 128 (:func:`bf16_tma_default`); ``=2``: at every head dim where the 64 x Dv output
     boxes fit next to Q and the two-slot ring (d64 too; not MLA's 192-wide Q)."""
-    if version != "v3" or not _flag("LEANFA_HOPPER_STORE_TMA", True):
+    if not _flag("LEANFA_HOPPER_STORE_TMA", True):
         return False
     dv = out.shape[-1]
     if varlen or not _default_tile(sink_mode, dv, block_n, wgs):
@@ -323,7 +305,7 @@ def store_tma(version: str, is_fp8: bool, varlen: bool, out: torch.Tensor, sink_
 
 def persistent_default(is_fp8: bool, varlen: bool, sink_mode: int, dv: int, pingpong: bool, block_n: int = BLOCK_N,
                        wgs: int = 2, has_kmean: bool = False, dqk: int = 128) -> bool:
-    """Whether v3 runs one program per SM by default (``LEANFA_HOPPER_PERSISTENT`` overrides): FP8 of head dim
+    """Whether the kernel runs one program per SM by default (``LEANFA_HOPPER_PERSISTENT`` overrides): FP8 of head dim
     <= 128 without the sink (dense, where the TMA-store epilogue applies, and varlen). With it and the Q box
     handed back after the last QK, a tile's fill + epilogue + turnover fell from ~9,000 to ~1,800-2,400
     cycles at S = 1K-4K (run 46's trace), and the kernel alone (run 48, ``scripts/short_time.py``) ran
@@ -339,17 +321,17 @@ def persistent_default(is_fp8: bool, varlen: bool, sink_mode: int, dv: int, ping
     return case and _default_tile(sink_mode, dv, block_n, wgs) and not pingpong and not has_kmean
 
 
-def sink_problem(version: str, is_fp8: bool, dims: tuple, sink_keys: int, tensors=()) -> str | None:
-    """Why the v3 kernel cannot attend these BF16 sink keys itself, or None (``tensors``: the 16-bit
+def sink_problem(is_fp8: bool, dims: tuple, sink_keys: int, tensors=()) -> str | None:
+    """Why the kernel cannot attend these BF16 sink keys itself, or None (``tensors``: the 16-bit
     ``(name, tensor)`` pairs it would read through TMA)."""
-    if version != "v3" or not is_fp8:
-        return "BF16 sink keys run in the v3 kernel's FP8 calls only"
+    if not is_fp8:
+        return "BF16 sink keys run in the Hopper kernel's FP8 calls only"
     if sink_keys != SINK_KEYS:
-        return f"the v3 kernel attends exactly {SINK_KEYS} BF16 sink keys (got {sink_keys})"
+        return f"the Hopper kernel attends exactly {SINK_KEYS} BF16 sink keys (got {sink_keys})"
     if dims not in SINK_HEAD_DIMS:
-        return f"BF16 sink keys in the v3 kernel: head dims 64/64 and 128/128 only (got {dims[0]}/{dims[1]})"
-    if _consumer_wgs(version) != 2 or _block_n(version, is_fp8, dims[1]) != BLOCK_N or _flag("LEANFA_HOPPER_PINGPONG", False):
-        return "BF16 sink keys in the v3 kernel: two consumer warpgroups, 128-key blocks, no turn barriers"
+        return f"BF16 sink keys in the Hopper kernel: head dims 64/64 and 128/128 only (got {dims[0]}/{dims[1]})"
+    if _consumer_wgs() != 2 or _block_n(is_fp8, dims[1]) != BLOCK_N or _flag("LEANFA_HOPPER_PINGPONG", False):
+        return "BF16 sink keys in the Hopper kernel: two consumer warpgroups, 128-key blocks, no turn barriers"
     for name, t in tensors:
         t = as_bshd(t)
         if t.dtype not in (torch.bfloat16, torch.float16):
@@ -382,18 +364,14 @@ def prepare_v(q: torch.Tensor, v: torch.Tensor, cu_seqlens_k=None, max_seqlen_k=
 
 
 def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: bool,
-              softmax_scale: float, return_lse: bool, version: str | None = None,
-              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, sink=None,
+              softmax_scale: float, return_lse: bool, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, sink=None,
               prepared_v=None) -> Plan:
     """Kernel arguments for dense (B, S, H, D) tensors (``out`` (B, Sq, Hq, Dv)), or packed varlen
-    (total, H, D) ones with ``cu_seqlens_*`` / ``max_seqlen_*`` (``out`` (total_q, Hq, Dv); v3 only).
+    (total, H, D) ones with ``cu_seqlens_*`` / ``max_seqlen_*`` (``out`` (total_q, Hq, Dv)).
     ``sink``: ``(sink_keys, q16, k16, v16)``, FP8 with the first keys attended from the 16-bit inputs
     (:mod:`.sink`; :func:`sink_problem` says what is supported). ``prepared_v``: :func:`prepare_v`'s result
     when the caller made it (``v`` is then unused); else it is made here."""
-    version = version or kernel_version()
     varlen = cu_seqlens_q is not None
-    if varlen and version != "v3":
-        raise ValueError(f"varlen inputs need the v3 Hopper kernel (LEANFA_HOPPER_KERNEL={version})")
     v, cu_seqlens_v = prepared_v if prepared_v is not None else prepare_v(q, v, cu_seqlens_k, max_seqlen_k)
     q, k, v = as_bshd(q), as_bshd(k), as_bshd(v)
     B, Sq, Hq, Dqk = q.shape
@@ -402,23 +380,23 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
         B, Sq, Sk = cu_seqlens_q.shape[0] - 1, int(max_seqlen_q), int(max_seqlen_k)
     is_fp8 = q.dtype == torch.float8_e4m3fn
     kmajor = v_is_kmajor(v)
-    if kmajor and is_fp8 and not varlen and version == "v3" and _flag("LEANFA_HOPPER_V_PERMUTED", False):
+    if kmajor and is_fp8 and not varlen and _flag("LEANFA_HOPPER_V_PERMUTED", False):
         v = permute_v_keys(v)
         kmajor = PERMUTED_KEYS.value
     dchunk = qk_chunk(Dqk)
-    block_n = _block_n(version, is_fp8, Dv)
-    wgs = _consumer_wgs(version)
+    block_n = _block_n(is_fp8, Dv)
+    wgs = _consumer_wgs()
     pv_flag = _flag("LEANFA_HOPPER_PV_IN_MMA", False) or wide_head(Dv)
     pv_in_mma = is_fp8 and pv_flag
-    if wide_head(Dv) and (version != "v3" or wgs != 2):
-        raise ValueError(f"head dim {Dv} runs on the v3 kernel with two consumer warpgroups only (its O takes "
+    if wide_head(Dv) and wgs != 2:
+        raise ValueError(f"head dim {Dv} runs with two consumer warpgroups only (its O takes "
                          "128 of a warpgroup's registers per thread)")
     if wgs == 3 and not (pv_in_mma and block_n <= 128 or not is_fp8 and block_n == 64):
         # (FP8 with PV in the accumulator also compiles at 128-key blocks, with its wgmmas serialized)
         raise ValueError("LEANFA_HOPPER_CONSUMERS=3 needs, at 160 registers per warpgroup, FP8 with "
                          "LEANFA_HOPPER_PV_IN_MMA=1 and 64- or 128-key blocks, or BF16/FP16 with LEANFA_HOPPER_BLOCK_N=64")
     block_m = 64 * wgs  # query rows per tile
-    q_rows = 64 if version == "v3" else BLOCK_M  # v3: one 64-row Q box per consumer warpgroup
+    q_rows = 64  # one 64-row Q box per consumer warpgroup
     q_desc = _desc(q, *_bshd_as_bhsd(q), [1, 1, q_rows, dchunk])
     k_desc = _desc(k, *_bshd_as_bhsd(k), [1, 1, block_n, dchunk])
     if kmajor:
@@ -433,14 +411,14 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
             raise ValueError(f"{name} table has {t.shape[2]} blocks, expected 1 or {n}")
     sink_mode, sink_descs, sink_bytes = 0, (None, None, None), 0
     if sink is not None:
-        why = sink_problem(version, is_fp8, (Dqk, Dv), sink[0],
+        why = sink_problem(is_fp8, (Dqk, Dv), sink[0],
                            (("q", sink[1]), ("k", sink[2]), ("v", sink[3])))
         if why:
             raise ValueError(why)
         sink_descs, sink_bytes = _sink_descs(sink, q_rows, block_n)
         sink_mode = 2 if k_mean is not None else 1  # 2: K was smoothed, the sink's scores shift by q . mean
     has_kmean = k_mean is not None and return_lse
-    o_tma = store_tma(version, is_fp8, varlen, out, sink_mode, block_n, wgs, Dqk)
+    o_tma = store_tma(is_fp8, varlen, out, sink_mode, block_n, wgs, Dqk)
     out_desc = _desc(out, *_bshd_as_bhsd(out), [1, 1, 64, Dv]) if o_tma else None
     out_bytes = wgs * 64 * Dv * out.element_size() if o_tma else 0
     km = k_mean if has_kmean or sink_mode == 2 else v_scale  # any float32 pointer; unused
@@ -459,51 +437,41 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
         Sq, Sk, Hq, Hq // Hkv, num_m_tiles,
         float(softmax_scale * LOG2E), float(softmax_scale),
     )
-    trace = None
-    if version == "v3":
-        args += (B * Hq, )
-        if varlen:  # lse (Hq, total_q)
-            lse_strides = (0, lse.stride(0)) if lse is not None else (0, 0)
-            args += (cu_seqlens_q, cu_seqlens_k, *lse_strides)
-        else:  # lse (B, Hq, Sq); the cu_seqlens pointers are unused
-            args += (v_scale, v_scale, Hq * Sq, Sq)
-        trace = trace_buffer(B * Hq * num_m_tiles, wgs, q.device) if _flag("LEANFA_HOPPER_TRACE", False) else None
-        args += (trace, cu_seqlens_v, *sink_descs, out_desc)
+    args += (B * Hq, )
+    if varlen:  # lse (Hq, total_q)
+        lse_strides = (0, lse.stride(0)) if lse is not None else (0, 0)
+        args += (cu_seqlens_q, cu_seqlens_k, *lse_strides)
+    else:  # lse (B, Hq, Sq); the cu_seqlens pointers are unused
+        args += (v_scale, v_scale, Hq * Sq, Sq)
+    trace = trace_buffer(B * Hq * num_m_tiles, wgs, q.device) if _flag("LEANFA_HOPPER_TRACE", False) else None
+    args += (trace, cu_seqlens_v, *sink_descs, out_desc)
+    poly = int(os.environ.get("LEANFA_HOPPER_POLY", "0") or 0) if is_fp8 else 0
+    if not 0 <= poly <= 8:
+        raise ValueError(f"LEANFA_HOPPER_POLY must be 0..8 (of every 8 exponentials), got {poly}")
+    poly = _ablation() or poly
+    pingpong = _flag("LEANFA_HOPPER_PINGPONG", False)
+    persistent = _flag("LEANFA_HOPPER_PERSISTENT", persistent_default(is_fp8, varlen, sink_mode, Dv, pingpong,
+                                                                      block_n, wgs, has_kmean, Dqk))
+    if persistent and pingpong:
+        raise ValueError("LEANFA_HOPPER_PERSISTENT and LEANFA_HOPPER_PINGPONG cannot be combined yet")
+    if wgs != 2 and pingpong:
+        raise ValueError("LEANFA_HOPPER_PINGPONG alternates two consumer warpgroups (LEANFA_HOPPER_CONSUMERS=2)")
     constexprs = dict(
         HEAD_DQK=Dqk, HEAD_DV=Dv, CAUSAL=bool(causal), IS_FP8=is_fp8, V_KMAJOR=kmajor,
         RETURN_LSE=bool(return_lse), HAS_KMEAN=has_kmean,
         STAGES=_stages(Dqk, Dv, q.element_size(), block_n, block_m, sink_bytes + out_bytes),
-        num_warps=NUM_WARPS,
+        num_warps=WG_WARPS,
+        RESCALE_SKIP=_flag("LEANFA_HOPPER_RESCALE_SKIP", False),
+        PRODUCER_REGS=int(os.environ.get("LEANFA_HOPPER_PRODUCER_REGS", "24")),
+        PINGPONG=pingpong, POLY=poly, PV_IN_MMA=pv_flag,
+        PERSISTENT=persistent, VARLEN=varlen, CONSUMER_WGS=wgs, SINK=sink_mode, STORE_TMA=o_tma,
+        CONSUMER_REGS=CONSUMER_REGS if wgs == 2 else CONSUMER_REGS_3WG,
     )
-    if version in ("v2", "v3"):
-        constexprs.update(
-            RESCALE_SKIP=_flag("LEANFA_HOPPER_RESCALE_SKIP", False),
-            PRODUCER_REGS=int(os.environ.get("LEANFA_HOPPER_PRODUCER_REGS", "24")),
-        )
-    if version == "v2":
-        constexprs.update(PIPE=_flag("LEANFA_HOPPER_PIPE", True))
-    persistent = False
-    if version == "v3":
-        poly = int(os.environ.get("LEANFA_HOPPER_POLY", "0") or 0) if is_fp8 else 0
-        if not 0 <= poly <= 8:
-            raise ValueError(f"LEANFA_HOPPER_POLY must be 0..8 (of every 8 exponentials), got {poly}")
-        poly = _ablation() or poly
-        pingpong = _flag("LEANFA_HOPPER_PINGPONG", False)
-        persistent = _flag("LEANFA_HOPPER_PERSISTENT", persistent_default(is_fp8, varlen, sink_mode, Dv, pingpong,
-                                                                                  block_n, wgs, has_kmean, Dqk))
-        if persistent and pingpong:
-            raise ValueError("LEANFA_HOPPER_PERSISTENT and LEANFA_HOPPER_PINGPONG cannot be combined yet")
-        if wgs != 2 and pingpong:
-            raise ValueError("LEANFA_HOPPER_PINGPONG alternates two consumer warpgroups (LEANFA_HOPPER_CONSUMERS=2)")
-        constexprs.update(PINGPONG=pingpong, POLY=poly, PV_IN_MMA=pv_flag,
-                          PERSISTENT=persistent, VARLEN=varlen, CONSUMER_WGS=wgs, SINK=sink_mode, STORE_TMA=o_tma,
-                          CONSUMER_REGS=V3_CONSUMER_REGS if wgs == 2 else V3_CONSUMER_REGS_3WG,
-                          num_warps=NUM_WARPS // 2)
     if persistent:  # one program per SM (one CTA fits an SM: > 114 KB of shared memory)
         grid = (min(B * Hq * num_m_tiles, _num_sms(q.device)), )
     else:
         grid = (B * Hq, num_m_tiles)
-    return Plan(args, constexprs, grid, version, trace)
+    return Plan(args, constexprs, grid, trace)
 
 
 def trace_buffer(tiles: int, wgs: int, device) -> torch.Tensor:

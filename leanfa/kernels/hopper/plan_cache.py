@@ -38,9 +38,9 @@ from .gluon_compat import TensorDescriptor
 #: every environment knob a plan or the kernel's verdict on a call depends on (tests/test_hopper_host.py
 #: checks the list against the hopper package's sources)
 KNOBS = (
-    "LEANFA_HOPPER_KERNEL", "LEANFA_HOPPER_BLOCK_N", "LEANFA_HOPPER_CONSUMERS", "LEANFA_HOPPER_PV_IN_MMA",
+    "LEANFA_HOPPER_BLOCK_N", "LEANFA_HOPPER_CONSUMERS", "LEANFA_HOPPER_PV_IN_MMA",
     "LEANFA_HOPPER_V_PERMUTED", "LEANFA_HOPPER_STORE_TMA", "LEANFA_HOPPER_TRACE", "LEANFA_HOPPER_RESCALE_SKIP",
-    "LEANFA_HOPPER_PRODUCER_REGS", "LEANFA_HOPPER_PIPE", "LEANFA_HOPPER_POLY", "LEANFA_HOPPER_ABLATE",
+    "LEANFA_HOPPER_PRODUCER_REGS", "LEANFA_HOPPER_POLY", "LEANFA_HOPPER_ABLATE",
     "LEANFA_HOPPER_PINGPONG", "LEANFA_HOPPER_PERSISTENT", "LEANFA_HOPPER_STAGES", "LEANFA_HOPPER_PLAN_CACHE",
     "LEANFA_HOPPER_SINK",
 )
@@ -133,7 +133,7 @@ class Template:
                     return None
                 tensors.append((pos, where[id(a)]))
                 args[pos] = None
-        bare = type(plan)(tuple(args), plan.constexprs, plan.grid, plan.version, None)
+        bare = type(plan)(tuple(args), plan.constexprs, plan.grid, None)
         return cls(bare, tuple(tensors), tuple(descs))
 
     def bind(self, inputs: tuple):
@@ -144,7 +144,7 @@ class Template:
         for pos, i in self.desc_slots:
             args[pos] = _with_base(args[pos], inputs[i])
         p = self.plan
-        return type(p)(tuple(args), p.constexprs, p.grid, p.version, None, self)
+        return type(p)(tuple(args), p.constexprs, p.grid, None, self)
 
     def launch(self, plan) -> bool:
         """Launch ``plan`` (bound from this template) on the compiled kernel of an earlier launch; False when

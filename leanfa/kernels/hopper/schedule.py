@@ -1,14 +1,11 @@
-"""Which query tile a program computes (the tile scheduler of the Hopper kernels).
+"""Which query tiles a program computes (the tile scheduler of the Hopper kernel).
 
-The grid is ``(batch * heads, query tiles)``. Axis 1 runs backwards so that, for causal
-attention, every head's last (heaviest: it sees the most keys) query tile is launched before
-any first tile and the last wave is made of cheap tiles. GQA: query head ``h`` reads KV head
-``h // group_size``.
-
-v3 numbers the tiles in that launch order, heaviest first (:func:`tile_coords`): one tile per
-program on the 2-D grid, or -- ``PERSISTENT`` -- a 1-D grid of one program per SM that walks the
-tiles in rounds of one per program, alternating direction (:func:`round_tile`), and pays the
-pipeline fill once.
+The tiles are numbered heaviest first (:func:`tile_coords`): every head's last query tile (it sees
+the most keys, causal) comes before any first tile, so the last wave is made of cheap tiles. GQA:
+query head ``h`` reads KV head ``h // group_size``. One tile per program on the 2-D grid
+``(batch * heads, query tiles)``, or -- ``PERSISTENT`` -- a 1-D grid of one program per SM that
+walks the tiles in rounds of one per program, alternating direction (:func:`round_tile`), and pays
+the pipeline fill once.
 
 Varlen (packed ``(total, H, D)`` tensors): program ``b`` of axis 0 is sequence ``b``, whose tokens
 are ``[cu_seqlens[b], cu_seqlens[b + 1])``; the grid covers ``max_seqlen_q`` and the tiles past a
@@ -18,17 +15,6 @@ shorter sequence visit no key blocks (:func:`.masking.kv_block_range`).
 from __future__ import annotations
 
 from .gluon_compat import gl, gluon
-
-
-@gluon.jit
-def program_tile(num_heads, group_size, num_m_tiles, BLOCK_M: gl.constexpr):
-    """``(pid_bh, b, h, hkv, m_start)`` of this program's query tile, heaviest tiles first."""
-    pid_bh = gl.program_id(0)
-    pid_m = num_m_tiles - 1 - gl.program_id(1)
-    b = pid_bh // num_heads
-    h = pid_bh % num_heads
-    hkv = h // group_size
-    return pid_bh, b, h, hkv, pid_m * BLOCK_M
 
 
 @gluon.jit

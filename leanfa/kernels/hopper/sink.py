@@ -3,7 +3,7 @@
 On model-like activations most of the FP8 error is the attention sink's score (docs/accuracy-notes.md):
 keys ``[0, 128)`` of every sequence are attended from the 16-bit Q, K and V instead, after the FP8
 key blocks ``[1, n_end)``, in the same online softmax -- the portable kernel's scheme
-(:mod:`leanfa.sink`), here with BF16 wgmmas. Per tile the producer loads, with the FP8 Q, each
+(:mod:`leanfa.sink_split`), here with BF16 wgmmas. Per tile the producer loads, with the FP8 Q, each
 warpgroup's 64 rows of the 16-bit Q and the sink's K and V (token-major) into buffers of their own
 (``load_sink``); after its last FP8 block a consumer warpgroup runs one 16-bit block
 (``sink_block``):

@@ -24,10 +24,6 @@ import torch
 from . import ops
 from .checks import resolve_softmax_scale
 
-#: ``bf16_sink_keys`` that are a multiple of this run inside the FP8 kernel (portable backend):
-#: the sink blocks are whole KV tiles and K scale blocks. Other values use the split below.
-SINK_BLOCK = 128
-
 
 def merge_partials(out_a, lse_a, out_b, lse_b):
     """Merge two attention results over disjoint key sets.

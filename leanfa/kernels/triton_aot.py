@@ -1,6 +1,6 @@
 """Compile the portable and quantization kernels for a GPU target without a GPU.
 
-``python -m leanfa.kernels.aot`` compiles every kernel variant leanfa launches for sm90
+``python -m leanfa.kernels.triton_aot`` compiles every kernel variant leanfa launches for sm90
 (and sm80) and prints registers, spills and shared memory. Without a GPU this is the only way
 to catch errors that Triton's CPU interpreter lets through (it is more permissive: e.g. it
 reads non-constexpr globals). Must run with TRITON_INTERPRET unset.

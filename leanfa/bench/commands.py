@@ -415,5 +415,5 @@ def _profile(args) -> int:
     return status
 
 
-if __name__ == "__main__":  # python -m leanfa.bench.cli bench --quick
+if __name__ == "__main__":  # python -m leanfa.bench.commands bench --quick
     sys.exit(main(sys.argv[1], sys.argv[2:]) if len(sys.argv) > 1 else main("", []))

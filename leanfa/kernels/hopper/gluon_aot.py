@@ -15,7 +15,7 @@ from unittest import mock
 import torch
 import triton
 
-from ..aot import ptxas_perf_warnings, ptxas_usage
+from ..triton_aot import ptxas_perf_warnings, ptxas_usage
 from . import launch as L
 from .gluon_compat import GluonASTSource, GPUTarget, mangle_type
 from .varlen_v import repacked_tokens
@@ -33,15 +33,14 @@ class Variant:
     k_mean: bool = False
     v_kmajor: bool | None = None  # default: True for fp8, False for bf16
     out_dtype: torch.dtype = torch.bfloat16
-    version: str = "v1"  # "v1" | "v2" (kernel_ws)
-    env: tuple = ()  # ((name, value), ...) set while planning (v2 knobs, LEANFA_HOPPER_STAGES)
-    varlen: bool = False  # packed (total, H, D) inputs with cu_seqlens (v3)
-    sink: bool = False  # FP8 with the first 128 keys attended from BF16 inputs (v3, sink.py)
+    env: tuple = ()  # ((name, value), ...) LEANFA_HOPPER_* knobs set while planning
+    varlen: bool = False  # packed (total, H, D) inputs with cu_seqlens
+    sink: bool = False  # FP8 with the first 128 keys attended from BF16 inputs (sink.py)
 
     @property
     def name(self) -> str:
         vk = self.v_kmajor if self.v_kmajor is not None else self.dtype == "fp8"
-        tag = "" if self.version == "v1" else f"{self.version}" + "".join(f"[{k.replace('LEANFA_HOPPER_', '').lower()}={x}]" for k, x in self.env) + ":"
+        tag = "".join(f"[{k.replace('LEANFA_HOPPER_', '').lower()}={x}]" for k, x in self.env) + (":" if self.env else "")
         return (f"{tag}{self.dtype}-d{self.dqk}/{self.dv}-{'causal' if self.causal else 'full'}"
                 f"{'-lse' if self.return_lse else ''}{'-kmean' if self.k_mean else ''}"
                 f"{'-vT' if vk else ''}{'-varlen' if self.varlen else ''}{'-sink' if self.sink else ''}")
@@ -82,7 +81,7 @@ def _fake_problem(v: Variant):
         varlen["sink"] = (128, *sixteen)
     with mock.patch.dict(os.environ, {k: str(x) for k, x in v.env}):  # restored on exit
         return L.make_plan(q, k, v_, out, lse if v.return_lse else None, qs, ks, vs, km, causal=v.causal,
-                           softmax_scale=v.dqk ** -0.5, return_lse=v.return_lse, version=v.version, **varlen)
+                           softmax_scale=v.dqk ** -0.5, return_lse=v.return_lse, **varlen)
 
 
 def _signature(fn, args, constexprs):

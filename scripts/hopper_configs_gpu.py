@@ -1,19 +1,20 @@
 #!/usr/bin/env python
-"""One-shot H200 check of the warp-specialized Hopper kernels (v2 kernel_ws.py, v3 kernel_pingpong.py).
+"""One-shot H200 check of the Hopper kernel (kernel_pingpong.py) under knob configurations (:data:`CONFIGS`).
 
-    python scripts/hopper_v2_gpu.py              # correctness (v2 pipe=1 full, pipe=0 small) + timings (~3-4 min)
-    python scripts/hopper_v2_gpu.py --check v3,v3-poly2:small --time v1,v3,v3-poly2   # any configs below
-    python scripts/hopper_v2_gpu.py --sanitize   # ... then compute-sanitizer racecheck + synccheck on small shapes
-    python scripts/hopper_v2_gpu.py --no-bench   # correctness only
+    python scripts/hopper_configs_gpu.py              # correctness of the default (v3) on all cases + timings
+    python scripts/hopper_configs_gpu.py --check v3,v3-poly2:small --time v3,v3-poly2   # any configs below
+    python scripts/hopper_configs_gpu.py --sanitize   # ... then compute-sanitizer racecheck + synccheck on small shapes
+    python scripts/hopper_configs_gpu.py --no-bench   # correctness only
 
 1. Correctness: the case list of scripts/hopper_gpu_check.py (``default_cases``; run_case,
-   NaN-poisoned outputs, float64 reference) with ``LEANFA_HOPPER_KERNEL=v2``. Each config runs in
-   a child process with a timeout, so a hang (mbarrier deadlock) is reported as TIMEOUT (with the count of passing cases) and the
-   timings still run: ``v2 pipe=1`` (the default v2) on all cases, ``v2 pipe=0`` on the small set.
+   NaN-poisoned outputs, float64 reference) with a config's knobs set. Each config runs in a child
+   process with a timeout, so a hang (mbarrier deadlock) is reported as TIMEOUT (with the count of
+   passing cases) and the timings still run; ``:small`` runs the small case set.
 2. Timings, causal, B*S = 16K, 16 heads, S = 4K/16K, d 128/128 and 192/128: cuDNN BF16 (torch
-   SDPA cuDNN backend), cuDNN FP8 (leanfa.bench cudnn-fp8, cudnn frontend, if importable), v1
-   and v2 (and v2 pipe=0) in BF16 and FP8: TFLOP/s, ratios to cuDNN of the same precision, v2/v1,
-   SM clock (NVML). v2 of a config whose correctness run failed/hung is not timed.
+   SDPA cuDNN backend), cuDNN FP8 (leanfa.bench cudnn-fp8, cudnn frontend, if importable) and each
+   config in BF16 and FP8 (and FP8 the kernel alone): TFLOP/s, ratios to cuDNN of the same precision
+   and to the default config ``v3``, SM clock (NVML). A config whose correctness run failed/hung is not
+   timed.
 """
 
 from __future__ import annotations
@@ -33,60 +34,44 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 
 CONFIGS = {  # name -> env
-    "v1": {"LEANFA_HOPPER_KERNEL": "v1"},
-    "v2": {"LEANFA_HOPPER_KERNEL": "v2", "LEANFA_HOPPER_PIPE": "1"},
-    "v2-nopipe": {"LEANFA_HOPPER_KERNEL": "v2", "LEANFA_HOPPER_PIPE": "0"},
-    "v3": {"LEANFA_HOPPER_KERNEL": "v3"},
-    "v3-pp": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_PINGPONG": "1"},
-    "v3-nopp": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_PINGPONG": "0"},
-    "v3-pvmma": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_PV_IN_MMA": "1"},
-    **{f"v3-poly{n}": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_POLY": str(n)} for n in (1, 2, 3, 4, 8)},
+    "v3": {},  # the default
+    "v3-pp": {"LEANFA_HOPPER_PINGPONG": "1"},
+    "v3-nopp": {"LEANFA_HOPPER_PINGPONG": "0"},
+    "v3-pvmma": {"LEANFA_HOPPER_PV_IN_MMA": "1"},
+    **{f"v3-poly{n}": {"LEANFA_HOPPER_POLY": str(n)} for n in (1, 2, 3, 4, 8)},
     # since the tenth session dense FP8 defaults to the persistent grid with the TMA-store epilogue
     # (launch.persistent_default): the configs below pin both knobs, so each keeps the meaning it was measured with
-    "v3-grid": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_PERSISTENT": "0", "LEANFA_HOPPER_STORE_TMA": "0"},
-    "v3-persist": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_PERSISTENT": "1", "LEANFA_HOPPER_STORE_TMA": "0"},
-    "v3-persist-pvmma": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_PERSISTENT": "1", "LEANFA_HOPPER_PV_IN_MMA": "1",
+    "v3-grid": {"LEANFA_HOPPER_PERSISTENT": "0", "LEANFA_HOPPER_STORE_TMA": "0"},
+    "v3-persist": {"LEANFA_HOPPER_PERSISTENT": "1", "LEANFA_HOPPER_STORE_TMA": "0"},
+    "v3-persist-pvmma": {"LEANFA_HOPPER_PERSISTENT": "1", "LEANFA_HOPPER_PV_IN_MMA": "1",
                          "LEANFA_HOPPER_STORE_TMA": "0"},
     # FP8 output through shared memory and one TMA store per warpgroup (epilogue.stage_and_store)
-    "v3-tma": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_STORE_TMA": "1", "LEANFA_HOPPER_PERSISTENT": "0"},
-    "v3-tma-persist": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_STORE_TMA": "1", "LEANFA_HOPPER_PERSISTENT": "1"},
+    "v3-tma": {"LEANFA_HOPPER_STORE_TMA": "1", "LEANFA_HOPPER_PERSISTENT": "0"},
+    "v3-tma-persist": {"LEANFA_HOPPER_STORE_TMA": "1", "LEANFA_HOPPER_PERSISTENT": "1"},
     # FP8: the softmax of block j + 1 under PV_j, P through shared memory (an experiment: 3-4% slower, run 53)
-    "v3-pvmma-default": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_PV_IN_MMA": "1"},
+    "v3-pvmma-default": {"LEANFA_HOPPER_PV_IN_MMA": "1"},
     # ... and BF16 through it too (=2: d64 as well; BF16 128/128 takes it by default since runs 53-54)
-    "v3-tma2": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_STORE_TMA": "2", "LEANFA_HOPPER_PERSISTENT": "0"},
-    "v3-tma2-persist": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_STORE_TMA": "2", "LEANFA_HOPPER_PERSISTENT": "1"},
+    "v3-tma2": {"LEANFA_HOPPER_STORE_TMA": "2", "LEANFA_HOPPER_PERSISTENT": "0"},
+    "v3-tma2-persist": {"LEANFA_HOPPER_STORE_TMA": "2", "LEANFA_HOPPER_PERSISTENT": "1"},
     # 64x256 S tile per warpgroup (cuDNN's FP8 shape): PV in the wgmma accumulator, permuted V
-    "v3-wide": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_BLOCK_N": "256", "LEANFA_HOPPER_PV_IN_MMA": "1",
+    "v3-wide": {"LEANFA_HOPPER_BLOCK_N": "256", "LEANFA_HOPPER_PV_IN_MMA": "1",
                 "LEANFA_HOPPER_V_PERMUTED": "1"},
-    "v3-vperm": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_V_PERMUTED": "1"},  # FP8: P without the shuffle
+    "v3-vperm": {"LEANFA_HOPPER_V_PERMUTED": "1"},  # FP8: P without the shuffle
     # timing ablations (LEANFA_HOPPER_ABLATE, wrong answers: never --check them): what each softmax part costs
-    "v3-noexp": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_ABLATE": "exp"},
-    "v3-nomax": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_ABLATE": "max"},
-    "v3-nosoftmax": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_ABLATE": "exp,max"},
+    "v3-noexp": {"LEANFA_HOPPER_ABLATE": "exp"},
+    "v3-nomax": {"LEANFA_HOPPER_ABLATE": "max"},
+    "v3-nosoftmax": {"LEANFA_HOPPER_ABLATE": "exp,max"},
     # half the work (warpgroup 1 idle): its time over v3's = one warpgroup's block period alone / with two
-    "v3-onewg": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_ABLATE": "onewg"},
-    "v3-vperm-pvmma": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_V_PERMUTED": "1", "LEANFA_HOPPER_PV_IN_MMA": "1"},
-    # the fifteenth session's candidates: PV in the accumulator (O's rescale skipped by warps whose rows kept
-    # their max), with a stale max (RESCALE_SKIP: rows keep a max within 0.8 of the block's), 256-key blocks
-    "v3-pvmma-lazy": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_PV_IN_MMA": "1", "LEANFA_HOPPER_RESCALE_SKIP": "1"},
-    "v3-vperm-pvmma-lazy": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_V_PERMUTED": "1",
-                            "LEANFA_HOPPER_PV_IN_MMA": "1", "LEANFA_HOPPER_RESCALE_SKIP": "1"},
-    "v3-wide-lazy": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_BLOCK_N": "256", "LEANFA_HOPPER_PV_IN_MMA": "1",
-                     "LEANFA_HOPPER_V_PERMUTED": "1", "LEANFA_HOPPER_RESCALE_SKIP": "1"},
-    **{f"v3-vpl-{tag}": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_V_PERMUTED": "1", "LEANFA_HOPPER_PV_IN_MMA": "1",
-                         "LEANFA_HOPPER_RESCALE_SKIP": "1", **env}
-       for tag, env in (("poly1", {"LEANFA_HOPPER_POLY": "1"}), ("poly2", {"LEANFA_HOPPER_POLY": "2"}),
-                        ("pp", {"LEANFA_HOPPER_PINGPONG": "1"}), ("noexp", {"LEANFA_HOPPER_ABLATE": "exp"}),
-                        ("nomax", {"LEANFA_HOPPER_ABLATE": "max"}), ("onewg", {"LEANFA_HOPPER_ABLATE": "onewg"}))},
-    "v3-bn256-pvmma": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_BLOCK_N": "256", "LEANFA_HOPPER_PV_IN_MMA": "1"},
+    "v3-onewg": {"LEANFA_HOPPER_ABLATE": "onewg"},
+    "v3-vperm-pvmma": {"LEANFA_HOPPER_V_PERMUTED": "1", "LEANFA_HOPPER_PV_IN_MMA": "1"},
     # a third consumer warpgroup (192-row tiles): 160 registers each, so 64-key blocks and FP8 PV in
     # the wgmma accumulator; the 64-key blocks alone (two warpgroups) separate the two changes
-    "v3-c3": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_CONSUMERS": "3", "LEANFA_HOPPER_BLOCK_N": "64",
+    "v3-c3": {"LEANFA_HOPPER_CONSUMERS": "3", "LEANFA_HOPPER_BLOCK_N": "64",
               "LEANFA_HOPPER_PV_IN_MMA": "1"},
     # FP8: three warpgroups at 128-key blocks (ptxas serializes the wgmmas at 160 registers, C7512)
-    "v3-c3-bn128": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_CONSUMERS": "3", "LEANFA_HOPPER_PV_IN_MMA": "1"},
-    "v3-bn64": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_BLOCK_N": "64"},
-    "v3-bn64-pvmma": {"LEANFA_HOPPER_KERNEL": "v3", "LEANFA_HOPPER_BLOCK_N": "64", "LEANFA_HOPPER_PV_IN_MMA": "1"},
+    "v3-c3-bn128": {"LEANFA_HOPPER_CONSUMERS": "3", "LEANFA_HOPPER_PV_IN_MMA": "1"},
+    "v3-bn64": {"LEANFA_HOPPER_BLOCK_N": "64"},
+    "v3-bn64-pvmma": {"LEANFA_HOPPER_BLOCK_N": "64", "LEANFA_HOPPER_PV_IN_MMA": "1"},
 }
 
 
@@ -179,7 +164,7 @@ def timings(cfgs):
         print(f"cudnn frontend: {avail} {why}")
         if avail:
             def cudnn_fp8(q, k, v, B, S, H_, dqk, dv):
-                case = Case("v2check", f"d{dqk}", "gaussian", B, S, H_, H_, dqk, dv, True)
+                case = Case("configs", f"d{dqk}", "gaussian", B, S, H_, H_, dqk, dv, True)
                 return impls._cudnn_graph_prepare(case, Inputs(q, k, v), fp8=True, e2e=False).run
     except Exception as e:  # noqa: BLE001
         print(f"cudnn-fp8 unavailable: {type(e).__name__}: {e}")
@@ -216,21 +201,21 @@ def timings(cfgs):
                     timed("cudnn-fp8", cudnn_fp8(q, k, v, B, S, Hh, dqk, dv))
                 except Exception as e:  # noqa: BLE001
                     ent["cudnn-fp8"] = (float("nan"), f"{type(e).__name__}: {str(e)[:60]}")
-            for cfg in ["v1"] + [c for c in cfgs if c != "v1"]:
+            for cfg in ["v3"] + [c for c in cfgs if c != "v3"]:
                 _set_env(cfg)
-                if cfg != "v1":  # the kernel alone: plan (and any copy of V) made once, outside the timing
-                    timed(f"{cfg}-fp8k", kernel_only(q8, k8, v8, scale, kw))
+                # the kernel alone: plan (and any copy of V) made once, outside the timing
+                timed(f"{cfg}-fp8k", kernel_only(q8, k8, v8, scale, kw))
                 if "poly" not in cfg:  # POLY only changes the FP8 kernel
                     timed(f"{cfg}-bf16", lambda: leanfa.flash_attn_func(q, k, v, softmax_scale=scale, causal=True,
                                                                         backend="hopper"))
                 timed(f"{cfg}-fp8", lambda: leanfa.flash_attn_func(q8, k8, v8, softmax_scale=scale, causal=True,
                                                                    backend="hopper", **kw))
-            _set_env("v1")
+            _set_env("v3")
             shape = f"S{S} B{B} H{Hh} d{dqk}/{dv} causal"
             for name, (ms, clk) in ent.items():
                 prec = "fp8" if "fp8" in name else "bf16"
                 base = ent.get(f"cudnn-{prec}", (float("nan"), None))[0]
-                ref = "v3-fp8k" if name.endswith("fp8k") else f"v1-{prec}"  # kernel-only rows: against v3's
+                ref = "v3-fp8k" if name.endswith("fp8k") else f"v3-{prec}"
                 ref_ms = ent.get(ref, (float("nan"), None))[0]
                 tf = flops / (ms * 1e-3) / 1e12 if ms == ms else float("nan")
                 rows.append((shape, name, ms, tf, base / ms, ref_ms / ms, clk))
@@ -250,9 +235,9 @@ def main():
     ap.add_argument("--child-sanitize", action="store_true")
     ap.add_argument("--no-bench", action="store_true")
     ap.add_argument("--sanitize", action="store_true", help="also compute-sanitizer memcheck/racecheck/synccheck (small)")
-    ap.add_argument("--check", default="v2,v2-nopipe:small",
+    ap.add_argument("--check", default="v3",
                     help="configs to check, comma-separated; ':small' for the small case set")
-    ap.add_argument("--time", default=None, help="configs to time (default: those whose check passed, and v1)")
+    ap.add_argument("--time", default=None, help="configs to time (default: those whose check passed, and v3)")
     ap.add_argument("--check-timeout", type=int, default=300)
     a = ap.parse_args()
     if a.child:
@@ -269,13 +254,12 @@ def main():
         cfg, _, size = item.partition(":")
         if status.get(cfg, "PASS") != "PASS":  # its small set failed: skip the full one
             continue
-        if cfg:  # 90 cases: run 7 (2026-11-29) passed 89 of v2 in 170 s, the last cut by the limit
-            # compiles dominate (run 29: v3-c3's small set took more than the 120 s small sets used to get,
+        if cfg:  # compiles dominate (run 29: v3-c3's small set took more than the 120 s small sets used to get,
             # on lane 0's 4 cores)
             status[cfg] = run_child(cfg, small=size == "small", timeout=a.check_timeout)
     ok = [c for c, s in status.items() if s == "PASS"]
     to_time = a.time.split(",") if a.time else ok
-    to_time = [c for c in to_time if c == "v1" or c not in status or c in ok]  # never time a failed config
+    to_time = [c for c in to_time if c == "v3" or c not in status or c in ok]  # never time a failed config
     trows = [] if a.no_bench else timings(to_time)
     san = {}
     if a.sanitize:
@@ -294,8 +278,7 @@ def main():
     for t, s in san.items():
         print(f"sanitizer {t:10s}: {s}")
     for r in trows:
-        ref = "v3" if r[1].endswith("fp8k") else "v1"  # as in the per-step rows: kernel-only rows against v3's
-        print(f"{r[0]:28s} {r[1]:16s} {r[2]:8.3f} ms {r[3]:7.1f} TFLOP/s  x{r[4]:5.2f} vs cuDNN  x{r[5]:5.2f} vs {ref}"
+        print(f"{r[0]:28s} {r[1]:16s} {r[2]:8.3f} ms {r[3]:7.1f} TFLOP/s  x{r[4]:5.2f} vs cuDNN  x{r[5]:5.2f} vs v3"
               f"  clk={r[6]}")
     print(f"total {time.time() - t0:.0f}s")
     # racecheck always reports the warp-specialize dispatch's hazards (perf-notes: the kernel's def and

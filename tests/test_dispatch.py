@@ -1,0 +1,69 @@
+"""The single dispatch decision (leanfa/kernels/dispatch.py): which kernel runs a call and why, and where BF16
+sink keys are attended. CPU only: the Hopper package is faked (its verdicts, not its kernel)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from leanfa.api import _build_problem
+from leanfa.kernels import dispatch
+
+
+def _fake_hopper(ok=True, sink_dims=((64, 64), (128, 128))):
+    return types.SimpleNamespace(
+        supports=lambda p: (ok, "" if ok else "not on this GPU"),
+        sink_problem=lambda dims, keys: None if dims in sink_dims and keys == 128 else "unsupported sink",
+    )
+
+
+def _problem(fp8=False, d=128):
+    q = torch.randn(1, 32, 2, d).to(torch.float8_e4m3fn if fp8 else torch.bfloat16)
+    return _build_problem(q, q, q, varlen=False, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                          max_seqlen_k=None, softmax_scale=None, causal=True, q_descale=None, k_descale=None,
+                          v_descale=None, k_mean=None, return_lse=False, out_dtype=None)
+
+
+@pytest.fixture
+def gpu_validated(monkeypatch):
+    monkeypatch.setattr(dispatch._versions, "check", lambda: True)
+    monkeypatch.setattr(dispatch._versions, "triton_gpu_validated", lambda: True)
+
+
+@pytest.mark.parametrize("backend,ok,fp8,d,want", [
+    ("auto", True, False, 128, "hopper"), ("auto", True, True, 64, "portable"), ("auto", False, False, 128, "portable"),
+    ("hopper", True, True, 64, "hopper"), ("portable", True, False, 128, "portable")])
+def test_choose(backend, ok, fp8, d, want, monkeypatch, gpu_validated):
+    monkeypatch.setattr(dispatch, "_hopper", lambda: _fake_hopper(ok))
+    choice = dispatch.choose(_problem(fp8, d), backend)
+    assert choice.kernel == want and choice.why
+    if not ok:
+        assert choice.why == "not on this GPU"
+
+
+def test_choose_hopper_where_it_does_not_apply_raises(monkeypatch, gpu_validated):
+    monkeypatch.setattr(dispatch, "_hopper", lambda: _fake_hopper(False))
+    with pytest.raises(ValueError, match="backend='hopper' cannot run this call: not on this GPU"):
+        dispatch.choose(_problem(), "hopper")
+
+
+def test_choose_auto_stays_portable_on_an_unsupported_toolchain(monkeypatch):
+    monkeypatch.setattr(dispatch._versions, "check", lambda: False)
+    monkeypatch.setattr(dispatch, "_hopper", lambda: pytest.fail("the Hopper package was asked"))
+    assert dispatch.choose(_problem(), "auto").kernel == "portable"
+
+
+@pytest.mark.parametrize("backend,keys,dims,knob,want", [
+    ("auto", 128, (128, 128), "1", "auto"), ("auto", 256, (128, 128), "1", "auto"),
+    ("auto", 128, (128, 128), "0", "portable"), ("auto", 64, (128, 128), "1", None),
+    ("portable", 128, (128, 128), "1", "portable"), ("portable", 100, (128, 128), "1", None),
+    ("hopper", 128, (128, 128), "1", "hopper"), ("hopper", 128, (192, 128), "1", None),
+    ("hopper", 256, (128, 128), "1", None), ("hopper", 128, (128, 128), "0", None)])
+def test_sink_route(backend, keys, dims, knob, want, monkeypatch):
+    """In one FP8 call (multiples of 128 keys; on the Hopper kernel where its sink is on and supports them) or
+    the split path (None)."""
+    monkeypatch.setattr(dispatch, "_hopper", lambda: _fake_hopper())
+    monkeypatch.setenv("LEANFA_HOPPER_SINK", knob)
+    assert dispatch.sink_route(backend, dims, keys) == want
