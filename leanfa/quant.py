@@ -345,8 +345,8 @@ def quantize_fp8(
 def quantize_checked(q, k, v, granularity, smooth_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                      rotate=False) -> FP8QKV:
     """:func:`quantize_fp8` on arguments its checks already passed (``leanfa.attention`` checks
-    once, then quantizes through :mod:`leanfa.ops`: the second check was ~3% of the end-to-end
-    call's host time under cProfile, run 32)."""
+    once, then quantizes through :mod:`leanfa.ops`: a second check costs ~3% of the end-to-end
+    call's host time under cProfile; docs/perf-notes.md, "host time of the FP8 end-to-end call")."""
     rotation = None
     if rotate and q.shape[-1] > 1:
         rotation = rotation_matrix(q.shape[-1], q.device)

@@ -16,8 +16,8 @@ import torch
 from . import scales
 
 #: Bytes a query chunk's float64 score temporaries may take (scores, the masked copy, P: three
-#: ``(Hq, rows, Sk)`` tensors). A fixed row count did not bound them: DeepSeek's 128 heads at 32K
-#: keys asked for 64 GiB per chunk of 2048 rows (run 21).
+#: ``(Hq, rows, Sk)`` tensors). A fixed row count does not bound them: at DeepSeek's 128 heads and 32K
+#: keys, one such tensor of a 2048-row chunk is 64 GiB.
 SCORE_BYTES = 6 << 30
 
 

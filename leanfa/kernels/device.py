@@ -1,7 +1,8 @@
 """Facts about a CUDA device that do not change during a process, looked up once per device.
 
-``torch.cuda.get_device_capability`` costs a few microseconds per call; the API asked it up to four
-times per FP8 call (run 32, ``scripts/host_time.py``), on the path that bounds short prefills.
+``torch.cuda.get_device_capability`` costs a few microseconds per call, and the API needs the answer up to
+four times per FP8 call, on the host path that bounds short prefills (``scripts/host_time.py`` times it;
+docs/perf-notes.md, "host time of the FP8 end-to-end call").
 """
 
 from __future__ import annotations

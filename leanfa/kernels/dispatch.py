@@ -37,21 +37,21 @@ from . import portable
 _log = logging.getLogger(__name__)
 
 #: ``backend="auto"`` picks the Hopper kernel only once it passes the GPU check
-#: (scripts/hopper_gpu_check.py). First H200 run (2026-11-29): wrong (NaN) whenever Sk > 128 or
-#: Sq > 128 -- the broadcast Q/K descale tables were indexed with their size-1 block stride
-#: (1, not 0), reading past the table (fixed by scales.broadcast_strides; caught on CPU by
-#: tests/test_hopper_emulate.py). The fix passed 90/90 cases on the H200 (run 3), so it is on.
-#: The kernel (v3) passed the same 90 cases in runs 10 and 11.
+#: (scripts/hopper_gpu_check.py); the kernel passes it on the H200, so this is on. The check is what
+#: catches, e.g., broadcast Q/K descale tables indexed with their size-1 block stride (1, not 0: NaN
+#: whenever Sk > 128 or Sq > 128); :func:`leanfa.scales.broadcast_strides` gives them stride 0, and
+#: tests/test_hopper_emulate.py checks that on the CPU. The check's results: docs/perf-notes.md.
 HOPPER_VALIDATED = True
-#: FP8 with BF16 sink keys in the Hopper kernel (:mod:`.hopper.sink`), d64/d128: validated on the H200 in run 45
-#: (e94907e: 29/29 GPU tests, memcheck/synccheck 0 errors, `leanfa accuracy` equal to the portable
-#: sink's error; d128 16K 0.97x the plain FP8 call), so ``backend="auto"`` runs it on sm90.
+#: FP8 with BF16 sink keys in the Hopper kernel (:mod:`.hopper.sink`), d64/d128: validated on the H200
+#: (29/29 GPU tests, memcheck/synccheck 0 errors, `leanfa accuracy` equal to the portable sink's error;
+#: d128 16K 0.97x the plain FP8 call; docs/perf-notes.md, "the sink validated"), so ``backend="auto"`` runs
+#: it on sm90.
 #: ``LEANFA_HOPPER_SINK=0`` sends it back to the portable kernel (``backend="hopper"``: to the split).
 HOPPER_SINK_VALIDATED = True
 #: FP8 head dims where ``backend="auto"`` prefers the portable kernel although the Hopper kernel runs them: at
-#: 64/64 the portable FP8 kernel measured 1.10x / 1.06-1.07x the Hopper kernel at 4K / 16K (causal, B*S = 16K,
-#: 16 heads, H200 runs 49 and 51); its sink beat the Hopper kernel's plain FP8 call there too (run 45). BF16 d64
-#: stays on the Hopper kernel (0.94-1.07x either way).
+#: 64/64 the portable FP8 kernel runs 1.10x / 1.06-1.07x the Hopper kernel at 4K / 16K on the H200 (causal,
+#: B*S = 16K, 16 heads; docs/perf-notes.md, "FP8 at head dim 64 goes to the portable kernel"), and its sink beats
+#: the Hopper kernel's plain FP8 call there too. BF16 d64 stays on the Hopper kernel (0.94-1.07x either way).
 PORTABLE_FASTER_FP8 = ((64, 64),)
 #: ``bf16_sink_keys`` that are a multiple of this run inside the FP8 kernel (the portable kernel's sink blocks
 #: are whole KV tiles and K scale blocks; the Hopper kernel's sink is exactly one such block). Other values
