@@ -49,7 +49,7 @@ HOPPER_VALIDATED = True
 #: ``LEANFA_HOPPER_SINK=0`` sends it back to the portable kernel (``backend="hopper"``: to the split).
 HOPPER_SINK_VALIDATED = True
 #: FP8 head dims where ``backend="auto"`` prefers the portable kernel although the Hopper kernel runs them: at
-#: 64/64 the portable FP8 kernel runs 1.10x / 1.06-1.07x the Hopper kernel at 4K / 16K on the H200 (causal,
+#: 64/64 the portable FP8 kernel is 1.10x / 1.06-1.07x as fast as the Hopper kernel at 4K / 16K on the H200 (causal,
 #: B*S = 16K, 16 heads; docs/perf-notes.md, "FP8 at head dim 64 goes to the portable kernel"), and its sink beats
 #: the Hopper kernel's plain FP8 call there too. BF16 d64 stays on the Hopper kernel (0.94-1.07x either way).
 PORTABLE_FASTER_FP8 = ((64, 64),)

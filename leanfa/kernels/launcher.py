@@ -1,9 +1,9 @@
 """Launching a Triton kernel's compiled binary directly, once a call of the same specialization compiled it.
 
 ``kernel[grid](*args, **kw)`` binds and specializes every argument on each call (Triton's JIT: ~30-50 us of
-host time for a launch with tens of arguments, H200 runs 49-52), although for a given kernel the result is
-fixed by what it specializes on: each tensor's dtype and 16-byte alignment, each integer's value class, the
-constexpr keywords. :class:`DirectLaunch` keys on a finer version of that (integers by value), keeps the
+host time for a launch with tens of arguments on the H200's host; docs/perf-notes.md, "The host path"),
+although for a given kernel the result is fixed by what it specializes on: each tensor's dtype and 16-byte
+alignment, each integer's value class, the constexpr keywords. :class:`DirectLaunch` keys on a finer version of that (integers by value), keeps the
 ``CompiledKernel`` the first launch of a key returns, and launches it directly after that
 (``compiled[grid](*every parameter)``, as :mod:`.hopper.plan_cache` does for the Hopper kernel). Under the
 Triton interpreter there is no compiled kernel: every launch goes through the JIT.
@@ -20,10 +20,10 @@ try:
 except ImportError:  # pragma: no cover - an older Triton
     CompiledKernel = ()
 
-#: the launches through :class:`DirectLaunch` (the quantizer's, the varlen V re-pack): on by default since H200
-#: run 54 (``gpu_session.sh direct_launch``: 93 GPU tests, every quantizer output bit for bit the JIT launch's;
-#: run 53 had found the block-scale slots past a packed sequence's end left unwritten, fixed in the quantizer);
-#: ``LEANFA_DIRECT_LAUNCH=0`` sends every launch through the JIT
+#: the launches through :class:`DirectLaunch` (the quantizer's, the varlen V re-pack): on by default, as they pass
+#: the GPU check (``scripts/gpu_session.sh direct_launch``: 93 GPU tests, every quantizer output bit for bit the
+#: JIT launch's, including the block-scale slots past a packed sequence's end, which the quantizer fills with 1;
+#: docs/perf-notes.md, "The four gates"); ``LEANFA_DIRECT_LAUNCH=0`` sends every launch through the JIT
 VALIDATED = True
 MAX_KEYS = 256
 

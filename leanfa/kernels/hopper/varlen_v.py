@@ -2,16 +2,18 @@
 
 :func:`leanfa.quantize_fp8` stores V transposed (tokens innermost), so key block ``j`` of packed sequence
 ``b`` starts at byte ``cu_seqlens_k[b] + 128 j`` of a row, which TMA refuses unless it is a multiple of 16
-(H200 run 15: "illegal instruction"). :func:`align_varlen_v` copies V into rows where every sequence starts
-on a multiple of 16 tokens, with zeros in the gaps and after the last sequence (the keys past a sequence's
-end that its last box reads must be finite: their P is 0, and 0 x NaN is not 0).
+(an unaligned box makes the kernel die with "illegal instruction" on the H200). :func:`align_varlen_v` copies
+V into rows where every sequence starts on a multiple of 16 tokens, with zeros in the gaps and after the last
+sequence (the keys past a sequence's end that its last box reads must be finite: their P is 0, and 0 x NaN is
+not 0).
 
 One Triton launch, no host sync on the lengths: program ``(rb, b, t)`` copies byte blocks ``t, t + grid2, ...``
 of a few rows (head channels) of sequence ``b``, and finds its sequence's new start by summing the
-rounded-up lengths of the sequences before it; programs ``b = batch`` zero the tail. It replaced ~17 PyTorch ops (a
-``searchsorted`` per token and a byte-wise ``index_copy_``): with them, H200 run 54 measured 0.61-0.72 ms of
-host time per FP8 ``flash_attn_varlen_func`` call against 0.12-0.20 ms for the same tokens as a dense call, and
-run 56 0.21-0.42 ms of GPU time for the re-pack of 32 MB (this kernel: 0.03).
+rounded-up lengths of the sequences before it; programs ``b = batch`` zero the tail. One launch instead of ~17
+PyTorch ops (a ``searchsorted`` per token and a byte-wise ``index_copy_``) because those cost an FP8
+``flash_attn_varlen_func`` call 0.61-0.72 ms of host time on the H200 (0.12-0.20 ms for the same tokens as a
+dense call) and 0.21-0.42 ms of GPU time for the re-pack of 32 MB, against 0.03 for this kernel
+(docs/perf-notes.md, "FP8 varlen: the V re-pack in one kernel").
 """
 
 from __future__ import annotations
@@ -24,9 +26,9 @@ from ...problem import V_TOKEN_ALIGN
 from ..launcher import DirectLaunch
 
 #: a program's tile: ROWS rows of V (head channels) x BLOCK_T bytes. GPU: 4 x 512 (16 bytes per thread at 4 warps)
-#: copied 32 MB at 2.0-2.1 TB/s (0.031-0.034 ms) in H200 run 56, against 1.0-1.7 TB/s for 8 x 256 and 1 x 1024,
-#: 0.45-0.56 for 128 x 64 and 0.16-0.32 for the PyTorch ops (``scripts/varlen_v_time.py``). The CPU interpreter
-#: runs fewer, larger programs faster.
+#: copies 32 MB at 2.0-2.1 TB/s (0.031-0.034 ms) on the H200, against 1.0-1.7 TB/s for 8 x 256 and 1 x 1024,
+#: 0.45-0.56 for 128 x 64 and 0.16-0.32 for the PyTorch ops (``scripts/varlen_v_time.py``; docs/perf-notes.md).
+#: The CPU interpreter runs fewer, larger programs faster.
 GPU_TILE = (4, 512)
 CPU_TILE = (64, 256)
 BLOCK_B = 256  # sequences per step of the new-start sum
