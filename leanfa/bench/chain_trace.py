@@ -1,8 +1,8 @@
 """Read the v3 kernel's SM-clock trace (``LEANFA_HOPPER_TRACE=1``, :mod:`leanfa.kernels.hopper.trace`).
 
 The buffer is ``[tiles, warpgroups, 1 + blocks, events]`` int32 (-1 where nothing was written). Per
-key block a warpgroup's chain is cut into phases, each ending at one recorded clock (five events
-since the eighth session's last change; runs 34-39 recorded four, without ``v_wait``):
+key block a warpgroup's chain is cut into phases, each ending at one recorded clock (five events; traces
+in the older four-event layout, without ``v_wait``, are read too):
 
 * ``softmax``: from the previous block's slot release (block 0: S_0 ready) to the row sum -- the
   scores' mask, scale, row max, exponentials and row sum, P's conversion (ptxas puts the clock
@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 PHASES = ("softmax", "v_wait", "issue", "mma_wait", "release")
-PHASES_4 = ("softmax", "issue", "mma_wait", "release")  # the four-event traces of runs 34-39
+PHASES_4 = ("softmax", "issue", "mma_wait", "release")  # the older four-event layout (no v_wait)
 WRAP = 1 << 32
 
 

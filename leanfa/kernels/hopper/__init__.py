@@ -31,10 +31,10 @@ from ..outputs import allocate_outputs
 from . import launch as _launch
 from . import plan_cache
 
-#: 64/64 passed the 130-case H200 check (the 90 cases plus 40 at 64/64: BF16 and FP8, causal and not,
-#: odd lengths, GQA) and memcheck on its 24 small cases, 0 errors (run 22, b9e966e).
+#: 64/64 passes the 130-case H200 check (scripts/hopper_gpu_check.py: the 90 cases plus 40 at 64/64, BF16 and
+#: FP8, causal and not, odd lengths, GQA) and memcheck on its 24 small cases with 0 errors.
 #: 256/256 (Gemma-class heads): FP8 with PV in the wgmma accumulator, BF16 with 64-key blocks
-#: (launch.wide_head); 48/48 H200 cases, memcheck/synccheck 0 errors (runs 41, 43).
+#: (launch.wide_head); 48/48 H200 cases, memcheck/synccheck 0 errors. The records: docs/perf-notes.md.
 HEAD_DIMS = ((64, 64), (128, 128), (192, 128), (256, 256))
 IN_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -72,7 +72,7 @@ def _supports(problem) -> tuple[bool, str]:
     if cap != (9, 0):
         return False, f"the Hopper kernel needs an sm90 GPU (found sm{cap[0]}{cap[1]})"
     if q.numel() == 0 or k.numel() == 0:  # a TMA descriptor cannot have a zero-sized dim
-        return False, "empty inputs (no query or no key token; GPU fuzz, run 17): nothing for TMA to load"
+        return False, "empty inputs (no query or no key token): nothing for TMA to load"
     dims = (problem.head_dim_qk, problem.head_dim_v)
     if dims not in HEAD_DIMS:
         return False, (f"head dims {dims[0]}/{dims[1]} are not implemented in the Hopper kernel "

@@ -1,10 +1,10 @@
 """Launch plans reused across calls of one signature: the host path of short prefills.
 
-At S <= 2K the Hopper kernel runs ~0.16-0.25 ms, and ``flash_attn_func``'s host work was as long
-(H200 run 49: ~0.2-0.4 ms per FP8 call). Most of it is repeated work: :func:`.launch.make_plan`
-reads ~15 environment knobs, checks layouts and builds four validated TMA descriptors, and
-Triton's launcher binds and specializes ~45 arguments, on every call, although all of it follows
-from the call's *signature*:
+At S <= 2K the Hopper kernel runs ~0.16-0.25 ms, and ``flash_attn_func``'s host work without this cache is
+as long (~0.2-0.4 ms per FP8 call on the H200's host; docs/perf-notes.md, "The host path: plans kept per call
+signature"). Most of it is repeated work: :func:`.launch.make_plan` reads ~15 environment knobs, checks
+layouts and builds four validated TMA descriptors, and Triton's launcher binds and specializes ~45
+arguments, on every call, although all of it follows from the call's *signature*:
 
 * every input tensor's shape, strides, dtype and 16-byte alignment (which fix every integer
   argument the kernel gets and how Triton specializes it), and its device;
@@ -20,7 +20,7 @@ The inputs a plan is bound from are the call's tensors as the kernel reads them:
 viewed as a batch of one, and V as :func:`.launch.prepare_v` makes it (an FP8 V re-packed or transposed:
 that copy is made every call, before the lookup). Only plans whose every tensor argument is one of those
 inputs are kept: a plan that made a tensor of its own (a permuted V, the clock-trace buffer) is rebuilt
-every call, as are timing ablations. Varlen calls and copied FP8 V's are kept too since H200 run 53
+every call, as are timing ablations. Varlen calls and copied FP8 V's are kept too
 (:data:`PREPARED_VALIDATED`); ``LEANFA_HOPPER_PLAN_CACHE=1`` keeps dense ones only.
 ``LEANFA_HOPPER_PLAN_CACHE=0`` turns the cache off.
 """
@@ -63,8 +63,8 @@ _ABLATE = KNOBS.index("LEANFA_HOPPER_ABLATE")
 
 #: Calls whose plan works on prepared inputs (varlen: packed tensors viewed as a batch of one; FP8 with a V
 #: the plan re-packs or transposes every call) are kept: their bound plans equal ``make_plan``'s on the CPU
-#: (tests/test_hopper_host.py), and H200 run 53 passed 247 GPU tests with them kept (``gpu_session.sh
-#: prepared_cache``: the Hopper, attention, edge-case and fuzz suites). ``LEANFA_HOPPER_PLAN_CACHE=1``: dense only.
+#: (tests/test_hopper_host.py), and the GPU suites pass with them kept (247 tests on the H200,
+#: ``scripts/gpu_session.sh prepared_cache``: the Hopper, attention, edge-case and fuzz suites). ``LEANFA_HOPPER_PLAN_CACHE=1``: dense only.
 PREPARED_VALIDATED = True
 
 

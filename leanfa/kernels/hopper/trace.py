@@ -10,9 +10,9 @@ so two warpgroups of a CTA share a time base) at fixed points of its chain, into
 
 So a block's softmax is ``e0 - (previous e4)``, its wait for V ``e1 - e0``, the issue of PV, the wait
 for the next K and the issue of QK ``e2 - e1``, the matrix work as this warpgroup waits for it
-``e3 - e2``, the release ``e4 - e3``. :mod:`leanfa.bench.chain_trace` reads the buffer (runs 34–39
-recorded four events per block, without "V ready"). With the trace off the
-pointer is ``None`` (a constexpr): the kernel is the same PTX as before the trace existed.
+``e3 - e2``, the release ``e4 - e3``. :mod:`leanfa.bench.chain_trace` reads the buffer (and traces in
+the older layout of four events per block, without "V ready"). With the trace off the pointer is
+``None`` (a constexpr): the kernel compiles with no trace code in its PTX.
 
 The clock reads are ``volatile`` inline PTX: LLVM keeps them in order with the other volatile
 operations (wgmma issue and wait, mbarrier waits, stores) but may move plain arithmetic across
