@@ -3,10 +3,10 @@
 ``kernel[grid](*args, **kw)`` binds and specializes every argument on each call (Triton's JIT: ~30-50 us of
 host time for a launch with tens of arguments on the H200's host; docs/perf-notes.md, "The host path"),
 although for a given kernel the result is fixed by what it specializes on: each tensor's dtype and 16-byte
-alignment, each integer's value class, the constexpr keywords. :class:`DirectLaunch` keys on a finer version of that (integers by value), keeps the
-``CompiledKernel`` the first launch of a key returns, and launches it directly after that
-(``compiled[grid](*every parameter)``, as :mod:`.hopper.plan_cache` does for the Hopper kernel). Under the
-Triton interpreter there is no compiled kernel: every launch goes through the JIT.
+alignment, each integer's value class, the constexpr keywords. :class:`DirectLaunch` keys on a finer version
+of that (integers by value), keeps the ``CompiledKernel`` the first launch of a key returns, and launches it
+directly after that (``compiled[grid](*every parameter)``, as :mod:`.hopper.plan_cache` does for the Hopper
+kernel). Under the Triton interpreter there is no compiled kernel: every launch goes through the JIT.
 """
 
 from __future__ import annotations

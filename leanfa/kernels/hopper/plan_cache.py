@@ -64,7 +64,8 @@ _ABLATE = KNOBS.index("LEANFA_HOPPER_ABLATE")
 #: Calls whose plan works on prepared inputs (varlen: packed tensors viewed as a batch of one; FP8 with a V
 #: the plan re-packs or transposes every call) are kept: their bound plans equal ``make_plan``'s on the CPU
 #: (tests/test_hopper_host.py), and the GPU suites pass with them kept (247 tests on the H200,
-#: ``scripts/gpu_session.sh prepared_cache``: the Hopper, attention, edge-case and fuzz suites). ``LEANFA_HOPPER_PLAN_CACHE=1``: dense only.
+#: ``scripts/gpu_session.sh prepared_cache``: the Hopper, attention, edge-case and fuzz suites).
+#: ``LEANFA_HOPPER_PLAN_CACHE=1``: dense only.
 PREPARED_VALIDATED = True
 
 
