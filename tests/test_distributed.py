@@ -33,10 +33,20 @@ CASES = [
     ("bf16-full", (2,), 1, 64, 2, 2, False, "bf16"),
     ("fp8-causal", (2, "x1"), 1, 96, 2, 2, True, "fp8"),
     ("fp8-full", (2,), 1, 64, 2, 2, False, "fp8"),
-    ("bf16-causal-odd-gqa", (2, 4), 2, 67, 4, 2, True, "bf16"),
+    ("bf16-causal-odd-gqa", (2,), 2, 67, 4, 2, True, "bf16"),
     ("fp8-causal-odd", (2, 4), 1, 101, 2, 1, True, "fp8"),
 ]
+# packed batches: (name, world sizes, sequence lengths, q heads, kv heads, causal, precision); an empty
+# sequence, and one shorter than 2W (empty chunks)
+VARLEN_CASES = [
+    ("varlen-bf16-causal", (2, 4), (37, 0, 3, 50), 2, 1, True, "bf16"),
+    ("varlen-fp8-causal", (2,), (37, 0, 3, 50), 2, 2, True, "fp8"),
+]
 DIM = 64
+
+
+def _cu(lengths):
+    return torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
 
 
 def _inputs(batch, total, hq, hkv, seed):
@@ -50,7 +60,8 @@ def _inputs(batch, total, hq, hkv, seed):
 def _worker(rank, world, port, folder):
     import torch.distributed as dist
 
-    from leanfa.distributed import context_parallel_attention, shard, unshard
+    from leanfa.distributed import (context_parallel_attention, context_parallel_varlen_attention, shard,
+                                    shard_varlen, unshard, unshard_varlen)
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     # every rank creates every group, in one order; each rank keeps its own
@@ -72,6 +83,14 @@ def _worker(rank, world, port, folder):
                 out, lse = context_parallel_attention(shard(q, g), shard(k, g), shard(v, g), group=g, causal=causal,
                                                       precision=precision, return_lse=True)
                 results[(name, key)] = (unshard(out, g), unshard(lse, g, dim=2))
+        for seed, (name, worlds, lengths, hq, hkv, causal, precision) in enumerate(VARLEN_CASES, start=len(CASES)):
+            if world not in worlds:
+                continue
+            q, k, v = (x[0] for x in _inputs(1, sum(lengths), hq, hkv, seed))
+            cu = _cu(lengths)
+            out, lse = context_parallel_varlen_attention(shard_varlen(q, cu), shard_varlen(k, cu), shard_varlen(v, cu),
+                                                         cu, causal=causal, precision=precision, return_lse=True)
+            results[(name, world)] = (unshard_varlen(out, cu), unshard_varlen(lse, cu, dim=1))
         # ranks that disagree: rank 1 has one head fewer (each rank's own arguments valid), the last rank
         # another causal flag
         q, k, v = _inputs(1, 8 * world, 2, 2, 0)
@@ -126,11 +145,20 @@ def world_results(request, tmp_path_factory):
 
 @functools.lru_cache(maxsize=None)
 def _single(name):
-    seed = [c[0] for c in CASES].index(name)
-    _, _, batch, total, hq, hkv, causal, precision = CASES[seed]
-    q, k, v = _inputs(batch, total, hq, hkv, seed)
-    out, lse = leanfa.attention(q, k, v, causal=causal, precision=precision, return_lse=True)
-    ref, ref_lse = attention_ref(q, k, v, causal=causal, return_lse=True)
+    names = [c[0] for c in CASES + VARLEN_CASES]
+    seed = names.index(name)
+    if seed < len(CASES):
+        _, _, batch, total, hq, hkv, causal, precision = CASES[seed]
+        q, k, v = _inputs(batch, total, hq, hkv, seed)
+        out, lse = leanfa.attention(q, k, v, causal=causal, precision=precision, return_lse=True)
+        ref, ref_lse = attention_ref(q, k, v, causal=causal, return_lse=True)
+        return out, lse, ref, ref_lse
+    _, _, lengths, hq, hkv, causal, precision = VARLEN_CASES[seed - len(CASES)]
+    q, k, v = (x[0] for x in _inputs(1, sum(lengths), hq, hkv, seed))
+    cu, longest = _cu(lengths), max(lengths)
+    out, lse = leanfa.attention(q, k, v, causal=causal, precision=precision, return_lse=True, cu_seqlens_q=cu,
+                                cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest)
+    ref, ref_lse = attention_ref(q, k, v, causal=causal, return_lse=True, cu_seqlens_q=cu, cu_seqlens_k=cu)
     return out, lse, ref, ref_lse
 
 
@@ -138,7 +166,7 @@ def _rms(x: torch.Tensor) -> float:
     return x.double().pow(2).mean().sqrt().item()
 
 
-@pytest.mark.parametrize("case", [c[0] for c in CASES])
+@pytest.mark.parametrize("case", [c[0] for c in CASES + VARLEN_CASES])
 def test_matches_single_process(world_results, case):
     world, ranks = world_results
     keys = [key for key in ranks[0] if key[0] == case]

@@ -11,7 +11,7 @@ import torch
 from leanfa.distributed import chunk_sizes, merge_into, shard_positions
 from leanfa.distributed.attention import DIAGONAL, FULL, NONE, visibility
 from leanfa.distributed.checks import describe, validate
-from leanfa.distributed.layout import shard_of, unshard_from
+from leanfa.distributed.layout import shard_of, unshard_from, varlen_runs, varlen_shard_indices
 from leanfa.distributed.ring import ALIGN, pack, unpack
 
 HEAD_DIMS = ((64, 64), (128, 128))
@@ -70,6 +70,17 @@ def test_chunks_and_shards():
     with pytest.raises(ValueError, match="rank 0's shard has 6 tokens along dim 1; the layout of 11 tokens over 2 "
                                          "ranks gives it 5"):
         unshard_from([torch.zeros(1, 6), torch.zeros(1, 5)])
+
+
+def test_varlen_shards_are_chunk_major_and_cover_every_token_once():
+    cu = [0, 5, 5, 16]  # lengths 5, 0, 11 over 2 ranks: chunks (2, 1, 1, 1), (), (3, 3, 3, 2)
+    assert varlen_shard_indices(cu, 2, 0).tolist() == [0, 1, 5, 6, 7, 4, 14, 15]  # first chunks, then second ones
+    assert varlen_shard_indices(cu, 2, 1).tolist() == [2, 8, 9, 10, 3, 11, 12, 13]
+    for world in (1, 2, 3, 4):
+        idx = [varlen_shard_indices(cu, world, r) for r in range(world)]
+        assert sorted(torch.cat(idx).tolist()) == list(range(16))  # every token on exactly one rank
+        halves = [varlen_runs(cu, world, r) for r in range(world)]
+        assert [sum(map(sum, h)) for h in halves] == [len(i) for i in idx]
 
 
 def test_causal_work_is_even_across_ranks():
@@ -149,8 +160,7 @@ def test_fp8_block_is_about_half_the_bytes_of_bf16():
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn((1, 256, 2, 64), generator=g).to(torch.bfloat16) for _ in range(3))
-    sizes = (128, 128)
-    bf16 = pack(_Shard16(q, k, v, sizes).payload())[0].numel()
-    fp8 = pack(_ShardFP8(q, k, v, sizes, k.float().mean(dim=1)).payload())[0].numel()
+    bf16 = pack(_Shard16(q, k, v, 256, 1, 0).payload())[0].numel()
+    fp8 = pack(_ShardFP8(q, k, v, 256, 1, 0, _ShardFP8.sums(k)).payload())[0].numel()
     assert bf16 == 2 * 256 * 2 * 64 * 2
     assert fp8 <= 0.52 * bf16, (fp8, bf16)  # FP8 K and V, plus their descales

@@ -98,19 +98,78 @@ def shard(x: torch.Tensor, group=None, dim: int = 1) -> torch.Tensor:
 def unshard(x: torch.Tensor, group=None, dim: int = 1) -> torch.Tensor:
     """The full tensor, on every rank, from each rank's shard ``x`` along ``dim`` (an all-gather; shards
     may differ in length by the layout's rule, other dims must agree)."""
-    import torch.distributed as dist
-
     rank, world = _group_info(group)
     if world == 1:
         return shard_of(x, 0, 1, dim)  # a copy, as on more ranks
+    return unshard_from(_all_gather_shards(x, group, dim), dim)
+
+
+def _all_gather_shards(x: torch.Tensor, group, dim: int) -> list[torch.Tensor]:
+    """Every rank's ``x`` (lengths along ``dim`` may differ, other dims must agree), on every rank."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
     lengths = [torch.zeros((), dtype=torch.int64, device=x.device) for _ in range(world)]
     dist.all_gather(lengths, torch.tensor(x.shape[dim], dtype=torch.int64, device=x.device), group=group)
     lengths = [int(n) for n in lengths]
-    longest = max(lengths)
     pad_shape = list(x.shape)
-    pad_shape[dim] = longest - x.shape[dim]
+    pad_shape[dim] = max(lengths) - x.shape[dim]
     padded = torch.cat([x, x.new_zeros(pad_shape)], dim=dim).contiguous()
     # as bytes: every backend moves uint8 (gloo has no float8, not every build has bfloat16)
     gathered = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather([g.view(-1).view(torch.uint8) for g in gathered], padded.view(-1).view(torch.uint8), group=group)
-    return unshard_from([g.narrow(dim, 0, n) for g, n in zip(gathered, lengths)], dim)
+    return [g.narrow(dim, 0, n) for g, n in zip(gathered, lengths)]
+
+
+# ----------------------------------------------------------------------------- packed (varlen) sequences
+#
+# Each sequence of a packed batch is cut into 2W chunks by the rule above and rank r holds chunks r and
+# 2W-1-r of every sequence. Its shard is *chunk-major*: the first chunks of all sequences (in sequence
+# order), then the second chunks of all sequences. Each half is then an ordinary packed batch with its
+# own ``cu_seqlens``, which is what the attention calls take.
+
+
+def _lengths(cu_seqlens) -> list[int]:
+    cu = [int(x) for x in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
+    if not cu or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seqlens must start at 0 and not decrease, got {cu}")
+    return [b - a for a, b in zip(cu, cu[1:])]
+
+
+def varlen_runs(cu_seqlens, world: int, rank: int) -> tuple[list[int], list[int]]:
+    """Per-sequence token counts of rank ``rank``'s two halves (its first and its second chunks)."""
+    a, b = rank_chunks(rank, world)
+    sizes = [chunk_sizes(n, world) for n in _lengths(cu_seqlens)]
+    return [s[a] for s in sizes], [s[b] for s in sizes]
+
+
+def varlen_shard_indices(cu_seqlens, world: int, rank: int, device=None) -> torch.Tensor:
+    """int64 indices, into the full packed batch, of rank ``rank``'s shard tokens, in shard order. Minus
+    ``cu_seqlens`` of each token's sequence they are the positions rotary embeddings need."""
+    cu = [int(x) for x in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
+    halves = ([], [])
+    for start, n in zip(cu, _lengths(cu)):
+        starts = chunk_starts(n, world)
+        for half, c in zip(halves, rank_chunks(rank, world)):
+            half.append(torch.arange(start + starts[c], start + starts[c + 1], device=device))
+    return torch.cat([*halves[0], *halves[1]]) if cu[-1] else torch.zeros(0, dtype=torch.int64, device=device)
+
+
+def shard_varlen(x: torch.Tensor, cu_seqlens, group=None, dim: int = 0) -> torch.Tensor:
+    """This rank's shard of a full packed batch ``x`` (sequences at ``cu_seqlens`` along ``dim``, 0 for a
+    ``(total, H, D)`` tensor; the same on every rank), in the chunk-major order above. No communication."""
+    rank, world = _group_info(group)
+    return x.index_select(dim, varlen_shard_indices(cu_seqlens, world, rank, x.device))
+
+
+def unshard_varlen(x: torch.Tensor, cu_seqlens, group=None, dim: int = 0) -> torch.Tensor:
+    """The full packed batch, on every rank, from each rank's shard ``x`` (an all-gather)."""
+    _, world = _group_info(group)
+    shards = _all_gather_shards(x, group, dim) if world > 1 else [x]
+    total = sum(s.shape[dim] for s in shards)
+    shape = list(x.shape)
+    shape[dim] = total
+    full = x.new_empty(shape)
+    for r, s in enumerate(shards):
+        full.index_copy_(dim, varlen_shard_indices(cu_seqlens, world, r, x.device), s)
+    return full
