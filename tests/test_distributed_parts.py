@@ -164,3 +164,25 @@ def test_fp8_block_is_about_half_the_bytes_of_bf16():
     fp8 = pack(_ShardFP8(q, k, v, 256, 1, 0, _ShardFP8.sums(k)).payload())[0].numel()
     assert bf16 == 2 * 256 * 2 * 64 * 2
     assert fp8 <= 0.52 * bf16, (fp8, bf16)  # FP8 K and V, plus their descales
+
+
+def test_validate_packed_batches():
+    def packed(tokens, cu, heads=2):
+        t = torch.empty((tokens, heads, 64), dtype=torch.bfloat16)
+        return describe(t, t, t, True, "fp8", None, "auto", None if cu is None else torch.tensor(cu, dtype=torch.int32))
+
+    cu = [0, 5, 5, 16]  # rank 0 holds 8 tokens, rank 1 holds 8 (test_varlen_shards_are_chunk_major...)
+    assert validate([packed(8, cu), packed(8, cu)], HEAD_DIMS) == 16
+    with pytest.raises(ValueError, match="ranks disagree on cu_seqlens"):
+        validate([packed(8, cu), packed(8, [0, 6, 6, 16])], HEAD_DIMS)
+    with pytest.raises(ValueError, match="cu_seqlens ends at 16 but the ranks hold 17 tokens"):
+        validate([packed(8, cu), packed(9, cu)], HEAD_DIMS)
+    assert validate([packed(9, [0, 5, 5, 17]), packed(8, [0, 5, 5, 17])], HEAD_DIMS) == 17
+    with pytest.raises(ValueError, match="rank 0 holds 8 tokens.*gives it 9"):
+        validate([packed(8, [0, 5, 5, 17]), packed(9, [0, 5, 5, 17])], HEAD_DIMS)
+    with pytest.raises(ValueError, match="cu_seqlens on rank 0 must be"):
+        validate([packed(8, [0, 5, 3, 16]), packed(8, [0, 5, 3, 16])], HEAD_DIMS)
+    with pytest.raises(ValueError, match=r"q on rank 1 must be \(tokens, heads, head_dim\)"):
+        bad = describe(torch.empty((1, 8, 2, 64), dtype=torch.bfloat16), None, None, True, "fp8", None, "auto",
+                       torch.tensor(cu, dtype=torch.int32))
+        validate([packed(8, cu), bad], HEAD_DIMS)
