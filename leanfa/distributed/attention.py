@@ -6,15 +6,17 @@ the block of rank ``r - s`` and, while it attends its two query chunks to that b
 sends the block on to rank ``r + 1`` and receives the next from rank ``r - 1``; after ``W`` steps it has
 seen every key. Each (query chunk ``a``, key chunk ``b``) pair is, under a causal mask, fully visible
 (``b < a``), diagonal (``b == a``: causal within, same length) or invisible (``b > a``: skipped); without
-the mask every pair is fully visible. Each pair is one ``leanfa.flash_attn_func`` call returning a
-float32 output and its LSE, merged exactly into the chunk's accumulator (:mod:`.merge`).
+the mask every pair is fully visible. Each pair is one ``leanfa.flash_attn_func`` call (for packed
+batches ``flash_attn_varlen_func``, a shard's half being a packed batch of its own) returning a float32
+output and its LSE, merged exactly into the chunk's accumulator (:mod:`.merge`).
 
 FP8 (``precision="fp8"``): the scheme of ``leanfa.attention(precision="fp8")`` — per-128-token Q/K
 scales, K smoothing, per-channel V scales — applied once per rank to its shard. K smoothing subtracts the
 mean of K over the *whole* sequence: one all-reduce of per-channel sums gives it, K is centred in
 float32 and quantized without further smoothing, and the mean goes to every call (``k_mean``) so the
-LSE is exact. The shard is quantized as two packed sequences (its chunks), so every chunk has its own
-scale blocks and V scales and a chunk is a plain slice with its own descales. K and V travel in FP8
+LSE is exact (packed batches: one mean per sequence). The shard is quantized as packed sequences, one
+per chunk (and sequence), so every chunk has its own scale blocks and V scales and a chunk is a plain
+slice with its own descales. K and V travel in FP8
 with their descales: half the bytes of BF16.
 """
 
