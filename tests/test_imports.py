@@ -176,7 +176,7 @@ LAYERS = (
     ("api", ("leanfa.api",)),
     ("analysis", ("leanfa.reference", "leanfa.accuracy_model")),
     ("front ends", ("leanfa", "leanfa.flash_attn_interface", "leanfa.compat", "leanfa.integrations", "leanfa.cli",
-                    "leanfa.bench")),
+                    "leanfa.bench", "leanfa.distributed")),
 )
 
 
