@@ -169,7 +169,7 @@ def _k_scale(k_scale_row, stride_ksblk, key, valid):
 
 @gluon.jit
 def _issue_pv(p_op, v, acc, alpha_o, TWO_LEVEL: gl.constexpr):
-    """Issue PV (async). Two-level (FP8): into a fresh fp32 tile that :func:`.softmax_ws.fold_pv` adds to O;
+    """Issue PV (async). Two-level (FP8): into a fresh fp32 tile that :func:`.softmax.fold_pv` adds to O;
     otherwise into O itself, rescaled first."""
     if TWO_LEVEL:
         pv_acc = warpgroup_mma(p_op, v, gl.zeros_like(acc), use_acc=False, is_async=True)
