@@ -33,14 +33,13 @@ Options measured not to pay were deleted (docs/perf-notes.md, "Deleted experimen
 
 from __future__ import annotations
 
-from .gluon_compat import fence_async_shared, gl, gluon, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from .gluon_compat import gl, gluon, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from .epilogue import kmean_lse_term, load_v_scale, stage_and_store, write_rows
 from .ablation import ABLATE_ONEWG, ablates
+from .epilogue import kmean_lse_term, load_v_scale, stage_and_store, write_rows
 from .layouts import a_operand_layout, p_operand, wgmma_layout
 from .masking import kv_block_range, mask_scores
-from .pipeline import (alloc_barriers, as_2d, invalidate_barriers, load_q, produce_kv, qk_async, release_slot, v_tile,
-                       wait_k)
+from .pipeline import alloc_barriers, invalidate_barriers, load_q, produce_kv, qk_async, release_slot, v_tile, wait_k
 from .schedule import program_tiles, round_tile, sequence_bounds, tile_coords
 from .sink import load_sink, sink_block
 from .softmax import finish_rows, fold_pv, online_softmax_step, row_totals, thread_row_sums

@@ -17,8 +17,6 @@ from __future__ import annotations
 from .ablation import ABLATE_EXP, ABLATE_MAX, ablates
 from .gluon_compat import gl, gluon
 
-LN2 = 0.6931471805599453
-
 
 @gluon.jit
 def thread_row_sums(p):
