@@ -30,8 +30,6 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 fi
 FA3_IMPLS='leanfa-hopper-fp8-kernel,leanfa-hopper-bf16,cudnn-fp8,cudnn-bf16,fa3-fp8,fa3-bf16'  # kernels vs peers
 WORKERS=${WORKERS:-8}
-WIDE="LEANFA_HOPPER_BLOCK_N=256 LEANFA_HOPPER_PV_IN_MMA=1 LEANFA_HOPPER_V_PERMUTED=1"  # the 64x256 FP8 experiment
-C3="LEANFA_HOPPER_CONSUMERS=3 LEANFA_HOPPER_BLOCK_N=64 LEANFA_HOPPER_PV_IN_MMA=1"  # a third consumer warpgroup
 
 step() {  # step NAME SECONDS TAIL_LINES CMD...
   local name=$1 secs=$2 tailn=$3; shift 3
@@ -61,10 +59,6 @@ run_steps() {
       pytest_long) step pytest_long 240 10 python3 -m pytest -q -p no:cacheprovider -rfEs \
                 tests/test_edge_cases.py -k "131k or 2_31" ;;
       hopper_configs) step hopper_configs 560 30 python3 scripts/hopper_configs_gpu.py ;;  # the default's check + timings
-      hopper_v3) step hopper_v3 560 60 python3 scripts/hopper_configs_gpu.py --check v3:small,v3,v3-nopp:small,v3-poly2:small \
-                --check-timeout 200 --time v3,v3-nopp,v3-poly1,v3-poly2,v3-poly4 ;;
-      hopper_v3_time) step hopper_v3_time 300 50 python3 scripts/hopper_configs_gpu.py --check "" \
-                --time v3,v3-pp,v3-pvmma,v3-poly1 ;;
       varlen) step varlen 300 20 python3 -m pytest -q -p no:cacheprovider -rfEs tests/test_hopper.py \
                 tests/test_attention.py -k varlen
                 step bench_varlen 240 24 python3 -m leanfa.cli bench --no-progress --sweep varlen \
@@ -73,16 +67,6 @@ run_steps() {
                 --time v3,v3-persist ;;  # one program per SM, heaviest tiles first
       persist_check) step persist_check 420 40 python3 scripts/hopper_configs_gpu.py --check v3-persist \
                 --check-timeout 300 --no-bench --sanitize ;;
-      vperm) step vperm 560 60 python3 scripts/hopper_configs_gpu.py --check v3-vperm:small,v3-wide:small --check-timeout 200 \
-                --time v3,v3-vperm,v3-pvmma,v3-vperm-pvmma,v3-wide ;;  # FP8 V keys permuted: P without the shuffle
-      vperm_check) step vperm_check 420 40 python3 scripts/hopper_configs_gpu.py --check v3-vperm \
-                --check-timeout 300 --no-bench --sanitize ;;
-      wide_check) step wide_check 420 40 python3 scripts/hopper_configs_gpu.py --check v3-wide \
-                --check-timeout 300 --no-bench --sanitize ;;  # 256-key FP8 blocks: the full case set
-      stalls_wide) step stalls_wide 240 120 env $WIDE python3 scripts/ncu_stalls.py --impl leanfa-hopper-fp8-kernel \
-                --out "$OUT/r/stalls_wide" ;;
-      vperm_time) step vperm_time 300 60 python3 scripts/hopper_configs_gpu.py --check "" \
-                --time v3,v3-vperm,v3-pvmma,v3-wide ;;  # timings only (the checks are vperm/wide_check)
       bench_d64) step bench_d64 200 16 python3 -m leanfa.cli bench --quick --no-progress --sweep standard \
                 --dims d64,d128,mla,d256 --seqlens 4k,16k --causal true --impl 'leanfa-hopper-*,cudnn-bf16,cudnn-fp8' \
                 --name bench-dims --out "$OUT/r/bench_dims" ;;  # the bench table, head dims 64 and 256 included
@@ -93,9 +77,6 @@ run_steps() {
                 --dims d256,d128 --seqlens 4k,16k --causal true \
                 --impl 'leanfa-hopper-fp8,leanfa-hopper-fp8-kernel,leanfa-hopper-bf16,leanfa-portable-fp8-kernel,leanfa-portable-bf16,cudnn-*,sdpa-*' \
                 --name bench-d256 --out "$OUT/r/bench_d256" ;;  # head dim 256 on Hopper against cuDNN
-      bench_d256_bn128) step bench_d256_bn128 150 12 env LEANFA_HOPPER_BLOCK_N=128 python3 -m leanfa.cli bench --quick \
-                --no-progress --sweep standard --dims d256 --seqlens 4k,16k --causal true \
-                --impl 'leanfa-hopper-fp8-kernel,cudnn-fp8' --name bench-d256-bn128 --out "$OUT/r/bench_d256_bn128" ;;
       d256_stages) for st in 2 3; do  # FP8 d256: the 2-slot ring against 3 slots (LEANFA_HOPPER_STAGES; BF16 fits 2 only)
                 step "d256_stages$st" 150 8 env LEANFA_HOPPER_STAGES=$st python3 -m leanfa.cli bench --quick --no-progress \
                   --sweep standard --dims d256 --seqlens 4k,16k --causal true --impl 'leanfa-hopper-fp8-kernel,cudnn-fp8' \
@@ -166,52 +147,16 @@ run_steps() {
                   --name "varlen-persist$p" --out "$OUT/r/varlen_persist$p"; done
                 step varlen_persist_check 300 12 env LEANFA_HOPPER_PERSISTENT=1 python3 -m pytest -q -p no:cacheprovider \
                   -rfEs -n "$WORKERS" -k varlen tests/test_hopper.py tests/test_flash_attn_compat.py tests/test_attention.py ;;
-      pvmma_time) for r in 1 2; do  # FP8 PV in the wgmma accumulator against the default, two samples in one run
-                step "pvmma_time$r" 200 30 python3 scripts/hopper_configs_gpu.py --check "" --time v3,v3-pvmma-default; done ;;
       varlen_v_time) step varlen_v_time 200 40 python3 scripts/varlen_v_time.py ;;  # the FP8 varlen V re-pack per tile
       host_time) step host_time 200 20 python3 scripts/host_time.py --profile --shapes 16x1024,4x4096,1x16384 ;;  # CPU time per call vs GPU time
       quant_time) step quant_time 200 40 python3 scripts/quant_time.py ;;  # FP8 end-to-end: quantizer kernels, GB/s
       ablate) step ablate 300 60 python3 scripts/hopper_configs_gpu.py --check "" \
                 --time v3,v3-noexp,v3-nomax,v3-nosoftmax,v3-onewg ;;  # what the softmax parts cost; one warpgroup alone
-      c3) step c3 560 60 python3 scripts/hopper_configs_gpu.py --check v3-c3:small --check-timeout 200 \
-                --time v3,v3-pvmma,v3-bn64,v3-bn64-pvmma,v3-c3 ;;  # a third consumer warpgroup: small check + timings
-      c3_time) step c3_time 300 60 python3 scripts/hopper_configs_gpu.py --check "" \
-                --time v3,v3-bn64-pvmma,v3-c3 ;;  # timings only (c3_check passed in run 29)
-      c3_bn128) step c3_bn128 300 60 python3 scripts/hopper_configs_gpu.py --check "" \
-                --time v3,v3-c3,v3-c3-bn128 ;;  # FP8 three warpgroups at 128-key blocks (wgmmas serialized)
-      c3_check) step c3_check 420 40 python3 scripts/hopper_configs_gpu.py --check v3-c3 \
-                --check-timeout 300 --no-bench --sanitize ;;  # the full case set + sanitizers
-      stalls_c3) step stalls_c3 240 60 env $C3 python3 scripts/ncu_stalls.py --impl leanfa-hopper-fp8-kernel \
-                --out "$OUT/r/stalls_c3" ;;
-      bench_c3) step bench_c3 200 16 env $C3 python3 -m leanfa.cli bench --quick --no-progress --sweep standard \
-                --dims d64,d128,mla --seqlens 4k,16k \
-                --causal true --impl 'leanfa-hopper-*,cudnn-bf16,cudnn-fp8' --name bench-c3 --out "$OUT/r/bench_c3" ;;
-      accuracy_c3) step accuracy_c3 150 40 env $C3 python3 -m leanfa.cli accuracy --out "$OUT/r/accuracy_c3" ;;
-      fuzz_c3) step fuzz_c3 190 14 env $C3 python3 scripts/gpu_fuzz_campaign.py --seconds 150 --seed 4 \
-                --workers "$WORKERS" ;;
-      pytest_c3) step pytest_c3 300 12 env $C3 python3 -m pytest -q -p no:cacheprovider -rfEs -n "$WORKERS" \
-                tests/test_hopper.py ;;  # the GPU suite (varlen, GQA, LSE, K-mean) with three consumer warpgroups
       stalls_ablate) step stalls_ablate 240 60 env LEANFA_HOPPER_ABLATE=exp,max python3 scripts/ncu_stalls.py \
                 --impl leanfa-hopper-fp8-kernel --out "$OUT/r/stalls_ablate" ;;  # where it waits without the softmax math
-      accuracy_wide) step accuracy_wide 150 40 env $WIDE python3 -m leanfa.cli accuracy --out "$OUT/r/accuracy_wide" ;;
-      bench_wide) step bench_wide 200 12 env $WIDE python3 -m leanfa.cli bench --quick --no-progress \
-                --sweep standard --seqlens 4k,16k --causal true --impl 'leanfa-hopper-*,cudnn-bf16,cudnn-fp8' \
-                --name bench-wide --out "$OUT/r/bench_wide" ;;
-      pytest_wide) step pytest_wide 300 12 env $WIDE python3 -m pytest -q -p no:cacheprovider -rfEs -n "$WORKERS" \
-                tests/test_hopper.py ;;  # the GPU suite (varlen, GQA, LSE, K-mean) with 256-key FP8 blocks
       bench_persist) step bench_persist 200 12 env LEANFA_HOPPER_PERSISTENT=1 python3 -m leanfa.cli bench --quick \
                 --no-progress --sweep standard --seqlens 4k,16k --causal true \
                 --impl 'leanfa-hopper-*,cudnn-bf16,cudnn-fp8' --name bench-persist --out "$OUT/r/bench_persist" ;;
-      accuracy_pvmma) step accuracy_pvmma 150 40 env LEANFA_HOPPER_PV_IN_MMA=1 python3 -m leanfa.cli accuracy \
-                --out "$OUT/r/accuracy_pvmma" ;;  # the accuracy cost of FP8 PV in the wgmma accumulator
-      accuracy_long) for pv in 0 1; do  # the same question at S = 8K, where in-MMA accumulation runs longest
-                step accuracy_long_pvmma$pv 150 12 env LEANFA_HOPPER_PV_IN_MMA=$pv python3 -m leanfa.cli accuracy \
-                --seqlen 8192 --impl leanfa-hopper-fp8,cudnn-fp8 --profiles gaussian,llama3-8b,qwen2.5-7b,deepseek-v3-mla \
-                --no-plots --out "$OUT/r/accuracy_long_pvmma$pv"; done ;;
-      accuracy_32k) for pv in 0 1; do  # FP8 PV in the wgmma accumulator at S = 32K: 256 blocks in it
-                step accuracy_32k_pvmma$pv 200 12 env LEANFA_HOPPER_PV_IN_MMA=$pv \
-                python3 -m leanfa.cli accuracy --seqlen 32768 --impl leanfa-hopper-fp8,cudnn-fp8 \
-                --profiles gaussian,llama3-8b,deepseek-v3-mla --no-plots --out "$OUT/r/accuracy_32k_pvmma$pv"; done ;;
       d256_check) step d256_check 420 40 env LEANFA_CHECK_DIMS=256/256 python3 scripts/hopper_configs_gpu.py --check v3 \
                 --check-timeout 240 --no-bench --sanitize ;;  # head dim 256: its grid + varlen, sanitizers
       hopper_v3_check) step hopper_v3_check 420 40 python3 scripts/hopper_configs_gpu.py --check v3 --check-timeout 300 \

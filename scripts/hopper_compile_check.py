@@ -40,13 +40,10 @@ def variants():
     out.append(Variant("bf16", 128, 128, True, v_kmajor=True))
     out.append(Variant("fp8", 192, 128, True, return_lse=True, out_dtype=torch.float32))
     # the default knobs above; below varlen, the other head dims, the sink and the measured options
-    out.append(Variant("fp8", 128, 128, True,  # 256-key blocks
-                       env=(("LEANFA_HOPPER_BLOCK_N", 256), ("LEANFA_HOPPER_PV_IN_MMA", 1), ("LEANFA_HOPPER_V_PERMUTED", 1))))
     for dtype, causal in (("fp8", True), ("fp8", False), ("bf16", True), ("bf16", False)):  # head dim 64
         out.append(Variant(dtype, 64, 64, causal))
     for dtype, causal in (("fp8", True), ("fp8", False), ("bf16", True), ("bf16", False)):  # head dim 256
         out.append(Variant(dtype, 256, 256, causal, return_lse=causal))
-    out.append(Variant("fp8", 256, 256, True, env=(("LEANFA_HOPPER_BLOCK_N", 64),)))
     out.append(Variant("fp8", 256, 256, True, return_lse=True, k_mean=True))
     out.append(Variant("fp8", 256, 256, True, varlen=True))
     for d, causal, lse, varlen in ((128, True, True, False), (128, False, False, False), (128, True, False, True),
@@ -58,15 +55,7 @@ def variants():
     out.append(Variant("fp8", 192, 128, False, varlen=True))
     for dtype in ("fp8", "bf16"):  # the clock trace (scripts/hopper_trace.py)
         out.append(Variant(dtype, 128, 128, True, env=(("LEANFA_HOPPER_TRACE", 1),)))
-    for knob in ("PV_IN_MMA", "PINGPONG", "PERSISTENT", "V_PERMUTED"):
-        out.append(Variant("fp8", 128, 128, True, env=((f"LEANFA_HOPPER_{knob}", 1),)))
-    three = (("LEANFA_HOPPER_CONSUMERS", 3), ("LEANFA_HOPPER_BLOCK_N", 64))  # 160 registers per consumer
-    for dtype, dqk in (("fp8", 128), ("fp8", 192), ("bf16", 128), ("bf16", 192)):
-        pv = (("LEANFA_HOPPER_PV_IN_MMA", 1),) if dtype == "fp8" else ()  # two-level FP8 PV spills at 160
-        out.append(Variant(dtype, dqk, 128, True, env=three + pv))
-    out.append(Variant("fp8", 64, 64, False, env=three + (("LEANFA_HOPPER_PV_IN_MMA", 1),)))
-    for dtype in ("fp8", "bf16"):  # the 64-key blocks alone, with two warpgroups
-        out.append(Variant(dtype, 128, 128, True, env=(("LEANFA_HOPPER_BLOCK_N", 64),)))
+    out.append(Variant("fp8", 128, 128, True, env=(("LEANFA_HOPPER_PERSISTENT", 1),)))
     tma_store = (("LEANFA_HOPPER_STORE_TMA", 1),)  # FP8 output through shared memory and TMA (epilogue.py)
     for dqk, dv, causal, lse in ((128, 128, True, False), (128, 128, False, True), (192, 128, True, True),
                                  (64, 64, True, False)):
@@ -92,10 +81,9 @@ def spill_budget(v: Variant) -> int:
                                           # 116-132 B with the LSE's K-mean term (epilogue)
     env = dict(v.env)
     persistent = env.get("LEANFA_HOPPER_PERSISTENT")
-    if persistent is None:  # the default (launch.persistent_default), unless an experiment's knob is set
-        persistent = not any(env.get(f"LEANFA_HOPPER_{k}") for k in ("PINGPONG", "BLOCK_N", "CONSUMERS")) and \
-            L.persistent_default(v.dtype == "fp8", v.varlen, int(v.sink), v.dv, False,
-                                 has_kmean=v.k_mean and v.return_lse, dqk=v.dqk)
+    if persistent is None:  # the default (launch.persistent_default)
+        persistent = L.persistent_default(v.dtype == "fp8", v.varlen, int(v.sink), v.dv,
+                                          has_kmean=v.k_mean and v.return_lse, dqk=v.dqk)
     return 400 if persistent else 64
 
 

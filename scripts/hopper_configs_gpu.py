@@ -2,7 +2,7 @@
 """One-shot H200 check of the Hopper kernel (kernel_pingpong.py) under knob configurations (:data:`CONFIGS`).
 
     python scripts/hopper_configs_gpu.py              # correctness of the default (v3) on all cases + timings
-    python scripts/hopper_configs_gpu.py --check v3,v3-poly2:small --time v3,v3-poly2   # any configs below
+    python scripts/hopper_configs_gpu.py --check v3,v3-grid:small --time v3,v3-grid   # any configs below
     python scripts/hopper_configs_gpu.py --sanitize   # ... then compute-sanitizer racecheck + synccheck on small shapes
     python scripts/hopper_configs_gpu.py --no-bench   # correctness only
 
@@ -35,43 +35,22 @@ sys.path.insert(0, HERE)
 
 CONFIGS = {  # name -> env
     "v3": {},  # the default
-    "v3-pp": {"LEANFA_HOPPER_PINGPONG": "1"},
-    "v3-nopp": {"LEANFA_HOPPER_PINGPONG": "0"},
-    "v3-pvmma": {"LEANFA_HOPPER_PV_IN_MMA": "1"},
-    **{f"v3-poly{n}": {"LEANFA_HOPPER_POLY": str(n)} for n in (1, 2, 3, 4, 8)},
     # since the tenth session dense FP8 defaults to the persistent grid with the TMA-store epilogue
     # (launch.persistent_default): the configs below pin both knobs, so each keeps the meaning it was measured with
     "v3-grid": {"LEANFA_HOPPER_PERSISTENT": "0", "LEANFA_HOPPER_STORE_TMA": "0"},
     "v3-persist": {"LEANFA_HOPPER_PERSISTENT": "1", "LEANFA_HOPPER_STORE_TMA": "0"},
-    "v3-persist-pvmma": {"LEANFA_HOPPER_PERSISTENT": "1", "LEANFA_HOPPER_PV_IN_MMA": "1",
-                         "LEANFA_HOPPER_STORE_TMA": "0"},
     # FP8 output through shared memory and one TMA store per warpgroup (epilogue.stage_and_store)
     "v3-tma": {"LEANFA_HOPPER_STORE_TMA": "1", "LEANFA_HOPPER_PERSISTENT": "0"},
     "v3-tma-persist": {"LEANFA_HOPPER_STORE_TMA": "1", "LEANFA_HOPPER_PERSISTENT": "1"},
-    # FP8: the softmax of block j + 1 under PV_j, P through shared memory (an experiment: 3-4% slower, run 53)
-    "v3-pvmma-default": {"LEANFA_HOPPER_PV_IN_MMA": "1"},
     # ... and BF16 through it too (=2: d64 as well; BF16 128/128 takes it by default since runs 53-54)
     "v3-tma2": {"LEANFA_HOPPER_STORE_TMA": "2", "LEANFA_HOPPER_PERSISTENT": "0"},
     "v3-tma2-persist": {"LEANFA_HOPPER_STORE_TMA": "2", "LEANFA_HOPPER_PERSISTENT": "1"},
-    # 64x256 S tile per warpgroup (cuDNN's FP8 shape): PV in the wgmma accumulator, permuted V
-    "v3-wide": {"LEANFA_HOPPER_BLOCK_N": "256", "LEANFA_HOPPER_PV_IN_MMA": "1",
-                "LEANFA_HOPPER_V_PERMUTED": "1"},
-    "v3-vperm": {"LEANFA_HOPPER_V_PERMUTED": "1"},  # FP8: P without the shuffle
     # timing ablations (LEANFA_HOPPER_ABLATE, wrong answers: never --check them): what each softmax part costs
     "v3-noexp": {"LEANFA_HOPPER_ABLATE": "exp"},
     "v3-nomax": {"LEANFA_HOPPER_ABLATE": "max"},
     "v3-nosoftmax": {"LEANFA_HOPPER_ABLATE": "exp,max"},
     # half the work (warpgroup 1 idle): its time over v3's = one warpgroup's block period alone / with two
     "v3-onewg": {"LEANFA_HOPPER_ABLATE": "onewg"},
-    "v3-vperm-pvmma": {"LEANFA_HOPPER_V_PERMUTED": "1", "LEANFA_HOPPER_PV_IN_MMA": "1"},
-    # a third consumer warpgroup (192-row tiles): 160 registers each, so 64-key blocks and FP8 PV in
-    # the wgmma accumulator; the 64-key blocks alone (two warpgroups) separate the two changes
-    "v3-c3": {"LEANFA_HOPPER_CONSUMERS": "3", "LEANFA_HOPPER_BLOCK_N": "64",
-              "LEANFA_HOPPER_PV_IN_MMA": "1"},
-    # FP8: three warpgroups at 128-key blocks (ptxas serializes the wgmmas at 160 registers, C7512)
-    "v3-c3-bn128": {"LEANFA_HOPPER_CONSUMERS": "3", "LEANFA_HOPPER_PV_IN_MMA": "1"},
-    "v3-bn64": {"LEANFA_HOPPER_BLOCK_N": "64"},
-    "v3-bn64-pvmma": {"LEANFA_HOPPER_BLOCK_N": "64", "LEANFA_HOPPER_PV_IN_MMA": "1"},
 }
 
 
@@ -205,9 +184,8 @@ def timings(cfgs):
                 _set_env(cfg)
                 # the kernel alone: plan (and any copy of V) made once, outside the timing
                 timed(f"{cfg}-fp8k", kernel_only(q8, k8, v8, scale, kw))
-                if "poly" not in cfg:  # POLY only changes the FP8 kernel
-                    timed(f"{cfg}-bf16", lambda: leanfa.flash_attn_func(q, k, v, softmax_scale=scale, causal=True,
-                                                                        backend="hopper"))
+                timed(f"{cfg}-bf16", lambda: leanfa.flash_attn_func(q, k, v, softmax_scale=scale, causal=True,
+                                                                    backend="hopper"))
                 timed(f"{cfg}-fp8", lambda: leanfa.flash_attn_func(q8, k8, v8, softmax_scale=scale, causal=True,
                                                                    backend="hopper", **kw))
             _set_env("v3")

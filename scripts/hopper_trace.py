@@ -40,7 +40,6 @@ CASES = {
     "fp8-d128-4k": ("fp8", 4096, 128, 128, {}),
     "fp8-d128-16k-onewg": ("fp8", 16384, 128, 128, {"LEANFA_HOPPER_ABLATE": "onewg"}),
     "fp8-d128-16k-nosoftmax": ("fp8", 16384, 128, 128, {"LEANFA_HOPPER_ABLATE": "exp,max"}),
-    "fp8-d128-16k-pingpong": ("fp8", 16384, 128, 128, {"LEANFA_HOPPER_PINGPONG": "1"}),
     # one program per SM walking the tiles (off: 0-15% slower, runs 16-17): where does a tile's time go?
     "fp8-d128-4k-persist": ("fp8", 4096, 128, 128, {"LEANFA_HOPPER_PERSISTENT": "1", "LEANFA_HOPPER_STORE_TMA": "0"}),
     "fp8-d128-16k-persist": ("fp8", 16384, 128, 128, {"LEANFA_HOPPER_PERSISTENT": "1", "LEANFA_HOPPER_STORE_TMA": "0"}),

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Kernel-alone timing of Hopper kernel configurations against FA3 and cuDNN in the same process (H200).
 
-    python scripts/kernel_variants.py --configs v3,v3-pvmma [--shapes d128-16k,mla-16k] [--rounds 2] [--bf16]
+    python scripts/kernel_variants.py --configs v3,v3-grid [--shapes d128-16k,mla-16k] [--rounds 2] [--bf16]
 
 Every shape builds BF16 inputs once (``hopper_gpu_check.make_qkv``, random normal), quantizes them the way each
 implementation takes them (leanfa's ``quantize_fp8``; FA3 one scale per (sequence, KV head); cuDNN per tensor), and

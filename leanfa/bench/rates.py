@@ -11,12 +11,7 @@ of one inline-PTX block over its 8 registers: 8 independent dependency chains pe
 with the time from CUDA events (median of several calls) and the SM clock from NVML sampled
 during those calls (under the power cap it is below the boost clock). Rows:
 
-* ``ex2`` (MUFU.EX2, what ``gl.exp2`` emits), ``ffma``, ``fmnmx``;
-* ``exp2 poly`` -- the polynomial exp2 of :mod:`leanfa.kernels.hopper.exp2` alone;
-* ``exp2 mixed k/8`` -- ``k`` of every 8 exponentials by the polynomial, the rest on MUFU: the
-  best ``k`` balances the two pipes for exponentials alone. Inside the attention kernel the FMA
-  pipe also does the softmax FFMAs, row sums and the FP8 accumulation, so the kernel's best
-  ``POLY`` is at or below this one (measured separately, docs/perf-notes.md).
+* ``ex2`` (MUFU.EX2, what ``gl.exp2`` emits), ``ffma``, ``fmnmx``.
 
 The values are data-independent (the chains overflow to inf quickly; no instruction here has a
 data-dependent latency), so the inputs need no care.
@@ -31,9 +26,8 @@ import sys
 import triton
 import triton.language as tl
 
-# chains per thread = elements per mixed-exp2 PTX block, and that block's operand constraints
-from ..kernels.hopper.exp2 import MIXED_EXP2_CONSTRAINTS as CONSTRAINTS
-from ..kernels.hopper.exp2 import MIXED_EXP2_PTX, PACK
+PACK = 8  # chains per thread: registers per inline-PTX block
+CONSTRAINTS = ",".join(["=f"] * PACK + ["f"] * PACK)  # the block's operand constraints
 
 REPEAT = 4  # dependent instructions per chain per iteration
 THREADS = 1024
@@ -47,16 +41,6 @@ def _chain(op: str) -> str:
         body.append(op.format(d=d, s=s))
         body += [op.format(d=d, s=d)] * (REPEAT - 1)
     return "{ " + " ".join(body) + " }"
-
-
-def _mixed(poly: int) -> str:
-    """``REPEAT`` chained mixed-exp2 blocks (each reads $8..$15 and writes $0..$7; the repeats
-    read the outputs back)."""
-    one = MIXED_EXP2_PTX[poly]
-    again = one
-    for i in range(PACK):  # operands are followed by "," or ";" in the PTX
-        again = again.replace(f"${i + PACK},", f"${i},").replace(f"${i + PACK};", f"${i};")
-    return "{ " + " ".join([one] + [again] * (REPEAT - 1)) + " }"
 
 
 MIXES = {
@@ -100,12 +84,9 @@ def measure(asm: str, *, iters: int = 2048, ctas_per_sm: int = 16, device_index:
     return {"ms": t.median_ms, "sm_clock_mhz": clk, "per_clk_per_sm": per_clk}
 
 
-def table(polys=(0, 1, 2, 3, 4, 8)) -> list[dict]:
+def table() -> list[dict]:
     rows = []
-    mixes = dict(MIXES)
-    for k in polys:
-        mixes[f"exp2 mixed {k}/8" if k < PACK else "exp2 poly (8/8)"] = _mixed(k)
-    for name, asm in mixes.items():
+    for name, asm in MIXES.items():
         r = measure(asm)
         rows.append({"mix": name, **r})
         print(f"{name:22s} {r['per_clk_per_sm']:7.2f} results/clk/SM   {r['ms']:8.3f} ms   "

@@ -2,11 +2,11 @@
 
 One concern per module: :mod:`.layouts` (register/shared layouts), :mod:`.pipeline` (TMA +
 mbarrier K/V ring), :mod:`.schedule` (which query tiles a program computes), :mod:`.masking`
-(which key blocks a tile visits, diagonal/tail masks), :mod:`.softmax` / :mod:`.softmax_ws`
-(Lean-P online softmax), :mod:`.exp2` (exp2 split between MUFU and an FMA-pipe polynomial),
+(which key blocks a tile visits, diagonal/tail masks), :mod:`.softmax`
+(Lean-P online softmax), :mod:`.ablation` (timing ablations),
 :mod:`.epilogue` (output rows: register stores, or for dense calls a shared-memory box and one TMA
 store per warpgroup; the LSE's K-mean term), :mod:`.sink` (BF16 sink keys),
-:mod:`.trace` (SM-clock trace of the key loop); the kernel :mod:`.kernel_pingpong` (v3: a producer
+:mod:`.trace` (SM-clock trace of the key loop); the kernel :mod:`.kernel_pingpong` (a producer
 warp and two consumer warpgroups in their own partitions); :mod:`.launch`
 (host: descriptors, knobs, launch), :mod:`.plan_cache` (a dense call's plan kept per call signature, and
 the compiled kernel launched directly on later calls), :mod:`.aot` (compile for sm90 without a GPU) and

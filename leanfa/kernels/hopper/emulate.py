@@ -736,8 +736,6 @@ gl_fake = types.SimpleNamespace(
     min=lambda x, axis=None, **k: torch.amin(x, dim=axis),
     sum=lambda x, axis=None, **k: torch.sum(x, dim=axis),
     convert_layout=lambda x, layout=None, **k: x,
-    split=lambda x: (x[..., 0], x[..., 1]),
-    join=lambda a, b: torch.stack(torch.broadcast_tensors(_t(a), _t(b)), -1),
     load=_load, store=_store,
     thread_barrier=_thread_barrier,
     warp_specialize=_warp_specialize,

@@ -1,8 +1,7 @@
-"""The Hopper (sm90) attention forward kernel, v3 (the default): a TMA producer warp and two
-consumer warpgroups, each in its own partition (``LEANFA_HOPPER_KERNEL=v3``).
+"""The Hopper (sm90) attention forward kernel: a TMA producer warp and two consumer warpgroups,
+each in its own partition.
 
-Same tiles, masks and Lean-P math as :mod:`.kernel` (v1) and :mod:`.kernel_ws` (v2). The CTA
-tile is 128 query rows of one head of one sequence (dense, or packed varlen through
+The CTA tile is 128 query rows of one head of one sequence (dense, or packed varlen through
 ``cu_seqlens``); a program computes one tile, or -- ``PERSISTENT``, the default for dense FP8 at head
 dim <= 128 (:func:`.launch.persistent_default`; with the TMA-store epilogue, ``STORE_TMA``, 1.38x the
 one-tile grid at S = 1K, run 48) -- one per round of a tile walk (:mod:`.schedule`). The partitions are:
@@ -13,35 +12,15 @@ one-tile grid at S = 1K, run 48) -- one per round of a tile walk (:mod:`.schedul
   tiles) is refilled after ``empty[g % STAGES]`` saw both consumers release ``g - STAGES``.
 * **two consumers** (4 warps each, 240 registers): warpgroup ``w`` owns query rows
   ``[64 w, 64 w + 64)`` and runs the whole key loop on its own -- nothing couples the two but
-  the K/V ring (and the optional *turn* barriers below). In v2 the two warpgroups shared one
-  partition and a barrier per block, so both ran their softmax at the same time and the tensor
-  cores idled. Left alone, the two partitions drift out of step and overlap each other's
-  softmax with wgmmas: v3 is 1.11-1.24x v1 on the H200 (docs/perf-notes.md, run 10).
+  the K/V ring. Left alone, the two partitions drift out of step and overlap each other's softmax
+  with wgmmas (docs/perf-notes.md, run 10).
 
-Ping-pong (``PINGPONG``, off by default: 1-3% slower in FP8, run 10): a warpgroup issues its wgmmas in *batches* -- ``[PV_j, QK_{j+1}]`` after
-the softmax of block ``j`` -- and a batch waits for the other warpgroup's previous batch to be
-issued (``turn[w]``). The tensor pipe executes in issue order, so while one warpgroup computes
-exponentials the other's two wgmmas run: per 128x128 FP8 block the matrix work of one
-warpgroup (~512 clocks) hides the softmax of the other (~512 MUFU clocks, less with ``POLY``).
-Batch ``k`` of warpgroup 0 waits ``turn[0]`` phase ``(k - 1) & 1`` (batch 0 goes first); batch
-``k`` of warpgroup 1 waits ``turn[1]`` phase ``k & 1``; each signals the other after issuing.
-Both warpgroups run the same number of batches (the CTA's key-block range), so the alternation
-never deadlocks.
-
-``POLY`` (FP8): of every 8 exponentials, ``POLY`` run as a polynomial on the FMA pipe
-(:mod:`.exp2`). FP8 PV keeps the two-level accumulation (a fresh fp32 tile per block, folded
-in by one FFMA), so no block's products sit in the FP8 wgmma accumulator for long.
-``PV_IN_MMA`` (experiment, off): FP8 PV accumulates in the wgmma accumulator across all blocks,
-like BF16 (``acc * alpha`` fed back in) -- 64 registers fewer per thread (the room a wider S
-tile needs); run 13: the FP8 error is unchanged to 3 digits up to S = 8K, speed +0-3.5%.
-
-Experiments, off (run 24, kernel alone: +1-3% each, not worth a permuted-V format): ``V_KMAJOR == PERMUTED_KEYS`` (``LEANFA_HOPPER_V_PERMUTED``: V's keys
-permuted so that P needs no layout shuffle, :mod:`.layouts`) and 256-key blocks
-(``LEANFA_HOPPER_BLOCK_N=256``, FP8 with ``PV_IN_MMA``: a 64x256 S tile per warpgroup, each half
-with its own K scale; PV_j is retired before QK_{j+1} is issued, or ptxas serializes every wgmma).
-Three consumer warpgroups (``CONSUMER_WGS = 3``, ``LEANFA_HOPPER_CONSUMERS=3``; runs 29-31): a
-192-row tile and a third independent chain per SM, at 160 registers each (64-key blocks, or FP8
-at 128 with its wgmmas serialized) -- correct (130/130 on the H200), 0.95-1.04x v3.
+Per key block a consumer computes the Lean-P softmax (:mod:`.softmax`: one FFMA and one MUFU
+exponential per score) and issues ``[PV_j, QK_{j+1}]`` together. FP8 PV keeps the two-level
+accumulation (a fresh fp32 tile per block, folded into O by one FFMA), so no block's products sit in
+the FP8 wgmma accumulator for long; at head dim 256 (:func:`.launch.wide_head`) O alone takes 128
+registers, so FP8 PV accumulates in O itself (``PV_IN_MMA``, ``acc * alpha`` fed back in) and BF16
+runs 64-key blocks. ``ABLATE`` (:mod:`.ablation`) leaves parts out to time them (wrong results).
 
 The key loop runs blocks ``[0, n_end - 1)`` with the next block's S issued alongside their PV and
 the last block peeled off (:func:`_consumer_block`), so that every loop value has one definition
@@ -49,34 +28,36 @@ per iteration (a conditional QK made ptxas copy S's 64 registers at every block)
 j + 1 under PV_j (FA3's intra-warpgroup overlap) was built four times and measured slower every time
 (runs 14, 20, 53-54, 66; docs/perf-notes.md): the last build carried P in fp32 across the back edge, but
 ptxas reuses P_j's registers (PV_j's A operand) for the next softmax and so retires PV_j before it.
+Options measured not to pay were deleted (docs/perf-notes.md, "Deleted experiments").
 """
 
 from __future__ import annotations
 
-from .gluon_compat import fence_async_shared, gl, gluon, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from .gluon_compat import gl, gluon, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
+from .ablation import ABLATE_ONEWG, ablates
 from .epilogue import kmean_lse_term, load_v_scale, stage_and_store, write_rows
-from .exp2 import ABLATE_ONEWG, ablates
-from .layouts import PERMUTED_KEYS, a_operand_layout, p_operand, wgmma_layout
+from .layouts import a_operand_layout, p_operand, wgmma_layout
 from .masking import kv_block_range, mask_scores
-from .pipeline import (alloc_barriers, as_2d, invalidate_barriers, load_q, produce_kv, qk_async, release_slot, v_tile,
-                       wait_k)
+from .pipeline import alloc_barriers, invalidate_barriers, load_q, produce_kv, qk_async, release_slot, v_tile, wait_k
 from .schedule import program_tiles, round_tile, sequence_bounds, tile_coords
 from .sink import load_sink, sink_block
-from .softmax import finish_rows
-from .softmax_ws import fold_pv, online_softmax_step_halves, online_softmax_step_lazy, row_totals, thread_row_sums
+from .softmax import finish_rows, fold_pv, online_softmax_step, row_totals, thread_row_sums
 from .trace import record_clock, record_clock_rows, record_smid, trace_row
 
 SCALE_BLOCK = gl.constexpr(128)  # tokens per Q/K scale block (leanfa.scales.SCALE_BLOCK)
 WG_WARPS = gl.constexpr(4)  # warps per consumer warpgroup
 WG_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M)
+WGS = gl.constexpr(2)  # consumer warpgroups: a tile is WGS x 64 query rows
+CONSUMER_REGS = gl.constexpr(240)  # registers per consumer thread (setmaxnreg) ...
+PRODUCER_REGS = gl.constexpr(24)  # ... and per producer thread: 2 x 4 x 240 + 24 <= 3 x 4 x 168 at launch
 
 
 # ----------------------------------------------------------------------------- tiles
 
 @gluon.jit
 def _tile(t, num_bh, num_heads, group_size, num_m_tiles, num_tiles, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k,
-          BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr, WGS: gl.constexpr):
+          BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr):
     """Everything about tile ``t`` (``WGS`` x 64 query rows) every partition needs: ``(b, h, hkv, m_start, tma_b, q_start,
     k_start, seqlen_q, seqlen_k, n_full, n_end)``. A ``t`` past the last tile (a persistent
     program's last round may have none) reads as the last tile with no rows and no key blocks."""
@@ -103,7 +84,7 @@ def _fp8_blocks(n_end, SINK: gl.constexpr):
 
 @gluon.jit
 def _producer(args, cu_seqlens_v, sink_t, CAUSAL: gl.constexpr, V_KMAJOR: gl.constexpr, VARLEN: gl.constexpr,
-              WGS: gl.constexpr, CONSUMERS: gl.constexpr, SINK: gl.constexpr):
+              CONSUMERS: gl.constexpr, SINK: gl.constexpr):
     """Per tile: the ``WGS`` 64-row Q boxes (after the consumers released the previous tile's), then
     the tile's key blocks through the ring; ``ring`` counts key blocks over all of this program's
     tiles. ``CONSUMERS`` is ``WGS`` (1 only in the ``onewg`` timing ablation: no Q box for the idle
@@ -121,7 +102,7 @@ def _producer(args, cu_seqlens_v, sink_t, CAUSAL: gl.constexpr, V_KMAJOR: gl.con
         t = round_tile(r, first_tile, tile_step)
         b, h, hkv, m_start, tma_b, q_start, k_start, sq, sk, n_full, n_end = _tile(
             t, num_bh, num_heads, group_size, num_m_tiles, num_tiles, seqlen_q, seqlen_k, cu_seqlens_q,
-            cu_seqlens_k, k_desc.block_type.shape[2], CAUSAL, VARLEN, WGS)
+            cu_seqlens_k, k_desc.block_type.shape[2], CAUSAL, VARLEN)
         if n_end > 0:
             if qi > 0:
                 mbarrier.wait(q_empty.index(0), (qi - 1) & 1)
@@ -155,24 +136,6 @@ def _producer(args, cu_seqlens_v, sink_t, CAUSAL: gl.constexpr, V_KMAJOR: gl.con
 # ----------------------------------------------------------------------------- consumer pieces
 
 @gluon.jit
-def _wait_turn(turn_bars, batch, W: gl.constexpr, PINGPONG: gl.constexpr):
-    """Block until warpgroup ``W`` may issue its wgmma batch number ``batch``."""
-    if PINGPONG:
-        if W == 0:
-            if batch > 0:
-                mbarrier.wait(turn_bars.index(0), (batch - 1) & 1)
-        else:
-            mbarrier.wait(turn_bars.index(1), batch & 1)
-
-
-@gluon.jit
-def _pass_turn(turn_bars, W: gl.constexpr, PINGPONG: gl.constexpr):
-    """The batch is issued: the other warpgroup may issue its next one."""
-    if PINGPONG:
-        mbarrier.arrive(turn_bars.index(1 - W), count=1)
-
-
-@gluon.jit
 def _issue_qk(q_smem, k_bufs, k_bars, j, s_zero, W: gl.constexpr, QK_CHUNKS: gl.constexpr):
     """Wait for key block ``j`` and issue S = Q_W K_j^T (async)."""
     STAGES: gl.constexpr = k_bufs.shape[0] // QK_CHUNKS
@@ -180,23 +143,19 @@ def _issue_qk(q_smem, k_bufs, k_bars, j, s_zero, W: gl.constexpr, QK_CHUNKS: gl.
 
 
 @gluon.jit
-def _softmax_block(s, j, c, c_hi, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full,
+def _softmax_block(s, j, c, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full,
                    p_dtype: gl.constexpr, p_layout: gl.constexpr, o_layout: gl.constexpr,
-                   CAUSAL: gl.constexpr, P_OFFSET: gl.constexpr, RESCALE_SKIP: gl.constexpr, POLY: gl.constexpr,
-                   V_KMAJOR: gl.constexpr):
+                   CAUSAL: gl.constexpr, P_OFFSET: gl.constexpr, ABLATE: gl.constexpr):
     """Lean P of key block ``j`` (masked on the diagonal / tail blocks only; ``c``: the block's
-    score scale, ``c_hi`` its upper half's when the block spans two K scale blocks): the PV operand
-    P, the new row max and sum, and the factor ``alpha`` (O's layout) that rescales O to the new max."""
+    score scale): the PV operand P, the new row max and sum, and the factor ``alpha`` (O's layout)
+    that rescales O to the new max."""
     BLOCK_N: gl.constexpr = s.shape[1]
     PARTIAL_L: gl.constexpr = len(l_i.shape) == 2  # per-thread partial row sums (see _consumer_tile)
     if j >= n_full:
         s = mask_scores(s, offs_m, j * BLOCK_N + offs_n0, seqlen_q, seqlen_k, CAUSAL)
-    if BLOCK_N > SCALE_BLOCK:
-        p, m_i, l_i, alpha = online_softmax_step_halves(s, c, c_hi, m_i, l_i, P_OFFSET, RESCALE_SKIP, POLY, PARTIAL_L)
-    else:
-        p, m_i, l_i, alpha = online_softmax_step_lazy(s, c, m_i, l_i, P_OFFSET, RESCALE_SKIP, POLY, PARTIAL_L)
+    p, m_i, l_i, alpha = online_softmax_step(s, c, m_i, l_i, P_OFFSET, ABLATE, PARTIAL_L)
     alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-    p_op = p_operand(p, p_dtype, p_layout, V_KMAJOR == PERMUTED_KEYS)
+    p_op = p_operand(p, p_dtype, p_layout)
     return p_op, m_i, l_i, alpha_o
 
 
@@ -208,22 +167,8 @@ def _k_scale(k_scale_row, stride_ksblk, key, valid):
 
 
 @gluon.jit
-def _k_scales(k_scale_row, stride_ksblk, j, n_end, seqlen_k, BLOCK_N: gl.constexpr):
-    """``(scale, upper-half scale)`` of key block ``j < n_end`` (1 when the tile has no key block):
-    the same value when the block is one K scale block; for a block of 2 x ``SCALE_BLOCK`` keys the
-    upper half's (1 if it has no key: the table ends with the last key)."""
-    k_lo = _k_scale(k_scale_row, stride_ksblk, j * BLOCK_N, j < n_end)
-    if BLOCK_N > SCALE_BLOCK:
-        hi = j * BLOCK_N + SCALE_BLOCK
-        k_hi = _k_scale(k_scale_row, stride_ksblk, hi, (j < n_end) & (hi < seqlen_k))
-    else:
-        k_hi = k_lo
-    return k_lo, k_hi
-
-
-@gluon.jit
 def _issue_pv(p_op, v, acc, alpha_o, TWO_LEVEL: gl.constexpr):
-    """Issue PV (async). Two-level (FP8): into a fresh fp32 tile that :func:`.softmax_ws.fold_pv` adds to O;
+    """Issue PV (async). Two-level (FP8): into a fresh fp32 tile that :func:`.softmax.fold_pv` adds to O;
     otherwise into O itself, rescaled first."""
     if TWO_LEVEL:
         pv_acc = warpgroup_mma(p_op, v, gl.zeros_like(acc), use_acc=False, is_async=True)
@@ -233,22 +178,20 @@ def _issue_pv(p_op, v, acc, alpha_o, TWO_LEVEL: gl.constexpr):
 
 
 @gluon.jit
-def _consumer_block(s, j, c, c_hi, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, q_smem, k_bufs, v_bufs,
-                    k_bars, v_bars, empty_bars, turn_bars, ring, batch, s_zero, tr, v_scale_row, stride_vsd,
+def _consumer_block(s, j, c, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, q_smem, k_bufs, v_bufs,
+                    k_bars, v_bars, empty_bars, ring, s_zero, tr, v_scale_row, stride_vsd,
                     p_layout: gl.constexpr, o_layout: gl.constexpr, CAUSAL: gl.constexpr, V_KMAJOR: gl.constexpr,
-                    P_OFFSET: gl.constexpr, RESCALE_SKIP: gl.constexpr, PINGPONG: gl.constexpr, POLY: gl.constexpr,
-                    TWO_LEVEL: gl.constexpr, NEXT: gl.constexpr, READ_VS: gl.constexpr, W: gl.constexpr):
-    """Key block ``j`` (ring position ``ring + j``, wgmma batch ``batch + j + 1``): softmax of its
-    scores ``s``, then ``[PV_j, QK_{j+1}]`` (``NEXT``; else PV_j alone) issued together and waited
-    for (256-key blocks: PV_j retired before QK_{j+1} is issued), PV folded into O and the K/V slot
+                    P_OFFSET: gl.constexpr, ABLATE: gl.constexpr, TWO_LEVEL: gl.constexpr, NEXT: gl.constexpr,
+                    READ_VS: gl.constexpr, W: gl.constexpr):
+    """Key block ``j`` (ring position ``ring + j``): softmax of its scores ``s``, then ``[PV_j, QK_{j+1}]``
+    (``NEXT``; else PV_j alone) issued together and waited for, PV folded into O and the K/V slot
     released. Returns ``(acc, m_i, l_i, S_{j+1}, v_scale)``: with ``READ_VS`` (the last block) V's descale
     for the epilogue (:func:`.epilogue.load_v_scale`), read once S is dead so that the load's latency hides
     under the block's PV (0 otherwise). ``tr``: this warpgroup's trace record (:mod:`.trace`), or ``None``."""
     QK_CHUNKS: gl.constexpr = k_bufs.shape[0] // v_bufs.shape[0]
     STAGES: gl.constexpr = v_bufs.shape[0]
-    p_op, m_i, l_i, alpha_o = _softmax_block(s, j, c, c_hi, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full,
-                                             v_bufs.dtype, p_layout, o_layout, CAUSAL, P_OFFSET, RESCALE_SKIP, POLY,
-                                             V_KMAJOR)
+    p_op, m_i, l_i, alpha_o = _softmax_block(s, j, c, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full,
+                                             v_bufs.dtype, p_layout, o_layout, CAUSAL, P_OFFSET, ABLATE)
     if READ_VS:
         v_sc = load_v_scale(v_scale_row, stride_vsd, acc.shape[1], o_layout)
     else:
@@ -256,24 +199,12 @@ def _consumer_block(s, j, c, c_hi, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seq
     record_clock_rows(tr, 1 + j, 0, m_i, offs_m, WG_ROWS)
     v = v_tile(v_bufs, v_bars, ring + j, STAGES, V_KMAJOR)
     record_clock(tr, 1 + j, 1, j)
-    _wait_turn(turn_bars, batch + j + 1, W, PINGPONG)
     pv_acc = _issue_pv(p_op, v, acc, alpha_o, TWO_LEVEL)
     if NEXT:
-        if s.shape[1] > SCALE_BLOCK:
-            # 256-key blocks: S_{j+1} (128 registers) is only written after PV_j retired, so P_j and
-            # S_{j+1} are never live together (with both in flight ptxas serialized every wgmma)
-            _pass_turn(turn_bars, W, PINGPONG)
-            record_clock(tr, 1 + j, 2, j)
-            pv = warpgroup_mma_wait(0, deps=(pv_acc, ))
-            s_acc = _issue_qk(q_smem, k_bufs, k_bars, ring + j + 1, s_zero, W, QK_CHUNKS)
-            s = warpgroup_mma_wait(0, deps=(s_acc, ))
-        else:
-            s_acc = _issue_qk(q_smem, k_bufs, k_bars, ring + j + 1, s_zero, W, QK_CHUNKS)
-            _pass_turn(turn_bars, W, PINGPONG)
-            record_clock(tr, 1 + j, 2, j)
-            pv, s = warpgroup_mma_wait(0, deps=(pv_acc, s_acc))
+        s_acc = _issue_qk(q_smem, k_bufs, k_bars, ring + j + 1, s_zero, W, QK_CHUNKS)
+        record_clock(tr, 1 + j, 2, j)
+        pv, s = warpgroup_mma_wait(0, deps=(pv_acc, s_acc))
     else:
-        _pass_turn(turn_bars, W, PINGPONG)
         record_clock(tr, 1 + j, 2, j)
         pv = warpgroup_mma_wait(0, deps=(pv_acc, ))
     record_clock(tr, 1 + j, 3, j)
@@ -284,17 +215,15 @@ def _consumer_block(s, j, c, c_hi, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seq
 
 
 @gluon.jit
-def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars, q_empty,
+def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, q_empty,
                    out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
                    seqlen_q, seqlen_k, qk_scale, sm_scale,
-                   b, h, hkv, q_start, m_start, n_full, n_end, ring, batch, tr, sink_t, qi, ostore,
+                   b, h, hkv, q_start, m_start, n_full, n_end, ring, tr, sink_t, qi, ostore,
                    HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
-                   RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, RESCALE_SKIP: gl.constexpr,
-                   PINGPONG: gl.constexpr, POLY: gl.constexpr, TWO_LEVEL: gl.constexpr, WGS: gl.constexpr,
-                   SINK: gl.constexpr, STORE_TMA: gl.constexpr, W: gl.constexpr):
+                   RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, ABLATE: gl.constexpr,
+                   TWO_LEVEL: gl.constexpr, SINK: gl.constexpr, STORE_TMA: gl.constexpr, W: gl.constexpr):
     """Warpgroup ``W`` (of ``WGS``) on one tile: rows ``[m_start + 64 W, + 64)`` of sequence ``b`` against its key
-    blocks ``[0, n_end)``, which sit at ring positions ``ring + j``; its wgmma batches are numbered
-    from ``batch``. Output row ``r`` is token ``q_start + r`` of ``out`` (and of the LSE). ``out_t``,
+    blocks ``[0, n_end)``, which sit at ring positions ``ring + j``. Output row ``r`` is token ``q_start + r`` of ``out`` (and of the LSE). ``out_t``,
     ``lse_t`` and the ``*_scale_t``/``k_mean_t`` tables are ``(pointer, strides...)`` tuples. ``SINK``
     (1; 2: K was smoothed): key block 0 is the BF16 sink block (``sink_t``'s buffers, loaded with the
     tile's ``qi``-th Q), attended after the FP8 blocks ``[1, n_end)`` (:mod:`.sink`). The warpgroup hands
@@ -318,14 +247,8 @@ def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars
     p_layout: gl.constexpr = a_operand_layout(o_layout, BITS)
 
     row0 = m_start + W * WG_ROWS
-    # the Q scale block of this warpgroup's rows (a 64-row box never straddles one). Two
-    # warpgroups: the tile is one scale block, m_start's. Three: the tile's last boxes may lie past
-    # the sequence's end, and past the table (their rows are never stored: any scale will do).
-    if WGS > 2:
-        c_q = qk_scale * gl.load(q_scale_ptr + b * stride_qsb + h * stride_qsh + (row0 // SCALE_BLOCK) * stride_qsblk,
-                                 mask=row0 < seqlen_q, other=1.0)
-    else:
-        c_q = qk_scale * gl.load(q_scale_ptr + b * stride_qsb + h * stride_qsh + (m_start // SCALE_BLOCK) * stride_qsblk)
+    # the Q scale block of this warpgroup's rows: the tile's 128 rows are one scale block, m_start's
+    c_q = qk_scale * gl.load(q_scale_ptr + b * stride_qsb + h * stride_qsh + (m_start // SCALE_BLOCK) * stride_qsblk)
     k_scale_row = k_scale_ptr + b * stride_ksb + hkv * stride_ksh
     v_scale_row = v_scale_ptr + b * stride_vsb + hkv * stride_vsh
     offs_m = row0 + gl.arange(0, WG_ROWS, gl.SliceLayout(1, s_layout))
@@ -338,27 +261,24 @@ def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars
     else:  # per-thread partial row sums, reduced across the quad once after the loop
         l_i = thread_row_sums(s_zero)
 
-    # batch 0: S_FIRST
+    # S_FIRST
     s = s_zero
     if n_end > FIRST:
-        _wait_turn(turn_bars, batch, W, PINGPONG)
         s_acc = _issue_qk(q_smem, k_bufs, k_bars, ring, s_zero, W, QK_CHUNKS)
-        _pass_turn(turn_bars, W, PINGPONG)
         s = warpgroup_mma_wait(0, deps=(s_acc, ))
     record_clock(tr, 0, 2, n_end)
     ring = ring - FIRST  # key block j sits at ring position ring + j
     # Blocks [0, n_end - 1) issue the next block's S with their PV; the last one is peeled off, so
     # S has one definition per iteration (with a conditional second QK, ptxas copied all 64 S
     # registers at every block). The K scale is loaded a block ahead, off the softmax's path.
-    k_sc, k_hi = _k_scales(k_scale_row, stride_ksblk, FIRST, n_end, seqlen_k, BLOCK_N)
+    k_sc = _k_scale(k_scale_row, stride_ksblk, FIRST * BLOCK_N, FIRST < n_end)
     for j in range(FIRST, n_end - 1):
-        k_sc_next, k_hi_next = _k_scales(k_scale_row, stride_ksblk, j + 1, n_end, seqlen_k, BLOCK_N)
+        k_sc_next = _k_scale(k_scale_row, stride_ksblk, (j + 1) * BLOCK_N, j + 1 < n_end)
         acc, m_i, l_i, s, _ = _consumer_block(
-            s, j, c_q * k_sc, c_q * k_hi, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, q_smem, k_bufs,
-            v_bufs, k_bars, v_bars, empty_bars, turn_bars, ring, batch, s_zero, tr, v_scale_row, stride_vsd, p_layout,
-            o_layout, CAUSAL, V_KMAJOR, P_OFFSET, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, True, False, W)
+            s, j, c_q * k_sc, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, q_smem, k_bufs,
+            v_bufs, k_bars, v_bars, empty_bars, ring, s_zero, tr, v_scale_row, stride_vsd, p_layout,
+            o_layout, CAUSAL, V_KMAJOR, P_OFFSET, ABLATE, TWO_LEVEL, True, False, W)
         k_sc = k_sc_next
-        k_hi = k_hi_next
     # Q's last reader, the QK of block n_end - 1, has retired
     EARLY_Q: gl.constexpr = not SINK and not HAS_KMEAN
     if EARLY_Q:
@@ -370,9 +290,9 @@ def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars
     VS_EARLY: gl.constexpr = HEAD_DV <= 128 and not SINK
     if n_end > FIRST:
         acc, m_i, l_i, s, v_sc = _consumer_block(
-            s, n_end - 1, c_q * k_sc, c_q * k_hi, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, q_smem,
-            k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars, ring, batch, s_zero, tr, v_scale_row, stride_vsd,
-            p_layout, o_layout, CAUSAL, V_KMAJOR, P_OFFSET, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, False, VS_EARLY, W)
+            s, n_end - 1, c_q * k_sc, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, q_smem,
+            k_bufs, v_bufs, k_bars, v_bars, empty_bars, ring, s_zero, tr, v_scale_row, stride_vsd,
+            p_layout, o_layout, CAUSAL, V_KMAJOR, P_OFFSET, ABLATE, TWO_LEVEL, False, VS_EARLY, W)
     else:
         if VS_EARLY:
             v_sc = load_v_scale(v_scale_row, stride_vsd, HEAD_DV, o_layout)
@@ -421,20 +341,20 @@ def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars
 
 
 @gluon.jit
-def _consumer_step(t, ring, batch, qi, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars,
+def _consumer_step(t, ring, qi, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars,
                    out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
                    seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k,
                    num_bh, num_heads, group_size, num_m_tiles, num_tiles, trace, sink_t, ostore,
                    HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
-                   RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, RESCALE_SKIP: gl.constexpr,
-                   PINGPONG: gl.constexpr, POLY: gl.constexpr, TWO_LEVEL: gl.constexpr, VARLEN: gl.constexpr,
-                   WGS: gl.constexpr, SINK: gl.constexpr, STORE_TMA: gl.constexpr, W: gl.constexpr):
-    """Tile ``t``; ``ring``, ``batch``, ``qi``: key blocks, wgmma batches and Q tiles of the
-    program's earlier tiles (ring position, turn-barrier phase, ``q_bars`` phase). Returns them updated.
+                   RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, ABLATE: gl.constexpr,
+                   TWO_LEVEL: gl.constexpr, VARLEN: gl.constexpr, SINK: gl.constexpr, STORE_TMA: gl.constexpr,
+                   W: gl.constexpr):
+    """Tile ``t``; ``ring``, ``qi``: key blocks and Q tiles of the program's earlier tiles (ring position,
+    ``q_bars`` phase). Returns them updated.
     ``trace``: the clock-trace buffer (:mod:`.trace`), or ``None``."""
     b, h, hkv, m_start, tma_b, q_start, k_start, sq, sk, n_full, n_end = _tile(
         t, num_bh, num_heads, group_size, num_m_tiles, num_tiles, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k,
-        k_bufs.shape[3], CAUSAL, VARLEN, WGS)
+        k_bufs.shape[3], CAUSAL, VARLEN)
     tr = trace
     if trace is not None:
         tr = trace_row(trace, t, W, WGS)
@@ -442,55 +362,53 @@ def _consumer_step(t, ring, batch, qi, q_smem, k_bufs, v_bufs, q_bars, q_empty, 
     record_clock(tr, 0, 1, t)
     if n_end > 0:
         mbarrier.wait(q_bars.index(W), qi & 1)
-    _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, turn_bars, q_empty,
+    _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, q_empty,
                    out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
                    sq, sk, qk_scale, sm_scale,
-                   b, h, hkv, q_start, m_start, n_full, n_end, ring, batch, tr, sink_t, qi, ostore,
-                   HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY,
-                   TWO_LEVEL, WGS, SINK, STORE_TMA, W)
+                   b, h, hkv, q_start, m_start, n_full, n_end, ring, tr, sink_t, qi, ostore,
+                   HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, ABLATE,
+                   TWO_LEVEL, SINK, STORE_TMA, W)
     loaded = gl.minimum(n_end, 1)  # this tile had a Q tile
-    n_fp8 = _fp8_blocks(n_end, SINK)  # ... and, with FP8 blocks, a batch 0 and n_fp8 ring positions
-    return ring + n_fp8, batch + gl.minimum(n_fp8, 1) + n_fp8, qi + loaded
+    return ring + _fp8_blocks(n_end, SINK), qi + loaded
 
 
 @gluon.jit
 def _consumer(args, trace, sink_t, ostore, HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr,
-              V_KMAJOR: gl.constexpr, RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, RESCALE_SKIP: gl.constexpr,
-              PINGPONG: gl.constexpr, POLY: gl.constexpr, TWO_LEVEL: gl.constexpr, VARLEN: gl.constexpr,
-              PERSISTENT: gl.constexpr, WGS: gl.constexpr, SINK: gl.constexpr, STORE_TMA: gl.constexpr,
-              W: gl.constexpr):
+              V_KMAJOR: gl.constexpr, RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, ABLATE: gl.constexpr,
+              TWO_LEVEL: gl.constexpr, VARLEN: gl.constexpr, PERSISTENT: gl.constexpr, SINK: gl.constexpr,
+              STORE_TMA: gl.constexpr, W: gl.constexpr):
     """Warpgroup ``W`` over this program's tiles; in each it hands its Q box back (``q_empty``
     counts every consumer warpgroup), so the producer can load the next tile's. Tiles with no key block to
     visit (causal rows before the first key, varlen tiles past a sequence) load no Q. One tile per
     program runs without the loop: inside it LLVM hoists the epilogue's tile-invariant addresses
     and ptxas spills them (AOT: 60 -> 340 B for FP8 d128). With the ``onewg`` timing ablation
     every warpgroup but 0 does nothing: one warpgroup's chain alone, for comparison."""
-    (q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars,
+    (q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars,
      out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
      seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k,
      num_bh, num_heads, group_size, num_m_tiles, first_tile, tile_step, num_tiles) = args
-    if W > 0 and ablates(POLY, ABLATE_ONEWG):
+    if W > 0 and ablates(ABLATE, ABLATE_ONEWG):
         pass
     elif PERSISTENT:
         ring = 0
-        batch = 0
         qi = 0
         for r in range(0, (num_tiles + tile_step - 1) // tile_step):
-            ring, batch, qi = _consumer_step(
-                round_tile(r, first_tile, tile_step), ring, batch, qi, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars,
+            ring, qi = _consumer_step(
+                round_tile(r, first_tile, tile_step), ring, qi, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars,
+                empty_bars,
                 out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
                 seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k,
                 num_bh, num_heads, group_size, num_m_tiles, num_tiles, trace, sink_t, ostore,
-                HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL,
-                VARLEN, WGS, SINK, STORE_TMA, W)
+                HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, ABLATE, TWO_LEVEL, VARLEN, SINK,
+                STORE_TMA, W)
     else:
         _consumer_step(
-            first_tile, 0, 0, 0, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars,
+            first_tile, 0, 0, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars,
             out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
             seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k,
             num_bh, num_heads, group_size, num_m_tiles, num_tiles, trace, sink_t, ostore,
-            HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL,
-            VARLEN, WGS, SINK, STORE_TMA, W)
+            HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, ABLATE, TWO_LEVEL, VARLEN, SINK, STORE_TMA,
+            W)
     if STORE_TMA:
         tma.store_wait(0)  # the last tile's output store has read its shared memory
 
@@ -498,35 +416,23 @@ def _consumer(args, trace, sink_t, ostore, HEAD_DV: gl.constexpr, CAUSAL: gl.con
 @gluon.jit
 def _partitions(cargs, pargs, trace, cu_seqlens_v, psink, csink, ostore,
                 HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
-                RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, RESCALE_SKIP: gl.constexpr, PINGPONG: gl.constexpr,
-                POLY: gl.constexpr, TWO_LEVEL: gl.constexpr, VARLEN: gl.constexpr, PERSISTENT: gl.constexpr,
-                CONSUMER_WGS: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                PRODUCER_REGS: gl.constexpr, SINK: gl.constexpr, STORE_TMA: gl.constexpr):
-    """The warp-specialized body: ``CONSUMER_WGS`` consumer warpgroups (the first in the default
-    partition) and the producer warp. ``psink``/``csink``: the BF16 sink keys' tuples, or None."""
-    if CONSUMER_WGS == 3:
-        gl.warp_specialize([
-            (_consumer, (cargs, trace, csink, ostore, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN,
-                         RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, SINK, STORE_TMA, 0)),
-            (_consumer, (cargs, trace, csink, ostore, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN,
-                         RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, SINK, STORE_TMA, 1)),
-            (_consumer, (cargs, trace, csink, ostore, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN,
-                         RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, SINK, STORE_TMA, 2)),
-            (_producer, (pargs, cu_seqlens_v, psink, CAUSAL, V_KMAJOR, VARLEN, CONSUMER_WGS, CONSUMERS, SINK)),
-        ], [WG_WARPS, WG_WARPS, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
-    else:
-        gl.warp_specialize([
-            (_consumer, (cargs, trace, csink, ostore, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN,
-                         RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, SINK, STORE_TMA, 0)),
-            (_consumer, (cargs, trace, csink, ostore, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN,
-                         RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL, VARLEN, PERSISTENT, CONSUMER_WGS, SINK, STORE_TMA, 1)),
-            (_producer, (pargs, cu_seqlens_v, psink, CAUSAL, V_KMAJOR, VARLEN, CONSUMER_WGS, CONSUMERS, SINK)),
-        ], [WG_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
+                RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, ABLATE: gl.constexpr, TWO_LEVEL: gl.constexpr,
+                VARLEN: gl.constexpr, PERSISTENT: gl.constexpr, CONSUMERS: gl.constexpr, SINK: gl.constexpr,
+                STORE_TMA: gl.constexpr):
+    """The warp-specialized body: the two consumer warpgroups (the first in the default partition) and
+    the producer warp. ``psink``/``csink``: the BF16 sink keys' tuples, or None."""
+    gl.warp_specialize([
+        (_consumer, (cargs, trace, csink, ostore, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN,
+                     ABLATE, TWO_LEVEL, VARLEN, PERSISTENT, SINK, STORE_TMA, 0)),
+        (_consumer, (cargs, trace, csink, ostore, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN,
+                     ABLATE, TWO_LEVEL, VARLEN, PERSISTENT, SINK, STORE_TMA, 1)),
+        (_producer, (pargs, cu_seqlens_v, psink, CAUSAL, V_KMAJOR, VARLEN, CONSUMERS, SINK)),
+    ], [WG_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 # ----------------------------------------------------------------------------- kernel
 
-# head counts vary per call: not specialized (sequence lengths stay specialized, see v2)
+# head counts vary per call: not specialized (sequence lengths stay specialized)
 @gluon.jit(do_not_specialize=["num_heads", "group_size", "num_m_tiles", "num_bh"])
 def attn_fwd_pingpong_kernel(
     q_desc, k_desc, v_desc,
@@ -549,35 +455,34 @@ def attn_fwd_pingpong_kernel(
     HEAD_DQK: gl.constexpr, HEAD_DV: gl.constexpr,
     CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
     RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, VARLEN: gl.constexpr, STAGES: gl.constexpr,
-    RESCALE_SKIP: gl.constexpr, PINGPONG: gl.constexpr, POLY: gl.constexpr, PV_IN_MMA: gl.constexpr,
-    PERSISTENT: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-    CONSUMER_WGS: gl.constexpr,  # consumer warpgroups (64 query rows each): 2, or 3 (experiment)
+    ABLATE: gl.constexpr,  # 0, or timing ablations (ablation.py: wrong results)
+    PV_IN_MMA: gl.constexpr,  # FP8 PV accumulates in the wgmma accumulator (head dim 256, launch.wide_head)
+    PERSISTENT: gl.constexpr,
     SINK: gl.constexpr,  # 0; BF16 sink keys [0, 128): 1, or 2 when K was smoothed (sink.py)
     STORE_TMA: gl.constexpr,  # dense: the output leaves through shared memory and TMA (epilogue.stage_and_store)
     num_warps: gl.constexpr,
 ):
-    gl.static_assert(num_warps == WG_WARPS, "v3 launches with num_warps=4 (the first consumer warpgroup)")
-    gl.static_assert(q_desc.block_type.shape[2] == WG_ROWS, "v3 loads Q in 64-row boxes")
+    gl.static_assert(num_warps == WG_WARPS, "the kernel launches with num_warps=4 (the first consumer warpgroup)")
+    gl.static_assert(q_desc.block_type.shape[2] == WG_ROWS, "the kernel loads Q in 64-row boxes")
     DCHUNK: gl.constexpr = q_desc.block_type.shape[3]
     QK_CHUNKS: gl.constexpr = HEAD_DQK // DCHUNK
     TWO_LEVEL: gl.constexpr = IS_FP8 and not PV_IN_MMA
 
     first_tile, tile_step, num_tiles = program_tiles(num_bh, num_m_tiles, PERSISTENT)
 
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMER_WGS * QK_CHUNKS] + q_desc.block_type.shape,
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [WGS * QK_CHUNKS] + q_desc.block_type.shape,
                                        q_desc.layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES * QK_CHUNKS] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    q_bars = alloc_barriers(CONSUMER_WGS)
-    CONSUMERS: gl.constexpr = 1 if ablates(POLY, ABLATE_ONEWG) else CONSUMER_WGS  # the working ones
+    q_bars = alloc_barriers(WGS)
+    CONSUMERS: gl.constexpr = 1 if ablates(ABLATE, ABLATE_ONEWG) else WGS  # the working ones
     q_empty = alloc_barriers(1, CONSUMERS)  # every consumer warpgroup is done with the tile's Q
     k_bars = alloc_barriers(STAGES)
     v_bars = alloc_barriers(STAGES)
     empty_bars = alloc_barriers(STAGES, CONSUMERS)  # one release per consumer warpgroup
-    turn_bars = alloc_barriers(2)
     # every consumer warpgroup gets the same arguments but its index. The constexprs go in the
     # argument list itself: a tuple held in a variable makes them runtime values.
-    cargs = (q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars,
+    cargs = (q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars,
              (out_ptr, stride_ob, stride_os, stride_oh), (lse_ptr, stride_lb, stride_lh),
              (q_scale_ptr, stride_qsb, stride_qsh, stride_qsblk), (k_scale_ptr, stride_ksb, stride_ksh, stride_ksblk),
              (v_scale_ptr, stride_vsb, stride_vsh, stride_vsd), (k_mean_ptr, stride_kmb, stride_kmh, stride_kmd),
@@ -587,13 +492,13 @@ def attn_fwd_pingpong_kernel(
              seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, num_bh, num_heads, group_size, num_m_tiles,
              first_tile, tile_step, num_tiles)
     if STORE_TMA:  # one output box per consumer warpgroup
-        o_smem = gl.allocate_shared_memory(out_desc.dtype, [CONSUMER_WGS] + out_desc.block_type.shape, out_desc.layout)
+        o_smem = gl.allocate_shared_memory(out_desc.dtype, [WGS] + out_desc.block_type.shape, out_desc.layout)
         ostore = (out_desc, o_smem)
     else:
         ostore = out_desc  # (None)
     if SINK:  # the BF16 sink keys' 16-bit Q boxes, K and V blocks, and their barrier (sink.py)
         gl.static_assert(k_desc.block_type.shape[2] == sink_k_desc.block_type.shape[2], "the sink is key block 0")
-        qs_smem = gl.allocate_shared_memory(sink_q_desc.dtype, [CONSUMER_WGS] + sink_q_desc.block_type.shape,
+        qs_smem = gl.allocate_shared_memory(sink_q_desc.dtype, [WGS] + sink_q_desc.block_type.shape,
                                             sink_q_desc.layout)
         ks_smem = gl.allocate_shared_memory(sink_k_desc.dtype, [1] + sink_k_desc.block_type.shape, sink_k_desc.layout)
         vs_smem = gl.allocate_shared_memory(sink_v_desc.dtype, [1] + sink_v_desc.block_type.shape, sink_v_desc.layout)
@@ -601,17 +506,17 @@ def attn_fwd_pingpong_kernel(
         _partitions(cargs, pargs, trace, cu_seqlens_v,
                     (sink_q_desc, sink_k_desc, sink_v_desc, qs_smem, ks_smem, vs_smem, sink_bar),
                     (qs_smem, ks_smem, vs_smem, sink_bar), ostore,
-                    HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL,
-                    VARLEN, PERSISTENT, CONSUMER_WGS, CONSUMERS, CONSUMER_REGS, PRODUCER_REGS, SINK, STORE_TMA)
+                    HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, ABLATE, TWO_LEVEL, VARLEN, PERSISTENT,
+                    CONSUMERS, SINK, STORE_TMA)
         invalidate_barriers(sink_bar, 1)
     else:  # (the None sink_q_desc stands for both sink tuples: a None made here cannot be passed on)
         _partitions(cargs, pargs, trace, cu_seqlens_v, sink_q_desc, sink_q_desc, ostore,
-                    HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, RESCALE_SKIP, PINGPONG, POLY, TWO_LEVEL,
-                    VARLEN, PERSISTENT, CONSUMER_WGS, CONSUMERS, CONSUMER_REGS, PRODUCER_REGS, SINK, STORE_TMA)
+                    HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, ABLATE, TWO_LEVEL, VARLEN, PERSISTENT,
+                    CONSUMERS, SINK, STORE_TMA)
 
-    invalidate_barriers(q_bars, CONSUMER_WGS)
+    invalidate_barriers(q_bars, WGS)
     invalidate_barriers(q_empty, 1)
     invalidate_barriers(k_bars, STAGES)
     invalidate_barriers(v_bars, STAGES)
     invalidate_barriers(empty_bars, STAGES)
-    invalidate_barriers(turn_bars, 2)
+

@@ -19,10 +19,9 @@ import torch
 
 from ...problem import V_TOKEN_ALIGN  # 16 FP8 tokens = 16 bytes: where a TMA box may start
 from ...scales import SCALE_BLOCK, broadcast_strides
-from .exp2 import ABLATE_BITS
+from .ablation import ABLATE_BITS
 from .gluon_compat import TensorDescriptor, gl
 from .kernel_pingpong import attn_fwd_pingpong_kernel
-from .layouts import PERMUTED_KEYS
 from .trace import TRACE_BLOCKS, TRACE_EVENTS
 from .varlen_v import align_varlen_v
 
@@ -42,20 +41,6 @@ _GL_DTYPES = {
 def v_is_kmajor(v: torch.Tensor) -> bool:
     """V stored transposed ((B, Hkv, Dv, S) storage viewed as (B, S, Hkv, Dv))."""
     return v.stride(1) == 1 and v.stride(3) != 1
-
-
-def permute_v_keys(v: torch.Tensor) -> torch.Tensor:
-    """A copy of a transposed-storage V ``(B, S, H, Dv)`` with its keys in :func:`.layouts.key_slot_order`,
-    padded with zero keys to a multiple of 16 (``LEANFA_HOPPER_V_PERMUTED``: FP8 P then needs no
-    layout shuffle). One pass over V on the device (no host-side index list: run 22 built one per call
-    in Python and timed 5x slower); the quantizer could write this order directly."""
-    B, S, H, Dv = v.shape
-    n = -(-S // 16) * 16
-    src = v.permute(0, 2, 3, 1).view(torch.uint8)  # (B, H, Dv, S); copies work on bytes
-    padded = torch.nn.functional.pad(src, (0, n - S))  # zero keys up to a multiple of 16
-    # key 16g + 8q + 2t + e goes to slot 16g + 4t + 2q + e: swap the (q, t) digits of each key
-    out = padded.view(B, H, Dv, n // 16, 2, 4, 2).transpose(4, 5).reshape(B, H, Dv, n)
-    return out.view(v.dtype).permute(0, 3, 1, 2)
 
 
 def transpose_fp8_v(v: torch.Tensor) -> torch.Tensor:
@@ -130,28 +115,8 @@ def wide_head(dv: int) -> bool:
 
 
 def _block_n(is_fp8: bool, dv: int = 128) -> int:
-    """Keys per block: 128 (BF16 at head dim 256: 64, :func:`wide_head`); 64 with ``LEANFA_HOPPER_BLOCK_N=64``
-    (S takes 32 registers, the room a third consumer warpgroup needs); or 256 with
-    ``LEANFA_HOPPER_BLOCK_N=256`` (FP8 with PV in the wgmma accumulator: cuDNN's FP8 kernel runs a
-    64x256 S tile per warpgroup, run 20's SASS; S then takes 128 registers, which leave no room for a
-    separate fp32 PV tile)."""
-    default = 64 if wide_head(dv) and not is_fp8 else BLOCK_N
-    n = int(os.environ.get("LEANFA_HOPPER_BLOCK_N", "") or default)
-    if wide_head(dv) and not (n == 64 or n == BLOCK_N and is_fp8):
-        raise ValueError(f"head dim {dv} runs 64-key blocks (FP8 also 128) only (LEANFA_HOPPER_BLOCK_N={n}): O "
-                         "takes 128 registers per thread, and S and P must fit next to it")
-    if n == BLOCK_N:
-        return n
-    if n not in (64, 256):
-        raise ValueError(f"LEANFA_HOPPER_BLOCK_N must be 64, 128 or 256, got {n}")
-    if n == 64:
-        return n
-    if not is_fp8:
-        return BLOCK_N  # BF16's P (64 registers at 256 keys) does not fit next to S and O
-    if not _flag("LEANFA_HOPPER_PV_IN_MMA", False):
-        raise ValueError("LEANFA_HOPPER_BLOCK_N=256 needs LEANFA_HOPPER_PV_IN_MMA=1 (no registers for a separate "
-                         "fp32 PV tile next to a 64x256 S tile)")
-    return n
+    """Keys per block: 128; BF16 at head dim 256 64 (:func:`wide_head`)."""
+    return 64 if wide_head(dv) and not is_fp8 else BLOCK_N
 
 
 def _stages(dqk: int, dv: int, elt: int, block_n: int = BLOCK_N, block_m: int = BLOCK_M, extra: int = 0) -> int:
@@ -166,48 +131,19 @@ def _flag(name: str, default: bool) -> bool:
     return os.environ.get(name, "1" if default else "0").strip() not in ("0", "", "false", "no")
 
 
-#: Knobs (env, read at plan time): LEANFA_HOPPER_RESCALE_SKIP (stale-max threshold; default off),
-#: LEANFA_HOPPER_PRODUCER_REGS (setmaxnreg of the producer warp; default 24), LEANFA_HOPPER_PINGPONG
-#: (turn barriers between the consumer warpgroups; default off: with them FP8 was 1-3% slower than
-#: letting the warpgroups drift apart, run 10),
-#: LEANFA_HOPPER_POLY (of every 8 FP8 exponentials, how many run as a polynomial on the FMA pipe;
-#: default 0: POLY=1 was within 2% either way, 2 and 4 were ~3% and ~10% slower, runs 9-10),
-#: LEANFA_HOPPER_PV_IN_MMA (FP8 PV accumulated in the wgmma accumulator, not in fp32 per block:
-#: an experiment, off; see kernel_pingpong), LEANFA_HOPPER_PERSISTENT (one program per SM looping over
-#: the tiles heaviest first, see schedule.py; default on for dense FP8 at head dim <= 128 without the sink,
-#: see persistent_default; off elsewhere), LEANFA_HOPPER_STORE_TMA (dense FP8 output through shared memory
-#: and TMA, see store_tma; default on),
-#: LEANFA_HOPPER_BLOCK_N=256 (FP8 with PV_IN_MMA: 256-key blocks, cuDNN's 64x256 S tile, PV_j
-#: retired before QK_{j+1} so that the registers fit; an experiment, off: +2-3% at d128, -1% at
-#: d192 4K, run 24), LEANFA_HOPPER_V_PERMUTED (dense FP8: the launch copies V with its keys permuted
-#: within groups of 16 so that P needs no layout shuffle, see layouts.key_slot_order; an experiment,
-#: off: kernel +1-2%, run 24, less than the per-call copy costs), LEANFA_HOPPER_CONSUMERS=3 (a third
-#: consumer warpgroup, 192-row tiles, 160 registers each: FP8 needs LEANFA_HOPPER_PV_IN_MMA=1 (64- or
-#: 128-key blocks), BF16/FP16 LEANFA_HOPPER_BLOCK_N=64; an experiment, off: 0.95-1.04x the default's
-#: two warpgroups, runs 30-31),
-#: LEANFA_HOPPER_TRACE=1 (each consumer warpgroup records SM clocks at the phases of its key loop
-#: into ``Plan.trace``, see trace.py and scripts/hopper_trace.py; off: without it the PTX is unchanged).
-CONSUMER_REGS = 240  # with a 24-register producer this is what the default partition gets too
-#: with three consumer warpgroups (16 warps, 128 registers each at launch): 3 x 160 + 24 <= 4 x 128
-CONSUMER_REGS_3WG = 160
-
-
-def _consumer_wgs() -> int:
-    """``LEANFA_HOPPER_CONSUMERS``: consumer warpgroups, 2 (default) or 3 (an experiment: a
-    192-row tile, a third independent QK -> softmax -> PV chain per SM at 160 registers each, so FP8
-    needs PV in the wgmma accumulator and BF16/FP16 64-key blocks (:func:`make_plan` checks); run 28
-    timed one warpgroup alone at 0.67-0.73x the pair's time: each chain is mostly latency)."""
-    n = int(os.environ.get("LEANFA_HOPPER_CONSUMERS", "2") or 2)
-    if n not in (2, 3):
-        raise ValueError(f"LEANFA_HOPPER_CONSUMERS must be 2 or 3, got {n}")
-    return n
+#: Knobs (env, read at plan time): LEANFA_HOPPER_PERSISTENT (one program per SM looping over the tiles
+#: heaviest first, see schedule.py; default: persistent_default), LEANFA_HOPPER_STORE_TMA (dense output through
+#: shared memory and TMA, see store_tma), LEANFA_HOPPER_STAGES (ring depth, see _stages), LEANFA_HOPPER_TRACE=1
+#: (each consumer warpgroup records SM clocks at the phases of its key loop into ``Plan.trace``, see trace.py
+#: and scripts/hopper_trace.py; off: without it the PTX is unchanged), LEANFA_HOPPER_ABLATE (timing
+#: ablations, see _ablation). Options measured not to pay were deleted (docs/perf-notes.md).
 
 
 def _ablation() -> int:
     """``LEANFA_HOPPER_ABLATE`` (e.g. ``exp,max``): parts of the kernel left out to time what they
     cost (``exp``, ``max``: of the softmax; ``onewg``: every consumer warpgroup but 0), passed to
-    the kernel as ``POLY = -bits`` (:data:`.exp2.ABLATE_BITS`). The answers are wrong: a warning says
-    so on every plan."""
+    the kernel as the sum of their bits, ``ABLATE`` (:data:`.ablation.ABLATE_BITS`). The answers are
+    wrong: a warning says so on every plan."""
     names = [n.strip() for n in os.environ.get("LEANFA_HOPPER_ABLATE", "").split(",") if n.strip()]
     if not names:
         return 0
@@ -216,7 +152,7 @@ def _ablation() -> int:
         raise ValueError(f"LEANFA_HOPPER_ABLATE: unknown parts {unknown} (known: {sorted(ABLATE_BITS)})")
     warnings.warn(f"LEANFA_HOPPER_ABLATE={','.join(names)}: a timing ablation, the results are wrong",
                   stacklevel=3)
-    return -sum({ABLATE_BITS[n] for n in names})
+    return sum({ABLATE_BITS[n] for n in names})
 
 
 @dataclass
@@ -258,10 +194,10 @@ SINK_KEYS = BLOCK_N
 SINK_HEAD_DIMS = ((64, 64), (128, 128))  # one Q box per warpgroup; room for the sink's buffers
 
 
-def _default_tile(sink_mode: int, dv: int, block_n: int, wgs: int) -> bool:
+def _default_tile(sink_mode: int, dv: int) -> bool:
     """The tile the persistent grid and the TMA-store epilogue were built and measured for: no sink, head dim
-    <= 128, 128-key blocks, two consumer warpgroups."""
-    return sink_mode == 0 and dv <= 128 and block_n == BLOCK_N and wgs == 2
+    <= 128 (128-key blocks)."""
+    return sink_mode == 0 and dv <= 128
 
 
 #: 16-bit inputs through the TMA-store epilogue: the kernel code is the FP8 path's (dtype-generic); H200 run 53
@@ -279,32 +215,30 @@ def bf16_tma_default(dqk: int, dv: int) -> bool:
     return BF16_STORE_TMA_VALIDATED and dqk == dv == 128
 
 
-def store_tma(is_fp8: bool, varlen: bool, out: torch.Tensor, sink_mode: int, block_n: int = BLOCK_N,
-              wgs: int = 2, dqk: int = 128) -> bool:
+def store_tma(is_fp8: bool, varlen: bool, out: torch.Tensor, sink_mode: int, dqk: int = 128) -> bool:
     """Whether the epilogue writes O through shared memory and TMA (:func:`.epilogue.stage_and_store`):
     dense FP8 calls with a 16-bit output of head dim <= 128 whose (B, H, S, D) view TMA can address, no sink
-    (its buffers take that shared memory), not the experiments (other key blocks, three warpgroups).
-    ``LEANFA_HOPPER_STORE_TMA=0``: the register stores (128
+    (its buffers take that shared memory). ``LEANFA_HOPPER_STORE_TMA=0``: the register stores (128
     ``STG.E.U16`` per thread, ~2100-2900 cycles per tile against ~800; validated on the H200 in runs 46-48).
     BF16/FP16 calls at head dim 128 (:func:`bf16_tma_default`); ``=2``: at every head dim where the 64 x Dv output
     boxes fit next to Q and the two-slot ring (d64 too; not MLA's 192-wide Q)."""
     if not _flag("LEANFA_HOPPER_STORE_TMA", True):
         return False
     dv = out.shape[-1]
-    if varlen or not _default_tile(sink_mode, dv, block_n, wgs):
+    if varlen or not _default_tile(sink_mode, dv):
         return False
     if not is_fp8:
         if not (bf16_tma_default(dqk, dv) or os.environ.get("LEANFA_HOPPER_STORE_TMA", "").strip() == "2"):
             return False
-        if _smem_bytes(dqk, dv, 2, 2, block_n, 64 * wgs, 64 * wgs * dv * 2) > SMEM_LIMIT:
+        if _smem_bytes(dqk, dv, 2, 2, BLOCK_N, BLOCK_M, BLOCK_M * dv * 2) > SMEM_LIMIT:
             return False  # Q, the output boxes and two K/V slots
     if out.dtype not in (torch.bfloat16, torch.float16):
         return False
     return tma_layout_problem("out", out, *_bshd_as_bhsd(out)) is None
 
 
-def persistent_default(is_fp8: bool, varlen: bool, sink_mode: int, dv: int, pingpong: bool, block_n: int = BLOCK_N,
-                       wgs: int = 2, has_kmean: bool = False, dqk: int = 128) -> bool:
+def persistent_default(is_fp8: bool, varlen: bool, sink_mode: int, dv: int, has_kmean: bool = False,
+                       dqk: int = 128) -> bool:
     """Whether the kernel runs one program per SM by default (``LEANFA_HOPPER_PERSISTENT`` overrides): FP8 of head dim
     <= 128 without the sink (dense, where the TMA-store epilogue applies, and varlen). With it and the Q box
     handed back after the last QK, a tile's fill + epilogue + turnover fell from ~9,000 to ~1,800-2,400
@@ -315,10 +249,10 @@ def persistent_default(is_fp8: bool, varlen: bool, sink_mode: int, dv: int, ping
     sequence's rows): H200 run 58, ``gpu_session.sh varlen_persist``, 8 uneven sequences of 16K tokens, kernel
     alone 526 -> 563 TFLOP/s (1.07x; BF16 varlen 0.96x, so it stays on the one-tile grid), and the varlen GPU
     tests passed with it on. The sink, head dim 256, MLA and d64 BF16, the LSE with a smoothed K (its K-mean
-    term reads Q in the epilogue, so Q is handed back late, and AOT spills grow to 440-700 B) and the
-    experiments (other key-block sizes, three warpgroups, turn barriers) keep the one-tile grid."""
+    term reads Q in the epilogue, so Q is handed back late, and AOT spills grow to 440-700 B) keep the
+    one-tile grid."""
     case = is_fp8 or (bf16_tma_default(dqk, dv) and not varlen)
-    return case and _default_tile(sink_mode, dv, block_n, wgs) and not pingpong and not has_kmean
+    return case and _default_tile(sink_mode, dv) and not has_kmean
 
 
 def sink_problem(is_fp8: bool, dims: tuple, sink_keys: int, tensors=()) -> str | None:
@@ -330,8 +264,6 @@ def sink_problem(is_fp8: bool, dims: tuple, sink_keys: int, tensors=()) -> str |
         return f"the Hopper kernel attends exactly {SINK_KEYS} BF16 sink keys (got {sink_keys})"
     if dims not in SINK_HEAD_DIMS:
         return f"BF16 sink keys in the Hopper kernel: head dims 64/64 and 128/128 only (got {dims[0]}/{dims[1]})"
-    if _consumer_wgs() != 2 or _block_n(is_fp8, dims[1]) != BLOCK_N or _flag("LEANFA_HOPPER_PINGPONG", False):
-        return "BF16 sink keys in the Hopper kernel: two consumer warpgroups, 128-key blocks, no turn barriers"
     for name, t in tensors:
         t = as_bshd(t)
         if t.dtype not in (torch.bfloat16, torch.float16):
@@ -380,22 +312,9 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
         B, Sq, Sk = cu_seqlens_q.shape[0] - 1, int(max_seqlen_q), int(max_seqlen_k)
     is_fp8 = q.dtype == torch.float8_e4m3fn
     kmajor = v_is_kmajor(v)
-    if kmajor and is_fp8 and not varlen and _flag("LEANFA_HOPPER_V_PERMUTED", False):
-        v = permute_v_keys(v)
-        kmajor = PERMUTED_KEYS.value
     dchunk = qk_chunk(Dqk)
     block_n = _block_n(is_fp8, Dv)
-    wgs = _consumer_wgs()
-    pv_flag = _flag("LEANFA_HOPPER_PV_IN_MMA", False) or wide_head(Dv)
-    pv_in_mma = is_fp8 and pv_flag
-    if wide_head(Dv) and wgs != 2:
-        raise ValueError(f"head dim {Dv} runs with two consumer warpgroups only (its O takes "
-                         "128 of a warpgroup's registers per thread)")
-    if wgs == 3 and not (pv_in_mma and block_n <= 128 or not is_fp8 and block_n == 64):
-        # (FP8 with PV in the accumulator also compiles at 128-key blocks, with its wgmmas serialized)
-        raise ValueError("LEANFA_HOPPER_CONSUMERS=3 needs, at 160 registers per warpgroup, FP8 with "
-                         "LEANFA_HOPPER_PV_IN_MMA=1 and 64- or 128-key blocks, or BF16/FP16 with LEANFA_HOPPER_BLOCK_N=64")
-    block_m = 64 * wgs  # query rows per tile
+    block_m = BLOCK_M  # query rows per tile
     q_rows = 64  # one 64-row Q box per consumer warpgroup
     q_desc = _desc(q, *_bshd_as_bhsd(q), [1, 1, q_rows, dchunk])
     k_desc = _desc(k, *_bshd_as_bhsd(k), [1, 1, block_n, dchunk])
@@ -418,9 +337,9 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
         sink_descs, sink_bytes = _sink_descs(sink, q_rows, block_n)
         sink_mode = 2 if k_mean is not None else 1  # 2: K was smoothed, the sink's scores shift by q . mean
     has_kmean = k_mean is not None and return_lse
-    o_tma = store_tma(is_fp8, varlen, out, sink_mode, block_n, wgs, Dqk)
+    o_tma = store_tma(is_fp8, varlen, out, sink_mode, Dqk)
     out_desc = _desc(out, *_bshd_as_bhsd(out), [1, 1, 64, Dv]) if o_tma else None
-    out_bytes = wgs * 64 * Dv * out.element_size() if o_tma else 0
+    out_bytes = block_m * Dv * out.element_size() if o_tma else 0
     km = k_mean if has_kmean or sink_mode == 2 else v_scale  # any float32 pointer; unused
     if varlen:  # out (total_q, Hq, Dv): sequence b's rows start at token cu_seqlens_q[b]
         out_strides = (0, out.stride(0), out.stride(1))
@@ -443,29 +362,16 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
         args += (cu_seqlens_q, cu_seqlens_k, *lse_strides)
     else:  # lse (B, Hq, Sq); the cu_seqlens pointers are unused
         args += (v_scale, v_scale, Hq * Sq, Sq)
-    trace = trace_buffer(B * Hq * num_m_tiles, wgs, q.device) if _flag("LEANFA_HOPPER_TRACE", False) else None
+    trace = trace_buffer(B * Hq * num_m_tiles, q.device) if _flag("LEANFA_HOPPER_TRACE", False) else None
     args += (trace, cu_seqlens_v, *sink_descs, out_desc)
-    poly = int(os.environ.get("LEANFA_HOPPER_POLY", "0") or 0) if is_fp8 else 0
-    if not 0 <= poly <= 8:
-        raise ValueError(f"LEANFA_HOPPER_POLY must be 0..8 (of every 8 exponentials), got {poly}")
-    poly = _ablation() or poly
-    pingpong = _flag("LEANFA_HOPPER_PINGPONG", False)
-    persistent = _flag("LEANFA_HOPPER_PERSISTENT", persistent_default(is_fp8, varlen, sink_mode, Dv, pingpong,
-                                                                      block_n, wgs, has_kmean, Dqk))
-    if persistent and pingpong:
-        raise ValueError("LEANFA_HOPPER_PERSISTENT and LEANFA_HOPPER_PINGPONG cannot be combined yet")
-    if wgs != 2 and pingpong:
-        raise ValueError("LEANFA_HOPPER_PINGPONG alternates two consumer warpgroups (LEANFA_HOPPER_CONSUMERS=2)")
+    persistent = _flag("LEANFA_HOPPER_PERSISTENT", persistent_default(is_fp8, varlen, sink_mode, Dv, has_kmean, Dqk))
     constexprs = dict(
         HEAD_DQK=Dqk, HEAD_DV=Dv, CAUSAL=bool(causal), IS_FP8=is_fp8, V_KMAJOR=kmajor,
         RETURN_LSE=bool(return_lse), HAS_KMEAN=has_kmean,
         STAGES=_stages(Dqk, Dv, q.element_size(), block_n, block_m, sink_bytes + out_bytes),
         num_warps=WG_WARPS,
-        RESCALE_SKIP=_flag("LEANFA_HOPPER_RESCALE_SKIP", False),
-        PRODUCER_REGS=int(os.environ.get("LEANFA_HOPPER_PRODUCER_REGS", "24")),
-        PINGPONG=pingpong, POLY=poly, PV_IN_MMA=pv_flag,
-        PERSISTENT=persistent, VARLEN=varlen, CONSUMER_WGS=wgs, SINK=sink_mode, STORE_TMA=o_tma,
-        CONSUMER_REGS=CONSUMER_REGS if wgs == 2 else CONSUMER_REGS_3WG,
+        ABLATE=_ablation(), PV_IN_MMA=wide_head(Dv),
+        PERSISTENT=persistent, VARLEN=varlen, SINK=sink_mode, STORE_TMA=o_tma,
     )
     if persistent:  # one program per SM (one CTA fits an SM: > 114 KB of shared memory)
         grid = (min(B * Hq * num_m_tiles, _num_sms(q.device)), )
@@ -474,7 +380,7 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
     return Plan(args, constexprs, grid, trace)
 
 
-def trace_buffer(tiles: int, wgs: int, device) -> torch.Tensor:
+def trace_buffer(tiles: int, device, wgs: int = BLOCK_M // 64) -> torch.Tensor:
     """The int32 clock-trace buffer of ``LEANFA_HOPPER_TRACE=1`` (:mod:`.trace`): one record per tile and
     consumer warpgroup, poisoned with -1 (a block or tile never written reads as -1)."""
     return torch.full((tiles, wgs, 1 + TRACE_BLOCKS.value, TRACE_EVENTS.value), -1, dtype=torch.int32, device=device)

@@ -32,36 +32,7 @@ def rows_layout(num_warps):
     return gl.BlockedLayout([1, 4], [4, 8], [num_warps, 1], [1, 0])
 
 
-#: ``V_KMAJOR`` value of a K-major FP8 V whose keys are permuted within groups of 16
-#: (:func:`key_slot_order`; ``LEANFA_HOPPER_V_PERMUTED``).
-PERMUTED_KEYS = gl.constexpr(2)
-
-
-def key_slot_order(n: int) -> list[int]:
-    """The key each of ``n`` V slots holds (``n`` a multiple of 16): in every group of 16, slot
-    ``4t + 2q + e`` holds key ``8q + 2t + e`` -- keys 0,1,8,9,2,3,10,11,4,5,12,13,6,7,14,15.
-
-    That is the order in which a thread of an FP8 QK^T wgmma accumulator holds its columns of P
-    (thread ``t`` = lane % 4 holds columns ``8i + 2t + e``) relative to the k-slots it must supply
-    as PV's A operand (``4t .. 4t + 3``): with V in this order, P becomes the A operand by a
-    permutation of each thread's own registers (:func:`p_operand`) instead of 16 shuffles."""
-    order = []
-    for s in range(n):
-        g, r = divmod(s, 16)
-        t, q, e = r // 4, (r // 2) % 2, r % 2
-        order.append(16 * g + 8 * q + 2 * t + e)
-    return order
-
-
 @gluon.jit
-def p_operand(p, p_dtype: gl.constexpr, p_layout: gl.constexpr, PERMUTED: gl.constexpr):
-    """P (in the QK accumulator layout) as PV's register A operand. ``PERMUTED``: V's keys are in
-    :func:`key_slot_order`, so slot ``k`` of the operand takes P's column ``key_slot_order[k]`` --
-    a reshape/permute that keeps every value in its thread (the conversion is asserted trivial)."""
-    p = p.to(p_dtype)
-    if PERMUTED:
-        M: gl.constexpr = p.shape[0]
-        N: gl.constexpr = p.shape[1]
-        p = p.reshape([M, N // 16, 2, 4, 2]).permute(0, 1, 3, 2, 4).reshape([M, N])
-        return gl.convert_layout(p, p_layout, assert_trivial=True)
-    return gl.convert_layout(p, p_layout)
+def p_operand(p, p_dtype: gl.constexpr, p_layout: gl.constexpr):
+    """P (in the QK accumulator layout) as PV's register A operand, converted to ``p_dtype``."""
+    return gl.convert_layout(p.to(p_dtype), p_layout)

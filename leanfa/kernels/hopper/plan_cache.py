@@ -2,7 +2,7 @@
 
 At S <= 2K the Hopper kernel runs ~0.16-0.25 ms, and ``flash_attn_func``'s host work without this cache is
 as long (~0.2-0.4 ms per FP8 call on the H200's host; docs/perf-notes.md, "The host path: plans kept per call
-signature"). Most of it is repeated work: :func:`.launch.make_plan` reads ~15 environment knobs, checks
+signature"). Most of it is repeated work: :func:`.launch.make_plan` reads the environment knobs, checks
 layouts and builds four validated TMA descriptors, and Triton's launcher binds and specializes ~45
 arguments, on every call, although all of it follows from the call's *signature*:
 
@@ -19,7 +19,7 @@ of the first launch directly (:meth:`Template.launch`).
 The inputs a plan is bound from are the call's tensors as the kernel reads them: packed varlen tensors
 viewed as a batch of one, and V as :func:`.launch.prepare_v` makes it (an FP8 V re-packed or transposed:
 that copy is made every call, before the lookup). Only plans whose every tensor argument is one of those
-inputs are kept: a plan that made a tensor of its own (a permuted V, the clock-trace buffer) is rebuilt
+inputs are kept: a plan that made a tensor of its own (the clock-trace buffer) is rebuilt
 every call, as are timing ablations. Varlen calls and copied FP8 V's are kept too
 (:data:`PREPARED_VALIDATED`); ``LEANFA_HOPPER_PLAN_CACHE=1`` keeps dense ones only.
 ``LEANFA_HOPPER_PLAN_CACHE=0`` turns the cache off.
@@ -38,11 +38,8 @@ from .gluon_compat import TensorDescriptor
 #: every environment knob a plan or the kernel's verdict on a call depends on (tests/test_hopper_host.py
 #: checks the list against the hopper package's sources)
 KNOBS = (
-    "LEANFA_HOPPER_BLOCK_N", "LEANFA_HOPPER_CONSUMERS", "LEANFA_HOPPER_PV_IN_MMA",
-    "LEANFA_HOPPER_V_PERMUTED", "LEANFA_HOPPER_STORE_TMA", "LEANFA_HOPPER_TRACE", "LEANFA_HOPPER_RESCALE_SKIP",
-    "LEANFA_HOPPER_PRODUCER_REGS", "LEANFA_HOPPER_POLY", "LEANFA_HOPPER_ABLATE",
-    "LEANFA_HOPPER_PINGPONG", "LEANFA_HOPPER_PERSISTENT", "LEANFA_HOPPER_STAGES", "LEANFA_HOPPER_PLAN_CACHE",
-    "LEANFA_HOPPER_SINK",
+    "LEANFA_HOPPER_STORE_TMA", "LEANFA_HOPPER_TRACE", "LEANFA_HOPPER_ABLATE", "LEANFA_HOPPER_PERSISTENT",
+    "LEANFA_HOPPER_STAGES", "LEANFA_HOPPER_PLAN_CACHE", "LEANFA_HOPPER_SINK",
 )
 MAX_TEMPLATES = 256  # signatures kept (a template holds no tensors: ~1 KB each)
 

@@ -25,7 +25,7 @@ from .epilogue import kmean_lse_term
 from .layouts import a_operand_layout, wgmma_layout
 from .masking import mask_scores
 from .pipeline import as_2d
-from .softmax_ws import online_softmax_step_lazy
+from .softmax import online_softmax_step
 
 
 @gluon.jit
@@ -64,7 +64,7 @@ def sink_block(qs_smem, ks_smem, vs_smem, W: gl.constexpr, acc, m_i, l_i, offs_m
                                                    b, hkv, 1.0, num_warps), row_layout)
         s = s - q_shift[:, None]
     s = mask_scores(s, offs_m, gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout)), seqlen_q, seqlen_k, CAUSAL)
-    p, m_i, l_i, alpha = online_softmax_step_lazy(s, qk_scale, m_i, l_i, P_OFFSET, False)
+    p, m_i, l_i, alpha = online_softmax_step(s, qk_scale, m_i, l_i, P_OFFSET)
     p16 = gl.convert_layout(p.to(vs_smem.dtype), a_operand_layout(o16_layout, 16))
     pv_acc = warpgroup_mma(p16, as_2d(vs_smem.index(0)), gl.zeros([acc.shape[0], HEAD_DV], gl.float32, o16_layout),
                            use_acc=False, is_async=True)

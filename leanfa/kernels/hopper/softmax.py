@@ -1,4 +1,4 @@
-"""Lean-P online softmax, in the exp2 domain, one FFMA per score.
+"""Lean-P online softmax, in the exp2 domain, one FFMA per score, and the fold of a block's PV into O.
 
 Per key block the caller passes ``c = q_scale * k_scale * softmax_scale * log2(e)`` (all the
 dequantization and softmax constants folded into one number; ``c > 0``). Row statistics are
@@ -14,22 +14,67 @@ keep ``m = -inf``; they use 0 as the subtracted max so no ``inf - inf`` appears.
 
 from __future__ import annotations
 
+from .ablation import ABLATE_EXP, ABLATE_MAX, ablates
 from .gluon_compat import gl, gluon
-
-LN2 = 0.6931471805599453
 
 
 @gluon.jit
-def online_softmax_step(s, c, m_i, l_i, P_OFFSET: gl.constexpr):
-    """One key block: return ``(p, m_new, l_new, alpha)``; rescale the accumulator by ``alpha``."""
-    m_blk = gl.max(s, axis=1) * c
+def thread_row_sums(p):
+    """Per-thread partial row sums of ``p`` (a wgmma accumulator ``[M, N]``: thread lane ``t`` of a quad holds
+    columns ``8i + 2t + e``): ``[M, 8]``, column ``2t + e`` summed over ``i`` -- adds within each thread only,
+    no shuffle. :func:`row_totals` finishes the sum across the quad."""
+    M: gl.constexpr = p.shape[0]
+    N: gl.constexpr = p.shape[1]
+    return gl.sum(p.reshape([M, N // 8, 8]), axis=1)
+
+
+@gluon.jit
+def row_totals(l_part, row_layout: gl.constexpr):
+    """The row sums (``row_layout``) from :func:`thread_row_sums`-shaped partials (one quad reduction)."""
+    return gl.convert_layout(gl.sum(l_part, axis=1), row_layout)
+
+
+@gluon.jit
+def _add_row_sums(l_i, alpha, p, PARTIAL_L: gl.constexpr):
+    """``l_i * alpha + rowsum(p)``: ``l_i`` row sums ``[M]``, or (``PARTIAL_L``) per-thread partials ``[M, 8]``."""
+    if PARTIAL_L:
+        a = gl.convert_layout(alpha, gl.SliceLayout(1, l_i.type.layout))
+        l_new = l_i * a[:, None] + gl.convert_layout(thread_row_sums(p), l_i.type.layout)
+    else:
+        l_new = l_i * alpha + gl.sum(p, axis=1)
+    return l_new
+
+
+@gluon.jit
+def online_softmax_step(s, c, m_i, l_i, P_OFFSET: gl.constexpr, ABLATE: gl.constexpr = 0,
+                        PARTIAL_L: gl.constexpr = False):
+    """One key block: ``(p, m_new, l_new, alpha)``; the caller rescales the accumulator by ``alpha``.
+    ``ABLATE``: the timing ablations of :mod:`.ablation` (0: none)."""
+    if ablates(ABLATE, ABLATE_MAX):  # timing ablation: wrong results
+        m_blk = m_i
+    else:
+        m_blk = gl.max(s, axis=1) * c
     m_new = gl.maximum(m_i, m_blk)
     m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_sub)
-    neg_m = P_OFFSET - m_sub
-    p = gl.exp2(gl.fma(s, c, neg_m[:, None]))
-    l_new = l_i * alpha + gl.sum(p, axis=1)
-    return p, m_new, l_new, alpha
+    x = gl.fma(s, c, (P_OFFSET - m_sub)[:, None])
+    if ablates(ABLATE, ABLATE_EXP):  # timing ablation: wrong results
+        p = x
+    else:
+        p = gl.exp2(x)
+    return p, m_new, _add_row_sums(l_i, alpha, p, PARTIAL_L), alpha
+
+
+@gluon.jit
+def fold_pv(acc, alpha_o, pv, TWO_LEVEL: gl.constexpr):
+    """O after a retired PV wgmma. Two-level (FP8): the block's PV was accumulated in a fresh fp32
+    tile, added here by one FFMA per element that also rescales O; otherwise the wgmma accumulated
+    into O itself (fed ``acc * alpha``) and ``pv`` is the new O."""
+    if TWO_LEVEL:
+        acc = gl.fma(acc, alpha_o, pv)
+    else:
+        acc = pv
+    return acc
 
 
 @gluon.jit
