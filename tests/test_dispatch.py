@@ -1,5 +1,5 @@
 """The single dispatch decision (leanfa/kernels/dispatch.py): which kernel runs a call and why, and where BF16
-sink keys are attended. CPU only: the Hopper package is faked (its verdicts, not its kernel)."""
+sink keys are attended. The Hopper package is faked (its verdicts, not its kernel), so these run with or without a GPU."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ def _fake_hopper(ok=True, sink_dims=((64, 64), (128, 128))):
 
 
 def _problem(fp8=False, d=128):
-    q = torch.randn(1, 32, 2, d).to(torch.float8_e4m3fn if fp8 else torch.bfloat16)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # (a CPU tensor is refused outside the interpreter)
+    q = torch.randn(1, 32, 2, d, device=dev).to(torch.float8_e4m3fn if fp8 else torch.bfloat16)
     return _build_problem(q, q, q, varlen=False, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
                           max_seqlen_k=None, softmax_scale=None, causal=True, q_descale=None, k_descale=None,
                           v_descale=None, k_mean=None, return_lse=False, out_dtype=None)
