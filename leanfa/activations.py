@@ -72,7 +72,7 @@ and Mistral. Sun et al. 2024, "Massive Activations in Large Language Models" (ar
 2402.17762) find the related hidden-state activations (Llama-2-7B dims 1415 and 2533, on the
 first token and the first "." or newline), near-constant across inputs, acting as biases that
 make attention sinks; they give hidden-state values, not per-channel Q/K numbers. The numbers
-used here were computed (this repository's session, not quoted from a paper) from the layer-10
+used here were computed by this project (not quoted from a paper) from the layer-10
 post-RoPE Q/K tensors that Jin et al.'s public repository (MingyuJ666/Rope_with_LLM,
 ``saved_attn_scores/``) ships: Llama-2-7b-chat (66 tokens, 32 heads) and
 Llama-3-8B-Instruct (45 tokens, 32/8 heads), BOS token left out:

@@ -186,8 +186,8 @@ def test_varlen_matches_reference(lens, dims, causal, fp8, monkeypatch):
 @needs_sm90
 @pytest.mark.parametrize("lens_q,lens_k", [([0, 0], [0, 0]), ([0], [5]), ([3, 0], [0, 0])])
 def test_varlen_empty_batch_falls_back(lens_q, lens_k):
-    """GPU fuzz, run 17: an all-empty packed batch reached the Hopper kernel and failed building a
-    TMA descriptor with a zero dim. Now supports() declines it and the portable kernel answers:
+    """An all-empty packed batch must not reach the Hopper kernel (a TMA descriptor with a zero dim fails to
+    build): supports() declines it and the portable kernel answers:
     0 output, LSE -inf."""
     from leanfa.api import _build_problem
     from leanfa.kernels import hopper
