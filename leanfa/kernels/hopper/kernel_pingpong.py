@@ -42,7 +42,7 @@ from .masking import kv_block_range, mask_scores
 from .pipeline import alloc_barriers, invalidate_barriers, load_q, produce_kv, qk_async, release_slot, v_tile, wait_k
 from .schedule import program_tiles, round_tile, sequence_bounds, tile_coords
 from .sink import load_sink, sink_block
-from .softmax import finish_rows, fold_pv, online_softmax_step, row_totals, thread_row_sums
+from .softmax import finish_rows, fold_pv, online_softmax_step, row_sums_like, row_totals, thread_row_sums
 from .trace import record_clock, record_clock_rows, record_smid, trace_row
 
 SCALE_BLOCK = gl.constexpr(128)  # tokens per Q/K scale block (leanfa.scales.SCALE_BLOCK)
@@ -196,7 +196,7 @@ def _consumer_block(s, j, c, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k,
         v_sc = load_v_scale(v_scale_row, stride_vsd, acc.shape[1], o_layout)
     else:
         v_sc = 0.0
-    record_clock_rows(tr, 1 + j, 0, m_i, offs_m, WG_ROWS)
+    record_clock_rows(tr, 1 + j, 0, row_sums_like(l_i, offs_m), offs_m, WG_ROWS)  # (after the exponentials)
     v = v_tile(v_bufs, v_bars, ring + j, STAGES, V_KMAJOR)
     record_clock(tr, 1 + j, 1, j)
     pv_acc = _issue_pv(p_op, v, acc, alpha_o, TWO_LEVEL)

@@ -35,6 +35,17 @@ def row_totals(l_part, row_layout: gl.constexpr):
 
 
 @gluon.jit
+def row_sums_like(l_i, rows):
+    """The row sums held in ``l_i`` (whole ``[M]``, or :func:`thread_row_sums`-shaped partials) in ``rows``' layout."""
+    PARTIAL: gl.constexpr = len(l_i.shape) == 2
+    if PARTIAL:
+        l_rows = gl.convert_layout(gl.sum(l_i, axis=1), rows.type.layout)
+    else:
+        l_rows = gl.convert_layout(l_i, rows.type.layout)
+    return l_rows
+
+
+@gluon.jit
 def _add_row_sums(l_i, alpha, p, PARTIAL_L: gl.constexpr):
     """``l_i * alpha + rowsum(p)``: ``l_i`` row sums ``[M]``, or (``PARTIAL_L``) per-thread partials ``[M, 8]``."""
     if PARTIAL_L:
