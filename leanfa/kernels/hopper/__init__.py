@@ -29,7 +29,7 @@ from ... import _versions
 from ..device import capability
 from ..outputs import allocate_outputs
 from . import launch as _launch
-from . import plan_cache
+from . import plan_cache, varlen_tiles
 
 #: 64/64 passes the 130-case H200 check (scripts/hopper_gpu_check.py: the 90 cases plus 40 at 64/64, BF16 and
 #: FP8, causal and not, odd lengths, GQA) and memcheck on its 24 small cases with 0 errors.
@@ -95,6 +95,10 @@ def _supports(problem) -> tuple[bool, str]:
             return False, why
     if problem.max_seqlen_q >= 2**31 or problem.max_seqlen_k >= 2**31:
         return False, "sequence too long"
+    if problem.varlen:
+        why = varlen_tiles.table_problem(q.shape[1], problem.cu_seqlens_q.numel() - 1, _launch.BLOCK_M)
+        if why:
+            return False, why
     if problem.sink_keys:
         why = _launch.sink_problem(problem.is_fp8, dims, problem.sink_keys,
                                    (("q", problem.sink_q), ("k", problem.sink_k), ("v", problem.sink_v)))
@@ -157,10 +161,14 @@ def plan(problem):
     v, cu_v = _launch.prepare_v(problem.q, problem.v, problem.cu_seqlens_k, problem.max_seqlen_k)
     q, k, v, sq, sk, sv = (t if t is None else _launch.as_bshd(t)
                            for t in (problem.q, problem.k, v, problem.sink_q, problem.sink_k, problem.sink_v))
+    tiles = None
+    if problem.varlen:  # the call's tile table (made every call, like the re-packed V)
+        tiles = varlen_tiles.build(problem.cu_seqlens_q, problem.cu_seqlens_k, q.shape[1], problem.causal,
+                                   _launch.BLOCK_M)
     inputs = (q, k, v, problem.q_scale, problem.k_scale, problem.v_scale, problem.k_mean, sq, sk, sv,
-              problem.cu_seqlens_q, problem.cu_seqlens_k, cu_v, out, lse)
+              problem.cu_seqlens_q, problem.cu_seqlens_k, cu_v, tiles, out, lse)
     if key is not None:
-        key = plan_cache.extend(key, (v, cu_v, out, lse), inputs)
+        key = plan_cache.extend(key, (v, cu_v, tiles, out, lse), inputs)
         template = PLANS.get(key)
         if template is not None:
             return template.bind(inputs), out, lse
@@ -169,7 +177,7 @@ def plan(problem):
         kw["sink"] = (problem.sink_keys, sq, sk, sv)
     p = _launch.make_plan(q, k, None, out, lse, problem.q_scale, problem.k_scale, problem.v_scale,
                           problem.k_mean, causal=problem.causal, softmax_scale=problem.softmax_scale,
-                          return_lse=problem.return_lse, prepared_v=(v, cu_v), **kw)
+                          return_lse=problem.return_lse, prepared_v=(v, cu_v), tile_table=tiles, **kw)
     template = plan_cache.Template.of(p, inputs) if key is not None else None
     if template is not None:
         PLANS.put(key, template)

@@ -40,7 +40,7 @@ from .epilogue import kmean_lse_term, load_v_scale, stage_and_store, write_rows
 from .layouts import a_operand_layout, p_operand, wgmma_layout
 from .masking import kv_block_range, mask_scores
 from .pipeline import alloc_barriers, invalidate_barriers, load_q, produce_kv, qk_async, release_slot, v_tile, wait_k
-from .schedule import program_tiles, round_tile, sequence_bounds, tile_coords
+from .schedule import program_tiles, round_tile, sequence_bounds, tile_coords, varlen_tile_coords
 from .sink import load_sink, sink_block
 from .softmax import finish_rows, fold_pv, online_softmax_step, row_sums_like, row_totals, thread_row_sums
 from .trace import record_clock, record_clock_rows, record_smid, trace_row
@@ -57,13 +57,17 @@ PRODUCER_REGS = gl.constexpr(24)  # ... and per producer thread: 2 x 4 x 240 + 2
 
 @gluon.jit
 def _tile(t, num_bh, num_heads, group_size, num_m_tiles, num_tiles, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k,
-          BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr):
+          tiles, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr):
     """Everything about tile ``t`` (``WGS`` x 64 query rows) every partition needs: ``(b, h, hkv, m_start, tma_b, q_start,
     k_start, seqlen_q, seqlen_k, n_full, n_end)``. A ``t`` past the last tile (a persistent
     program's last round may have none) reads as the last tile with no rows and no key blocks."""
     valid = t < num_tiles
-    b, h, hkv, m_start = tile_coords(gl.minimum(t, num_tiles - 1), num_bh, num_heads, group_size, num_m_tiles,
-                                     WGS * WG_ROWS)
+    if VARLEN:  # (the tile table, varlen_tiles.py)
+        b, h, hkv, m_start = varlen_tile_coords(gl.maximum(gl.minimum(t, num_tiles - 1), 0), tiles, num_heads,
+                                                group_size, WGS * WG_ROWS)
+    else:
+        b, h, hkv, m_start = tile_coords(gl.minimum(t, num_tiles - 1), num_bh, num_heads, group_size, num_m_tiles,
+                                         WGS * WG_ROWS)
     tma_b, q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(cu_seqlens_q, cu_seqlens_k, b, seqlen_q, seqlen_k,
                                                                   VARLEN)
     seqlen_q = gl.where(valid, seqlen_q, 0)
@@ -93,7 +97,7 @@ def _producer(args, cu_seqlens_v, sink_t, CAUSAL: gl.constexpr, V_KMAJOR: gl.con
     ``sink_t`` holds the 16-bit Q/K/V descriptors, their buffers and barrier; the tile's 16-bit Q and
     sink block load with its Q, and the FP8 blocks start at block 1."""
     (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars,
-     seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, num_bh, num_heads, group_size, num_m_tiles,
+     seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, tiles, num_bh, num_heads, group_size, num_m_tiles,
      first_tile, tile_step, num_tiles) = args
     QK_CHUNKS: gl.constexpr = k_bufs.shape[0] // v_bufs.shape[0]
     ring = 0
@@ -102,7 +106,7 @@ def _producer(args, cu_seqlens_v, sink_t, CAUSAL: gl.constexpr, V_KMAJOR: gl.con
         t = round_tile(r, first_tile, tile_step)
         b, h, hkv, m_start, tma_b, q_start, k_start, sq, sk, n_full, n_end = _tile(
             t, num_bh, num_heads, group_size, num_m_tiles, num_tiles, seqlen_q, seqlen_k, cu_seqlens_q,
-            cu_seqlens_k, k_desc.block_type.shape[2], CAUSAL, VARLEN)
+            cu_seqlens_k, tiles, k_desc.block_type.shape[2], CAUSAL, VARLEN)
         if n_end > 0:
             if qi > 0:
                 mbarrier.wait(q_empty.index(0), (qi - 1) & 1)
@@ -343,7 +347,7 @@ def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, q_empty,
 @gluon.jit
 def _consumer_step(t, ring, qi, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars,
                    out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
-                   seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k,
+                   seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k, tiles,
                    num_bh, num_heads, group_size, num_m_tiles, num_tiles, trace, sink_t, ostore,
                    HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
                    RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, ABLATE: gl.constexpr,
@@ -354,7 +358,7 @@ def _consumer_step(t, ring, qi, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars,
     ``trace``: the clock-trace buffer (:mod:`.trace`), or ``None``."""
     b, h, hkv, m_start, tma_b, q_start, k_start, sq, sk, n_full, n_end = _tile(
         t, num_bh, num_heads, group_size, num_m_tiles, num_tiles, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k,
-        k_bufs.shape[3], CAUSAL, VARLEN)
+        tiles, k_bufs.shape[3], CAUSAL, VARLEN)
     tr = trace
     if trace is not None:
         tr = trace_row(trace, t, W, WGS)
@@ -385,7 +389,7 @@ def _consumer(args, trace, sink_t, ostore, HEAD_DV: gl.constexpr, CAUSAL: gl.con
     every warpgroup but 0 does nothing: one warpgroup's chain alone, for comparison."""
     (q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars,
      out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
-     seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k,
+     seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k, tiles,
      num_bh, num_heads, group_size, num_m_tiles, first_tile, tile_step, num_tiles) = args
     if W > 0 and ablates(ABLATE, ABLATE_ONEWG):
         pass
@@ -397,7 +401,7 @@ def _consumer(args, trace, sink_t, ostore, HEAD_DV: gl.constexpr, CAUSAL: gl.con
                 round_tile(r, first_tile, tile_step), ring, qi, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars,
                 empty_bars,
                 out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
-                seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k,
+                seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k, tiles,
                 num_bh, num_heads, group_size, num_m_tiles, num_tiles, trace, sink_t, ostore,
                 HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, ABLATE, TWO_LEVEL, VARLEN, SINK,
                 STORE_TMA, W)
@@ -405,7 +409,7 @@ def _consumer(args, trace, sink_t, ostore, HEAD_DV: gl.constexpr, CAUSAL: gl.con
         _consumer_step(
             first_tile, 0, 0, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars,
             out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
-            seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k,
+            seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k, tiles,
             num_bh, num_heads, group_size, num_m_tiles, num_tiles, trace, sink_t, ostore,
             HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, ABLATE, TWO_LEVEL, VARLEN, SINK, STORE_TMA,
             W)
@@ -447,6 +451,7 @@ def attn_fwd_pingpong_kernel(
     sm_scale,  # softmax_scale (for the K-mean LSE correction)
     num_bh,  # batch * query heads: tile t is query tile (num_m_tiles - 1 - t // num_bh) of (b, h) = t % num_bh
     cu_seqlens_q, cu_seqlens_k,  # varlen: (batch + 1) int32 token offsets (dense: unused)
+    tiles,  # varlen: the int32 tile table (varlen_tiles.py; dense: unused)
     stride_lb, stride_lh,  # LSE strides of batch and head (dense (B, H, Sq); varlen (H, total_q))
     trace,  # None, or the int32 clock-trace buffer (LEANFA_HOPPER_TRACE, see trace.py)
     cu_seqlens_v,  # None, or (FP8 varlen) each sequence's first token in V, 16-aligned (launch.align_varlen_v)
@@ -468,7 +473,7 @@ def attn_fwd_pingpong_kernel(
     QK_CHUNKS: gl.constexpr = HEAD_DQK // DCHUNK
     TWO_LEVEL: gl.constexpr = IS_FP8 and not PV_IN_MMA
 
-    first_tile, tile_step, num_tiles = program_tiles(num_bh, num_m_tiles, PERSISTENT)
+    first_tile, tile_step, num_tiles = program_tiles(num_bh, num_m_tiles, num_heads, tiles, PERSISTENT, VARLEN)
 
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [WGS * QK_CHUNKS] + q_desc.block_type.shape,
                                        q_desc.layout)
@@ -486,10 +491,10 @@ def attn_fwd_pingpong_kernel(
              (out_ptr, stride_ob, stride_os, stride_oh), (lse_ptr, stride_lb, stride_lh),
              (q_scale_ptr, stride_qsb, stride_qsh, stride_qsblk), (k_scale_ptr, stride_ksb, stride_ksh, stride_ksblk),
              (v_scale_ptr, stride_vsb, stride_vsh, stride_vsd), (k_mean_ptr, stride_kmb, stride_kmh, stride_kmd),
-             seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k,
+             seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k, tiles,
              num_bh, num_heads, group_size, num_m_tiles, first_tile, tile_step, num_tiles)
     pargs = (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars,
-             seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, num_bh, num_heads, group_size, num_m_tiles,
+             seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, tiles, num_bh, num_heads, group_size, num_m_tiles,
              first_tile, tile_step, num_tiles)
     if STORE_TMA:  # one output box per consumer warpgroup
         o_smem = gl.allocate_shared_memory(out_desc.dtype, [WGS] + out_desc.block_type.shape, out_desc.layout)

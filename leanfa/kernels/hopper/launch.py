@@ -23,6 +23,7 @@ from .ablation import ABLATE_BITS
 from .gluon_compat import TensorDescriptor, gl
 from .kernel_pingpong import attn_fwd_pingpong_kernel
 from .trace import TRACE_BLOCKS, TRACE_EVENTS
+from . import varlen_tiles
 from .varlen_v import align_varlen_v
 
 BLOCK_M = 128  # two consumer warpgroups, 64 query rows each
@@ -297,17 +298,19 @@ def prepare_v(q: torch.Tensor, v: torch.Tensor, cu_seqlens_k=None, max_seqlen_k=
 
 def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: bool,
               softmax_scale: float, return_lse: bool, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, sink=None,
-              prepared_v=None) -> Plan:
+              prepared_v=None, tile_table=None) -> Plan:
     """Kernel arguments for dense (B, S, H, D) tensors (``out`` (B, Sq, Hq, Dv)), or packed varlen
     (total, H, D) ones with ``cu_seqlens_*`` / ``max_seqlen_*`` (``out`` (total_q, Hq, Dv)).
     ``sink``: ``(sink_keys, q16, k16, v16)``, FP8 with the first keys attended from the 16-bit inputs
     (:mod:`.sink`; :func:`sink_problem` says what is supported). ``prepared_v``: :func:`prepare_v`'s result
-    when the caller made it (``v`` is then unused); else it is made here."""
+    when the caller made it (``v`` is then unused); else it is made here. ``tile_table``: varlen, the call's
+    :func:`.varlen_tiles.build` (made here when not given)."""
     varlen = cu_seqlens_q is not None
     v, cu_seqlens_v = prepared_v if prepared_v is not None else prepare_v(q, v, cu_seqlens_k, max_seqlen_k)
     q, k, v = as_bshd(q), as_bshd(k), as_bshd(v)
     B, Sq, Hq, Dqk = q.shape
     Sk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
+    total_q = q.shape[1]  # (varlen: the packed tokens, viewed as a batch of one)
     if varlen:
         B, Sq, Sk = cu_seqlens_q.shape[0] - 1, int(max_seqlen_q), int(max_seqlen_k)
     is_fp8 = q.dtype == torch.float8_e4m3fn
@@ -357,11 +360,15 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
         float(softmax_scale * LOG2E), float(softmax_scale),
     )
     args += (B * Hq, )
+    tiles = B * Hq * num_m_tiles  # (an upper bound, varlen)
     if varlen:  # lse (Hq, total_q)
         lse_strides = (0, lse.stride(0)) if lse is not None else (0, 0)
-        args += (cu_seqlens_q, cu_seqlens_k, *lse_strides)
-    else:  # lse (B, Hq, Sq); the cu_seqlens pointers are unused
-        args += (v_scale, v_scale, Hq * Sq, Sq)
+        if tile_table is None:
+            tile_table = varlen_tiles.build(cu_seqlens_q, cu_seqlens_k, total_q, causal, block_m)
+        tiles = min(tiles, varlen_tiles.capacity(total_q, B, block_m) * Hq)
+        args += (cu_seqlens_q, cu_seqlens_k, tile_table, *lse_strides)
+    else:  # lse (B, Hq, Sq); the cu_seqlens and tile-table pointers are unused
+        args += (v_scale, v_scale, v_scale, Hq * Sq, Sq)
     trace = trace_buffer(B * Hq * num_m_tiles, q.device) if _flag("LEANFA_HOPPER_TRACE", False) else None
     args += (trace, cu_seqlens_v, *sink_descs, out_desc)
     persistent = _flag("LEANFA_HOPPER_PERSISTENT", persistent_default(is_fp8, varlen, sink_mode, Dv, has_kmean, Dqk))
@@ -374,7 +381,9 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
         PERSISTENT=persistent, VARLEN=varlen, SINK=sink_mode, STORE_TMA=o_tma,
     )
     if persistent:  # one program per SM (one CTA fits an SM: > 114 KB of shared memory)
-        grid = (min(B * Hq * num_m_tiles, _num_sms(q.device)), )
+        grid = (max(min(tiles, _num_sms(q.device)), 1), )
+    elif varlen:  # one program per table slot (schedule.program_tiles: 1-D, the table's order)
+        grid = (max(tiles, 1), )
     else:
         grid = (B * Hq, num_m_tiles)
     return Plan(args, constexprs, grid, trace)

@@ -7,9 +7,10 @@ query head ``h`` reads KV head ``h // group_size``. One tile per program on the 
 walks the tiles in rounds of one per program, alternating direction (:func:`round_tile`), and pays
 the pipeline fill once.
 
-Varlen (packed ``(total, H, D)`` tensors): program ``b`` of axis 0 is sequence ``b``, whose tokens
-are ``[cu_seqlens[b], cu_seqlens[b + 1])``; the grid covers ``max_seqlen_q`` and the tiles past a
-shorter sequence visit no key blocks (:func:`.masking.kv_block_range`).
+Varlen (packed ``(total, H, D)`` tensors): sequence ``b``'s tokens are ``[cu_seqlens[b], cu_seqlens[b + 1])``,
+and the tiles are read from the call's tile table (:mod:`.varlen_tiles`: only the real (sequence, query
+tile) pairs, heaviest first, each for every query head in turn, :func:`varlen_tile_coords`); the number
+of tiles is the table's first entry times the heads, read on the GPU.
 """
 
 from __future__ import annotations
@@ -29,6 +30,15 @@ def tile_coords(t, num_bh, num_heads, group_size, num_m_tiles, BLOCK_M: gl.const
 
 
 @gluon.jit
+def varlen_tile_coords(t, tiles, num_heads, group_size, BLOCK_M: gl.constexpr):
+    """``(b, h, hkv, m_start)`` of varlen tile ``t`` (``< num_tiles``): query head ``t % num_heads`` of the
+    table's pair ``t // num_heads`` (``tiles[1 + i] = b << 16 | m``, :mod:`.varlen_tiles`)."""
+    pair = gl.maximum(gl.load(tiles + 1 + t // num_heads), 0)  # (an empty batch's -1 padding reads as pair 0)
+    h = t % num_heads
+    return pair >> 16, h, h // group_size, (pair & 0xFFFF) * BLOCK_M
+
+
+@gluon.jit
 def round_tile(r, first, step):
     """The tile of round ``r`` of a persistent program: rounds alternate direction (boustrophedon),
     so the program that took one of a round's heaviest tiles takes one of the next round's lightest.
@@ -38,10 +48,14 @@ def round_tile(r, first, step):
 
 
 @gluon.jit
-def program_tiles(num_bh, num_m_tiles, PERSISTENT: gl.constexpr):
+def program_tiles(num_bh, num_m_tiles, num_heads, tiles, PERSISTENT: gl.constexpr, VARLEN: gl.constexpr):
     """``(first, step, num_tiles)``: this program computes tiles ``first, first + step, ... < num_tiles``
-    (persistent: :func:`round_tile` of rounds ``0, 1, ...``)."""
-    num_tiles = num_bh * num_m_tiles
+    (persistent: :func:`round_tile` of rounds ``0, 1, ...``). Varlen: the tile table's pairs times the heads
+    (the grid may be larger: its programs past the last tile have nothing to do)."""
+    if VARLEN:
+        num_tiles = gl.load(tiles) * num_heads
+    else:
+        num_tiles = num_bh * num_m_tiles
     if PERSISTENT:
         first = gl.program_id(0)
         step = gl.num_programs(0)
