@@ -82,7 +82,7 @@ def spill_budget(v: Variant) -> int:
     env = dict(v.env)
     persistent = env.get("LEANFA_HOPPER_PERSISTENT")
     if persistent is None:  # the default (launch.persistent_default)
-        persistent = L.persistent_default(v.dtype == "fp8", v.varlen, int(v.sink), v.dv,
+        persistent = L.persistent_default(v.dtype == "fp8", int(v.sink), v.dv,
                                           has_kmean=v.k_mean and v.return_lse, dqk=v.dqk)
     return 400 if persistent else 64
 

@@ -46,3 +46,45 @@ def test_limits_are_refused():
     assert varlen_tiles.table_problem(1000, varlen_tiles.MAX_SEQUENCES, BM)
     assert varlen_tiles.table_problem(varlen_tiles.MAX_TILES_PER_SEQUENCE * BM, 2, BM)
     assert varlen_tiles.table_problem(10_000, 3, BM) is None
+
+
+# ---- GPU: a captured varlen call replayed with new lengths ------------------------------------------------
+
+ON_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_SM90, reason="needs an sm90 (Hopper) GPU")
+@pytest.mark.parametrize("fp8", [False, True])
+def test_cuda_graph_replays_new_lengths(fp8):
+    """The tile table is built on the GPU from cu_seqlens inside the captured call: a replay after new lengths
+    (same batch size and token count) are copied into the captured cu_seqlens computes the new batch, each
+    sequence against the float64 reference (the captured output is poisoned before each replay)."""
+    import leanfa
+    from leanfa.reference import attention_ref
+
+    hq, hkv, d, total = 8, 2, 128, 1536
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(total, h, d, device="cuda", generator=gen).to(torch.bfloat16) for h in (hq, hkv, hkv))
+    cu = torch.tensor([0, 1000, 1001, 1400, total], dtype=torch.int32, device="cuda")
+
+    def run():
+        args = (leanfa.quantize_fp8(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=total, max_seqlen_k=total),
+                None, None) if fp8 else (q, k, v)
+        return leanfa.flash_attn_varlen_func(*args, cu, cu, total, total, causal=True, backend="hopper"), args
+
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, args = run()
+    for new in ([0, 7, 900, 1300, total], [0, 0, 128, 129, total]):
+        cu.copy_(torch.tensor(new, dtype=torch.int32, device="cuda"))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = attention_ref(*args, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True)
+        for a, b in zip(new[:-1], new[1:]):
+            if b > a:
+                err = float((out[a:b].double() - ref[a:b]).norm() / ref[a:b].norm())
+                assert err < (0.08 if fp8 else 0.02), (new, a, b, err)

@@ -238,21 +238,20 @@ def store_tma(is_fp8: bool, varlen: bool, out: torch.Tensor, sink_mode: int, dqk
     return tma_layout_problem("out", out, *_bshd_as_bhsd(out)) is None
 
 
-def persistent_default(is_fp8: bool, varlen: bool, sink_mode: int, dv: int, has_kmean: bool = False,
+def persistent_default(is_fp8: bool, sink_mode: int, dv: int, has_kmean: bool = False,
                        dqk: int = 128) -> bool:
     """Whether the kernel runs one program per SM by default (``LEANFA_HOPPER_PERSISTENT`` overrides): FP8 of head dim
     <= 128 without the sink (dense, where the TMA-store epilogue applies, and varlen). With it and the Q box
     handed back after the last QK, a tile's fill + epilogue + turnover fell from ~9,000 to ~1,800-2,400
     cycles at S = 1K-4K (run 46's trace), and the kernel alone (run 48, ``scripts/short_time.py``) ran
     1.38x / 1.35x the one-tile grid at S = 1K (d128 / MLA), 1.25x / 1.20x at 2K, 1.08x / 1.03x at 4K and
-    1.01x / 0.98x at 16K. Dense BF16 at head dim 128/128 too, with its TMA-store epilogue
-    (:func:`bf16_tma_default`). FP8 varlen too, with register stores (a 64-row output box can cross into the next
-    sequence's rows): H200 run 58, ``gpu_session.sh varlen_persist``, 8 uneven sequences of 16K tokens, kernel
-    alone 526 -> 563 TFLOP/s (1.07x; BF16 varlen 0.96x, so it stays on the one-tile grid), and the varlen GPU
-    tests passed with it on. The sink, head dim 256, MLA and d64 BF16, the LSE with a smoothed K (its K-mean
-    term reads Q in the epilogue, so Q is handed back late, and AOT spills grow to 440-700 B) keep the
-    one-tile grid."""
-    case = is_fp8 or (bf16_tma_default(dqk, dv) and not varlen)
+    1.01x / 0.98x at 16K. BF16 at head dim 128/128 too, dense with its TMA-store epilogue
+    (:func:`bf16_tma_default`). Varlen too, with register stores (a 64-row output box can cross into the next
+    sequence's rows), walking the tile table (:mod:`.varlen_tiles`): H200 run 76, five serving batches on Llama-3-8B
+    heads, BF16 kernel alone 1.01-1.28x the table's one-program-per-slot grid (FP8 1.00-1.34x). The sink, head
+    dim 256, MLA and d64 BF16, the LSE with a smoothed K (its K-mean term reads Q in the epilogue, so Q is handed
+    back late, and AOT spills grow to 440-700 B) keep the one-tile grid."""
+    case = is_fp8 or bf16_tma_default(dqk, dv)
     return case and _default_tile(sink_mode, dv) and not has_kmean
 
 
@@ -360,18 +359,18 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
         float(softmax_scale * LOG2E), float(softmax_scale),
     )
     args += (B * Hq, )
-    tiles = B * Hq * num_m_tiles  # (an upper bound, varlen)
+    tiles = B * Hq * num_m_tiles
     if varlen:  # lse (Hq, total_q)
         lse_strides = (0, lse.stride(0)) if lse is not None else (0, 0)
         if tile_table is None:
             tile_table = varlen_tiles.build(cu_seqlens_q, cu_seqlens_k, total_q, causal, block_m)
-        tiles = min(tiles, varlen_tiles.capacity(total_q, B, block_m) * Hq)
+        tiles = varlen_tiles.capacity(total_q, B, block_m) * Hq  # (from the shapes alone: CUDA-graph safe)
         args += (cu_seqlens_q, cu_seqlens_k, tile_table, *lse_strides)
     else:  # lse (B, Hq, Sq); the cu_seqlens and tile-table pointers are unused
         args += (v_scale, v_scale, v_scale, Hq * Sq, Sq)
     trace = trace_buffer(B * Hq * num_m_tiles, q.device) if _flag("LEANFA_HOPPER_TRACE", False) else None
     args += (trace, cu_seqlens_v, *sink_descs, out_desc)
-    persistent = _flag("LEANFA_HOPPER_PERSISTENT", persistent_default(is_fp8, varlen, sink_mode, Dv, has_kmean, Dqk))
+    persistent = _flag("LEANFA_HOPPER_PERSISTENT", persistent_default(is_fp8, sink_mode, Dv, has_kmean, Dqk))
     constexprs = dict(
         HEAD_DQK=Dqk, HEAD_DV=Dv, CAUSAL=bool(causal), IS_FP8=is_fp8, V_KMAJOR=kmajor,
         RETURN_LSE=bool(return_lse), HAS_KMEAN=has_kmean,
