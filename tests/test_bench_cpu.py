@@ -93,6 +93,19 @@ def test_model_and_varlen_shapes():
     assert var.tokens == 16384 and len(set(var.seqlens)) == len(var.seqlens) > 4
     quick = shapes.build_cases(quick=True)
     assert {c.seqlen for c in quick if not c.varlen} == set(shapes.QUICK_SEQLENS)
+
+
+def test_serving_batches():
+    """The serving sweep: six packed causal batches on Llama-3-8B heads, each its own label, lengths fixed on every
+    machine (a long prompt among 40 short ones, 64 and 256 chat prompts, equal lengths, a one-token prompt)."""
+    cases = shapes.build_cases(["serving"])
+    assert len({c.label for c in cases}) == len(cases) == 6 and all(c.varlen and c.causal for c in cases)
+    assert {(c.heads, c.kv_heads, c.head_dim) for c in cases} == {(32, 8, 128)}
+    by = {c.label: c for c in cases}
+    assert by["equal4x4k"].seqlens == (4096,) * 4 and min(by["mixed8"].seqlens) == 1
+    assert len(by["chat64"].seqlens) == 64 and all(50 <= n <= 600 for n in by["chat64"].seqlens)
+    assert by["long+short40"].seqlen == 12288 and len(by["long+short40"].seqlens) == 41
+    assert shapes.build_cases(["serving"]) == cases  # the same lengths on every call
     assert len(shapes.build_cases(["standard"], causal="false", seqlens=[4096])) == 2
     d64 = shapes.build_cases(["standard"], causal="true", seqlens=[4096], dims=["d64", "mla"])
     assert [(c.head_dim, c.head_dim_v) for c in d64] == [(64, 64), (192, 128)]

@@ -25,7 +25,9 @@ result is reported FAILED, not timed), then it is timed: median of CUDA-event ti
 rotated so they are not served from L2, SM clock and power sampled meanwhile. Sweeps:
 "standard" (16K tokens per batch, 16 heads, head dims 128 and MLA 192/128, causal and not),
 "models" (the heads of Llama-3-8B, Llama-3.1-70B, Mistral-7B, Qwen2.5-7B, DeepSeek-V3 MLA,
-on model-like activations) and "varlen" (one uneven prefill batch).
+on model-like activations), "varlen" (one uneven prefill batch) and "serving" (six packed batches of
+prompts as a serving engine sees them: one long among many short, equal lengths, 64 and 256 chat-length
+prompts).
 
 Each leanfa row is reported in TFLOP/s and as a ratio to the best peer of its precision on
 the same shape (FP8: cuDNN FP8 and FA3 FP8; BF16: cuDNN and FA3 BF16), naming that peer.

@@ -1,4 +1,4 @@
-"""Benchmark shapes: the standard sweep, the model presets, one uneven varlen batch.
+"""Benchmark shapes: the standard sweep, the model presets, one uneven varlen batch, the serving batches.
 
 A :class:`Case` is one attention problem (shape, mask, activation profile). FLOPs follow
 the flash-attn convention (docs/design.md §6): ``2·B·Hq·Sq·Sk·(Dqk+Dv)`` for the two matrix
@@ -40,7 +40,28 @@ VARLEN_SEQLENS = (8192, 3001, 2048, 1500, 1024, 517, 100, 2)
 #: ``--quick`` trims every sweep to these sequence lengths
 QUICK_SEQLENS = (1024, 4096, 16384)
 
-SWEEPS = ("standard", "models", "varlen")
+def _lengths(seed: int, n: int, low: int, high: int) -> tuple[int, ...]:
+    """``n`` prompt lengths uniform in ``[low, high]``, fixed by ``seed`` (a small LCG: the same on every machine)."""
+    out, x = [], seed
+    for _ in range(n):
+        x = (1103515245 * x + 12345) % 2**31
+        out.append(low + x % (high - low + 1))
+    return tuple(out)
+
+
+#: packed serving batches on Llama-3-8B heads (``--sweep serving``, issue 22): what a serving engine's
+#: ``flash_attn_varlen_func`` sees, by batch label
+SERVING_MODEL = "llama3-8b"
+SERVING_BATCHES = {
+    "mix16k": VARLEN_SEQLENS,  # one long prompt, a spread of others, two tiny ones
+    "equal4x4k": (4096,) * 4,  # equal lengths: what the dense kernel runs
+    "mixed8": (5000, 3100, 2500, 2000, 1800, 1000, 983, 1),  # 16K tokens, down to one token
+    "chat64": _lengths(1, 64, 50, 600),  # 64 chat-length prompts
+    "long+short40": (12288,) + _lengths(2, 40, 30, 200),  # one long prompt among 40 short ones
+    "chat256": _lengths(3, 256, 20, 300),  # a large decode-sized prefill batch
+}
+
+SWEEPS = ("standard", "models", "varlen", "serving")
 
 
 @dataclass(frozen=True)
@@ -134,6 +155,13 @@ def varlen_cases(causal=(True,), seqlens=VARLEN_SEQLENS, model=VARLEN_MODEL) -> 
                  tuple(seqlens)) for c in causal]
 
 
+def serving_cases(causal=(True,), batches=tuple(SERVING_BATCHES), model=SERVING_MODEL) -> list[Case]:
+    """The serving batches (:data:`SERVING_BATCHES`), labelled by batch."""
+    hq, hkv, dqk, dv = MODELS[model]
+    return [Case("serving", b, activation_preset(model), len(SERVING_BATCHES[b]), max(SERVING_BATCHES[b]), hq, hkv,
+                 dqk, dv, c, tuple(SERVING_BATCHES[b])) for b in batches for c in causal]
+
+
 def _causal_options(causal: str | None, default: tuple[bool, ...]) -> tuple[bool, ...]:
     if causal is None:
         return default
@@ -154,7 +182,7 @@ def build_cases(sweeps=SWEEPS, *, quick: bool = False, seqlens=None, causal: str
                 models=None, dims=None) -> list[Case]:
     """The cases of the chosen sweeps.
 
-    ``seqlens`` overrides every sweep's sequence lengths (varlen keeps its batch);
+    ``seqlens`` overrides every sweep's sequence lengths (varlen and serving keep their batches);
     ``quick`` keeps only :data:`QUICK_SEQLENS`; ``causal`` is "both", "true" or "false"
     (default: both for the standard sweep, causal for models and varlen, as in prefill); ``dims``
     are the standard sweep's head-dim labels (default d128, mla; d64 and d256 too).
@@ -175,4 +203,6 @@ def build_cases(sweeps=SWEEPS, *, quick: bool = False, seqlens=None, causal: str
         cases += model_cases(mod_s, _causal_options(causal, (True,)), models)
     if "varlen" in sweeps:
         cases += varlen_cases(_causal_options(causal, (True,)))
+    if "serving" in sweeps:
+        cases += serving_cases(_causal_options(causal, (True,)))
     return cases
