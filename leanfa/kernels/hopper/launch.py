@@ -363,7 +363,7 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
     if varlen:  # lse (Hq, total_q)
         lse_strides = (0, lse.stride(0)) if lse is not None else (0, 0)
         if tile_table is None:
-            tile_table = varlen_tiles.build(cu_seqlens_q, cu_seqlens_k, total_q, causal, block_m)
+            tile_table = varlen_tiles.build(cu_seqlens_q, cu_seqlens_k, total_q, Sk, causal, block_m)
         tiles = varlen_tiles.capacity(total_q, B, block_m) * Hq  # (from the shapes alone: CUDA-graph safe)
         args += (cu_seqlens_q, cu_seqlens_k, tile_table, *lse_strides)
     else:  # lse (B, Hq, Sq); the cu_seqlens and tile-table pointers are unused
