@@ -53,7 +53,7 @@ def _pair_buckets(cu_q, cu_k, b, t0, batch, CAUSAL: tl.constexpr, BLOCK_M: tl.co
                   BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr):
     """For sequences ``b`` (a ``[BLOCK_B]`` block) and query tiles ``t0 + [0, BLOCK_T)``: ``(pair, bucket, real)``,
     the packed pair, the key blocks its last row sees (causal: bottom-right aligned; clamped to the histogram),
-    and whether the tile exists; plus each sequence's tile count."""
+    and whether the tile exists."""
     in_batch = b < batch
     q0 = tl.load(cu_q + b, mask=in_batch, other=0)
     q1 = tl.load(cu_q + b + 1, mask=in_batch, other=0)
@@ -70,7 +70,15 @@ def _pair_buckets(cu_q, cu_k, b, t0, batch, CAUSAL: tl.constexpr, BLOCK_M: tl.co
         seen = len_k[:, None] + 0 * m[None, :]
     bucket = tl.minimum((seen + KEY_BLOCK - 1) // KEY_BLOCK, NBUCKETS - 1)
     pair = (b[:, None] << 16) | m[None, :]
-    return pair, bucket, real, tiles
+    return pair, bucket, real
+
+
+@triton.jit
+def _tile_counts(cu_q, b, batch, BLOCK_M: tl.constexpr):
+    """Query tiles of sequences ``b`` (0 past the batch)."""
+    in_batch = b < batch
+    len_q = tl.load(cu_q + b + 1, mask=in_batch, other=0) - tl.load(cu_q + b, mask=in_batch, other=0)
+    return (len_q + BLOCK_M - 1) // BLOCK_M
 
 
 @triton.jit
@@ -86,11 +94,10 @@ def _tile_table_kernel(cu_q, cu_k, table, hist, batch, NBUCKETS, CAUSAL: tl.cons
     total = 0
     for b0 in range(0, batch, BLOCK_B):  # the histogram of buckets
         b = b0 + tl.arange(0, BLOCK_B)
-        _, _, _, tiles = _pair_buckets(cu_q, cu_k, b, 0, batch, CAUSAL, BLOCK_M, NBUCKETS, BLOCK_B, BLOCK_T)
+        tiles = _tile_counts(cu_q, b, batch, BLOCK_M)
         total += tl.sum(tiles, axis=0)
         for t0 in range(0, tl.max(tiles, axis=0), BLOCK_T):
-            _, bucket, real, _ = _pair_buckets(cu_q, cu_k, b, t0, batch, CAUSAL, BLOCK_M, NBUCKETS, BLOCK_B,
-                                               BLOCK_T)
+            pair, bucket, real = _pair_buckets(cu_q, cu_k, b, t0, batch, CAUSAL, BLOCK_M, NBUCKETS, BLOCK_B, BLOCK_T)
             tl.atomic_add(hist + bucket, 1, mask=real)
     tl.debug_barrier()
     start = 0  # each bucket's first position, the fullest (most key blocks) first
@@ -103,10 +110,9 @@ def _tile_table_kernel(cu_q, cu_k, table, hist, batch, NBUCKETS, CAUSAL: tl.cons
     tl.debug_barrier()
     for b0 in range(0, batch, BLOCK_B):  # each pair to its bucket's next position
         b = b0 + tl.arange(0, BLOCK_B)
-        _, _, _, tiles = _pair_buckets(cu_q, cu_k, b, 0, batch, CAUSAL, BLOCK_M, NBUCKETS, BLOCK_B, BLOCK_T)
+        tiles = _tile_counts(cu_q, b, batch, BLOCK_M)
         for t0 in range(0, tl.max(tiles, axis=0), BLOCK_T):
-            pair, bucket, real, _ = _pair_buckets(cu_q, cu_k, b, t0, batch, CAUSAL, BLOCK_M, NBUCKETS, BLOCK_B,
-                                                  BLOCK_T)
+            pair, bucket, real = _pair_buckets(cu_q, cu_k, b, t0, batch, CAUSAL, BLOCK_M, NBUCKETS, BLOCK_B, BLOCK_T)
             pos = tl.atomic_add(hist + bucket, 1, mask=real)
             tl.store(table + 1 + pos, pair, mask=real)
     tl.store(table, total)
