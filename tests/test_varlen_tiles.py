@@ -1,4 +1,4 @@
-"""The varlen tile table (leanfa/kernels/hopper/varlen_tiles.py), on the CPU: every real (sequence, query tile)
+"""The varlen tile table (leanfa/kernels/hopper/varlen_tiles.py), on the GPU or in the interpreter: every real (sequence, query tile)
 pair exactly once, heaviest first, and nothing else."""
 
 import dataclasses
@@ -31,9 +31,10 @@ def _seen(b, m, lq, lk, causal):
 ])
 def test_table_lists_every_real_tile_once_heaviest_first(lens, causal):
     lq, lk = lens[0], lens[1] or lens[0]
-    cu_q = torch.tensor([0] + list(torch.tensor(lq).cumsum(0)), dtype=torch.int32)
-    cu_k = torch.tensor([0] + list(torch.tensor(lk).cumsum(0)), dtype=torch.int32)
-    table = varlen_tiles.build(cu_q, cu_k, sum(lq), max(lk), causal, BM)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # (CPU tensors run in the interpreter, set by conftest)
+    cu_q = torch.tensor([0] + list(torch.tensor(lq).cumsum(0)), dtype=torch.int32, device=dev)
+    cu_k = torch.tensor([0] + list(torch.tensor(lk).cumsum(0)), dtype=torch.int32, device=dev)
+    table = varlen_tiles.build(cu_q, cu_k, sum(lq), max(lk), causal, BM).cpu()
     assert table.dtype == torch.int32
     n, pairs, _ = _pairs(table)
     expected = {(b, m) for b, length in enumerate(lq) for m in range(-(-length // BM))}
