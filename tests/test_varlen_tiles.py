@@ -36,7 +36,9 @@ def test_table_lists_every_real_tile_once_heaviest_first(lens, causal):
     cu_k = torch.tensor([0] + list(torch.tensor(lk).cumsum(0)), dtype=torch.int32, device=dev)
     table = varlen_tiles.build(cu_q, cu_k, sum(lq), max(lk), causal, BM).cpu()
     assert table.dtype == torch.int32
-    n, pairs, _ = _pairs(table)
+    n, pairs, rest = _pairs(table)
+    unused = rest[:varlen_tiles.capacity(sum(lq), len(lq), BM) - n]
+    assert bool((unused[1 if n == 0 else 0:] == -1).all())  # (the bytes follow from the batch: plans compare equal)
     expected = {(b, m) for b, length in enumerate(lq) for m in range(-(-length // BM))}
     assert n == len(expected) <= varlen_tiles.capacity(sum(lq), len(lq), BM)
     assert sorted(pairs) == sorted(expected)
@@ -104,7 +106,7 @@ import sys
 from triton.backends.compiler import GPUTarget
 from leanfa.kernels import triton_aot
 from leanfa.kernels.hopper import varlen_tiles as vt
-types = {"cu_q": "*i32", "cu_k": "*i32", "table": "*i32", "hist": "*i32", "batch": "i32", "NBUCKETS": "i32"}
+types = {"cu_q": "*i32", "cu_k": "*i32", "table": "*i32", "hist": "*i32", "batch": "i32", "slots": "i32", "NBUCKETS": "i32"}
 consts = {"CAUSAL": sys.argv[1] == "1", "BLOCK_M": 128, "BLOCK_B": vt.BLOCK_B, "BLOCK_T": vt.BLOCK_T, "BLOCK_H": 1024}
 ck = triton_aot._compile(vt._tile_table_kernel, types, consts, GPUTarget("cuda", 90, 32))
 print("usage", *triton_aot.ptxas_usage(ck.asm["ptx"]))

@@ -18,6 +18,7 @@ import triton
 from ..triton_aot import ptxas_perf_warnings, ptxas_usage
 from . import launch as L
 from .gluon_compat import GluonASTSource, GPUTarget, mangle_type
+from . import varlen_tiles
 from .varlen_v import repacked_tokens
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -73,6 +74,8 @@ def _fake_problem(v: Variant):
         qs, ks, vs = ones.expand(2, H, 2), ones.expand(2, H, 2), ones.expand(2, H, v.dv)
         km = torch.zeros(2, H, v.dqk, dtype=torch.float32) if v.k_mean else None
         sixteen = [t[0] for t in sixteen]
+        # the tile table is a kernel launch too: a stand-in (its count, pairs and scratch; only its type matters)
+        varlen["tile_table"] = torch.zeros(1 + varlen_tiles.capacity(S, 2, L.BLOCK_M) + 3, dtype=torch.int32)
         if v.dtype == "fp8":  # launch.prepare_v's re-pack is a kernel launch (needs a driver): a stand-in of its
             room = repacked_tokens(S, 2)  # result's shape, with the starts it would write for lengths 100 and 156
             varlen["prepared_v"] = (torch.zeros(H, v.dv, room, dtype=dt).permute(2, 0, 1),

@@ -82,11 +82,11 @@ def _tile_counts(cu_q, b, batch, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _tile_table_kernel(cu_q, cu_k, table, hist, batch, NBUCKETS, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
-    """One program: ``table[0]`` = the number of pairs, ``table[1 + i]`` the pairs, most key blocks first
-    (pairs of one bucket in any order). ``hist``: ``NBUCKETS`` int32 of scratch (the histogram, then each
-    bucket's next free position)."""
+def _tile_table_kernel(cu_q, cu_k, table, hist, batch, slots, NBUCKETS, CAUSAL: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    """One program: ``table[0]`` = the number ``n`` of pairs, ``table[1 + i]`` the pairs, most key blocks first
+    (pairs of one bucket in any order), -1 in ``table[1 + n .. 1 + slots)``. ``hist``: ``NBUCKETS`` int32 of
+    scratch (the histogram, then each bucket's next free position)."""
     offs_h = tl.arange(0, BLOCK_H)
     for h0 in range(0, NBUCKETS, BLOCK_H):
         tl.store(hist + h0 + offs_h, 0, mask=h0 + offs_h < NBUCKETS)
@@ -116,6 +116,8 @@ def _tile_table_kernel(cu_q, cu_k, table, hist, batch, NBUCKETS, CAUSAL: tl.cons
             pos = tl.atomic_add(hist + bucket, 1, mask=real)
             tl.store(table + 1 + pos, pair, mask=real)
     tl.store(table, total)
+    for i0 in range(total, slots, BLOCK_H):  # the unused slots, so that a table's bytes follow from its batch
+        tl.store(table + 1 + i0 + offs_h, -1, mask=i0 + offs_h < slots)
     if total == 0:  # (the kernel reads pair 0 of an empty table as a tile with no rows)
         tl.store(table + 1, 0)
 
@@ -126,12 +128,14 @@ _TILE_TABLE = DirectLaunch(_tile_table_kernel)
 def build(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q: int, max_seqlen_k: int, causal: bool,
           block_m: int) -> torch.Tensor:
     """int32 ``[1 + capacity + buckets]``: entry 0 is the number ``n`` of real pairs, entries ``1 .. n`` the pairs
-    ``b << 16 | m`` (query tile ``m`` of sequence ``b``), most key blocks first; the rest is the launch's scratch.
+    ``b << 16 | m`` (query tile ``m`` of sequence ``b``), most key blocks first, then -1 up to the capacity
+    (:func:`capacity`; an empty table holds pair 0), then the launch's scratch.
     ``max_seqlen_k`` sizes the histogram (a longer sequence's tiles share its last bucket: still all listed)."""
     batch = cu_seqlens_q.numel() - 1
     slots = capacity(total_q, batch, block_m)
     buckets = triton.cdiv(max(int(max_seqlen_k), 1), KEY_BLOCK.value) + 1
     table = torch.empty(1 + slots + buckets, dtype=torch.int32, device=cu_seqlens_q.device)
-    _TILE_TABLE[(1, )](cu_seqlens_q, cu_seqlens_k, table, table[1 + slots:], batch, buckets, CAUSAL=bool(causal),
+    _TILE_TABLE[(1, )](cu_seqlens_q, cu_seqlens_k, table, table[1 + slots:], batch, slots, buckets,
+                       CAUSAL=bool(causal),
                        BLOCK_M=block_m, BLOCK_B=BLOCK_B, BLOCK_T=BLOCK_T, BLOCK_H=1024, num_warps=4)
     return table
