@@ -164,8 +164,7 @@ def plan(problem):
     tiles = None
     if problem.varlen:  # the call's tile table (made every call, like the re-packed V)
         tiles = varlen_tiles.build(problem.cu_seqlens_q, problem.cu_seqlens_k, q.shape[1], problem.max_seqlen_k,
-                                   problem.causal,
-                                   _launch.BLOCK_M)
+                                   problem.causal, _launch.BLOCK_M)
     inputs = (q, k, v, problem.q_scale, problem.k_scale, problem.v_scale, problem.k_mean, sq, sk, sv,
               problem.cu_seqlens_q, problem.cu_seqlens_k, cu_v, tiles, out, lse)
     if key is not None:

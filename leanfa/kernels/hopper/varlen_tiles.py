@@ -3,8 +3,8 @@ which order.
 
 A varlen grid sized by ``max_seqlen_q`` has a program slot for every query tile of the longest sequence in
 every sequence; for a batch of one long prompt and many short ones most slots are empty, and each still
-costs a program (or a persistent round). The table lists only the real pairs, heaviest first (causal: by the
-keys the tile's last row sees, so a chunk with ``Sq < Sk`` counts its cached prefix), and the kernel walks
+costs a program (or a persistent round). The table lists only the real pairs, heaviest first (by the key blocks
+the tile's last row sees, causal: so a chunk with ``Sq < Sk`` counts its cached prefix), and the kernel walks
 ``pairs x query heads`` (:func:`.schedule.varlen_tile_coords`): the heads of one pair are adjacent, so the
 query heads of one KV group read its K/V blocks close in time.
 
@@ -136,6 +136,6 @@ def build(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q: int, 
     buckets = triton.cdiv(max(int(max_seqlen_k), 1), KEY_BLOCK.value) + 1
     table = torch.empty(1 + slots + buckets, dtype=torch.int32, device=cu_seqlens_q.device)
     _TILE_TABLE[(1, )](cu_seqlens_q, cu_seqlens_k, table, table[1 + slots:], batch, slots, buckets,
-                       CAUSAL=bool(causal),
-                       BLOCK_M=block_m, BLOCK_B=BLOCK_B, BLOCK_T=BLOCK_T, BLOCK_H=1024, num_warps=4)
+                       CAUSAL=bool(causal), BLOCK_M=block_m, BLOCK_B=BLOCK_B, BLOCK_T=BLOCK_T, BLOCK_H=1024,
+                       num_warps=4)
     return table
