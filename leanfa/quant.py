@@ -229,15 +229,21 @@ def _quantize_block_fused(q, k, v, sq: _Seqs, sk: _Seqs, smooth_k: bool):
     q8 = torch.empty(q.shape, dtype=FP8_DTYPE, device=dev)
     k8 = torch.empty(k.shape, dtype=FP8_DTYPE, device=dev)
     v8 = _transposed_fp8_like(v, sk)
-    q_descale = torch.empty((sq.batch, sq.heads, nblk_q), **f32)
-    k_descale = torch.empty((sk.batch, sk.heads, nblk_k), **f32)
+    # a packed batch launches no program for the blocks past a short sequence's end: their entries stay 1
+    scales = torch.ones if sq.varlen else torch.empty
+    q_descale = scales((sq.batch, sq.heads, nblk_q), **f32)
+    k_descale = scales((sk.batch, sk.heads, nblk_k), **f32)
     k_mean = torch.empty((sk.batch, sk.heads, dqk), **f32) if smooth_k else None
     v_descale = torch.empty((sk.batch, sk.heads, dv), **f32)
     bd_qk, bd_v = triton.next_power_of_2(dqk), triton.next_power_of_2(dv)
     cu_k = sk.cu_arg(vamax)
+    # packed: one program per block slot of the batch (total // SCALE_BLOCK + batch covers them all)
+    slots_q = q.shape[0] // SCALE_BLOCK + sq.batch if sq.varlen else nblk_q
+    slots_k = k.shape[0] // SCALE_BLOCK + sk.batch if sk.varlen else nblk_k
     if n_kv:
-        _DIRECT_KV_STATS[(nblk_k, n_kv)](
-            k, v, cu_k, ksum, vamax, sk.seqlen_dense, sk.heads, *_strides(k, sk.varlen), *_strides(v, sk.varlen),
+        _DIRECT_KV_STATS[(slots_k, sk.heads if sk.varlen else n_kv)](
+            k, v, cu_k, ksum, vamax, sk.seqlen_dense, sk.heads, sk.batch, nblk_k,
+            *_strides(k, sk.varlen), *_strides(v, sk.varlen),
             DQK=dqk, BLOCK_DQK=bd_qk, DV=dv, BLOCK_DV=bd_v, BLOCK_S=SCALE_BLOCK, VARLEN=sk.varlen,
             WANT_KSUM=smooth_k, num_warps=STATS_WARPS)
         _DIRECT_FINISH_KV_STATS[(n_kv, triton.cdiv(max(dqk, dv), FINISH_CHANNELS))](
@@ -246,7 +252,7 @@ def _quantize_block_fused(q, k, v, sq: _Seqs, sk: _Seqs, smooth_k: bool):
             BLOCK_S=SCALE_BLOCK, VARLEN=sk.varlen, WANT_KSUM=smooth_k)
     programs = sq.batch * sq.heads + 2 * n_kv
     if programs:
-        _DIRECT_QUANTIZE_QKV[(max(nblk_q, nblk_k), programs)](
+        _DIRECT_QUANTIZE_QKV[(max(slots_q, slots_k), sq.heads + 2 * sk.heads if sq.varlen else programs)](
             q, k, v, q8, k8, v8, sq.cu_arg(vamax), cu_k, q_descale, k_descale,
             k_mean if k_mean is not None else v_descale, v_descale,
             sq.seqlen_dense, sk.seqlen_dense, sq.batch, sq.heads, sk.heads, nblk_q, nblk_k,

@@ -27,6 +27,21 @@ import torch
 SCALE_BLOCK = 128
 
 
+_UNIT: dict = {}
+
+
+def _unit(device: torch.device) -> torch.Tensor:
+    """A float32 one ``(1, 1, 1)`` on ``device``, made once per device and never written: a missing descale's
+    table is a broadcast view of it, so a call launches no fill kernel for it. Not kept when made while a CUDA
+    graph is being captured (its fill would run only when the graph replays)."""
+    t = _UNIT.get(device)
+    if t is None:
+        t = torch.ones((1, 1, 1), dtype=torch.float32, device=device)
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _UNIT[device] = t
+    return t
+
+
 def num_scale_blocks(seqlen: int) -> int:
     return max(1, -(-seqlen // SCALE_BLOCK))
 
@@ -64,7 +79,7 @@ def token_scale_table(
 ) -> torch.Tensor:
     """Return a float32 ``(batch, heads, nblk)`` table for a Q (heads=Hq) or K (heads=Hkv) descale."""
     if desc is None:
-        return torch.ones((1, 1, 1), dtype=torch.float32, device=device).expand(batch, heads, 1)
+        return _unit(device).expand(batch, heads, 1)
     _check_tensor(name, desc, device)
     nblk = num_scale_blocks(max_seqlen)
     if desc.numel() == 1 and desc.dim() <= 1 or (desc.dim() == 0):
@@ -106,9 +121,7 @@ def channel_scale_table(
 ) -> torch.Tensor:
     """Return a float32 ``(batch, kv_heads, head_dim)`` table for the V descale."""
     if desc is None:
-        return torch.ones((1, 1, 1), dtype=torch.float32, device=device).expand(
-            batch, kv_heads, head_dim
-        )
+        return _unit(device).expand(batch, kv_heads, head_dim)
     _check_tensor(name, desc, device)
     if desc.dim() == 0 or (desc.dim() == 1 and desc.numel() == 1):
         return desc.reshape(1, 1, 1).expand(batch, kv_heads, head_dim)

@@ -1,6 +1,6 @@
 """Host (CPU) time per call of the FP8 end-to-end path and its parts, against their GPU time (GPU).
 
-    python scripts/host_time.py [--shapes 4x4096,32x512,1x16384] [--profile]
+    python scripts/host_time.py [--shapes 64x300,1x1024,1x4096] [--profile] [--launches]
 
 For each shape (causal, 16 heads, d128, bf16 inputs): the host time of one call -- the Python and
 launch work the CPU does before the call returns, measured over calls queued back to back with no
@@ -10,7 +10,9 @@ host-bound: the GPU waits for the CPU. Parts: ``quantize_fp8``, the Hopper plan 
 (``hopper.plan``: checks, descriptors, arguments), the kernel launch alone (a plan built once),
 ``flash_attn_func`` on pre-quantized inputs, ``attention(precision="fp8")``, BF16
 ``flash_attn_func``, and ``flash_attn_varlen_func`` (FP8 pre-quantized and BF16) on the same tokens packed as b
-sequences, and the varlen FP8 call's V re-pack alone (``align_varlen_v``). ``--profile``: the top functions (own
+sequences, and the varlen FP8 call's V re-pack alone (``align_varlen_v``). FlashAttention-3's ``flash_attn_func`` and ``flash_attn_varlen_func`` (BF16, and FP8 on inputs quantized
+beforehand with per-head descales) are measured the same way when its module is importable. ``--launches``: every
+GPU launch of one call of each end-to-end path (name and GPU microseconds, from the CUDA profiler). ``--profile``: the top functions (own
 time) of 200 calls of ``flash_attn_func`` FP8, end-to-end FP8 and varlen FP8 under cProfile, at the first shape.
 """
 
@@ -26,6 +28,7 @@ from triton.testing import do_bench
 
 import leanfa
 from leanfa.api import _build_problem
+from leanfa.bench import fa3
 from leanfa.kernels import hopper
 from leanfa.kernels.hopper.varlen_v import align_varlen_v
 
@@ -43,10 +46,40 @@ def host_ms(fn, calls: int = 200) -> float:
     return (t1 - t0) * 1e3 / calls
 
 
+def launches(fn) -> list[tuple[str, float]]:
+    """(kernel name, GPU microseconds) of every launch one call of ``fn`` makes (CUDA profiler)."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [(e.name[:40], e.device_time) for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def fa3_parts(q, k, v, flat, cu, s) -> dict:
+    """FA3's dense and varlen calls on the same tokens (BF16, and FP8 quantized beforehand), or {} without FA3."""
+    try:
+        mod = fa3.module()
+    except ImportError as e:
+        print(f"FA3 not measured: {e}")
+        return {}
+    b, heads = q.shape[0], q.shape[2]
+    (q8, dq), (k8, dk), (v8, dv) = (fa3.quantize_per_kv_head(t, heads) for t in (q, k, v))
+    descales = dict(q_descale=dq, k_descale=dk, v_descale=dv)
+    f8 = [t.reshape(b * s, *t.shape[2:]) for t in (q8, k8, v8)]
+    return {
+        "FA3 flash_attn_func bf16": lambda: mod.flash_attn_func(q, k, v, causal=True),
+        "FA3 flash_attn_func fp8": lambda: mod.flash_attn_func(q8, k8, v8, causal=True, **descales),
+        "FA3 varlen bf16": lambda: mod.flash_attn_varlen_func(*flat, cu, cu, s, s, causal=True),
+        "FA3 varlen fp8": lambda: mod.flash_attn_varlen_func(*f8, cu, cu, s, s, causal=True, **descales),
+    }
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default="4x4096,32x512,1x16384", help="BxS, comma-separated")
+    ap.add_argument("--shapes", default="64x300,1x1024,1x4096", help="BxS, comma-separated")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--launches", action="store_true")
     args = ap.parse_args()
     print(f"device {torch.cuda.get_device_name()}  torch {torch.__version__}")
     print(f"{'shape':>12s} {'part':28s} {'host ms':>8s} {'GPU ms':>8s}")
@@ -74,11 +107,18 @@ def main():
             "varlen fp8": lambda: leanfa.flash_attn_varlen_func(qv.q, qv.k, qv.v, cu, cu, s, s, causal=True,
                                                                **qv.descales()),
             "varlen bf16": lambda: leanfa.flash_attn_varlen_func(*flat, cu, cu, s, s, causal=True),
+            "varlen fp8 end to end": lambda: leanfa.attention(*flat, causal=True, precision="fp8", cu_seqlens_q=cu,
+                                                              cu_seqlens_k=cu, max_seqlen_q=s, max_seqlen_k=s),
             "varlen V re-pack (FP8)": lambda: align_varlen_v(qv.v, cu, s),
         }
+        parts.update(fa3_parts(q, k, v, flat, cu, s))
         for name, fn in parts.items():
             gpu = do_bench(fn, return_mode="median") if name != "hopper.plan (no launch)" else float("nan")
             print(f"{shape:>12s} {name:28s} {host_ms(fn):8.3f} {gpu:8.3f}", flush=True)
+        if args.launches:
+            for name in ("attention(precision=fp8)", "flash_attn_func bf16", "varlen fp8", "varlen bf16",
+                         "varlen fp8 end to end"):
+                print(f"{shape:>12s} {name}: " + ", ".join(f"{k} {us:.1f} us" for k, us in launches(parts[name])))
         if args.profile and shape == args.shapes.split(",")[0]:  # the host work is the same at every shape
             for name in ("flash_attn_func fp8", "attention(precision=fp8)", "varlen fp8"):
                 prof = cProfile.Profile()

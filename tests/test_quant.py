@@ -2,9 +2,12 @@
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import leanfa
 from leanfa.quant import E4M3_MAX, FP8_DTYPE, _quantize_launch, _Seqs
+from leanfa.kernels.sequences import packed_block
 from leanfa.scales import SCALE_BLOCK
 from helpers import cu_seqlens, poison_empty
 
@@ -213,3 +216,26 @@ def test_fused_statistics_match_float64(device, monkeypatch, finish_rows):
     torch.testing.assert_close(qt.k_mean.cpu().double(), mean_ref, rtol=0, atol=1e-4)
     torch.testing.assert_close(qt.v_descale.cpu(), vd_ref, rtol=3e-7, atol=0)
     assert torch.all(qt.v_descale[3] == 1.0) and torch.all(qt.k_mean[2] == 0.0)
+
+
+@triton.jit
+def _packed_block_lookup(CU, OUT, batch, BLOCK_S: tl.constexpr, STEP: tl.constexpr):
+    i = tl.program_id(0)
+    b, blk = packed_block(i, CU, batch, BLOCK_S, STEP)
+    tl.store(OUT + 2 * i, b)
+    tl.store(OUT + 2 * i + 1, blk)
+
+
+@pytest.mark.parametrize("step", [4, 64])  # several steps of the running sum, and one
+def test_packed_block_finds_every_block_once(device, step):
+    """sequences.packed_block maps program i of a ``total // 128 + batch`` grid to (sequence, block): every
+    block of every sequence exactly once (empty sequences have none), then ``batch`` for the slots past the end."""
+    lens = [0, 1, 128, 129, 0, 0, 300, 5, 256, 127, 0, 1000, 2]
+    cu = cu_seqlens(lens, device)
+    slots = sum(lens) // 128 + len(lens)
+    out = torch.full((slots, 2), -7, dtype=torch.int32, device=device)
+    _packed_block_lookup[(slots,)](cu, out, len(lens), BLOCK_S=128, STEP=step)
+    want = [(b, j) for b, n in enumerate(lens) for j in range(-(-n // 128))]
+    got = [tuple(r) for r in out.tolist()]
+    assert got[:len(want)] == want
+    assert all(b == len(lens) for b, _ in got[len(want):])

@@ -132,7 +132,9 @@ def bench_markdown(payload: dict) -> str:
     if cfg:
         out += [f"Timing: median of >= {cfg.get('min_reps')} calls over ~{cfg.get('rep_ms')} ms after "
                 f"{cfg.get('warmup_ms')} ms warm-up, CUDA events, inputs rotated over up to "
-                f"{cfg.get('max_copies')} copies; clock and power: NVML medians during the timed calls.",
+                f"{cfg.get('max_copies')} copies; clock and power: NVML medians during the timed calls; "
+                "host ms: CPU time per call enqueued back to back (a row whose host ms exceeds its ms is "
+                "host-bound).",
                 ""]
     if gemm:
         out += ["## GEMM reference (8192³, same run)", ""]
@@ -174,9 +176,10 @@ def bench_markdown(payload: dict) -> str:
         if detail:
             out += [f"### {sweep}: details", ""]
             out.append(md_table(
-                ["case", "impl", "status", "ms", "TFLOP/s", "% GEMM", "x best peer", "best peer",
+                ["case", "impl", "status", "ms", "host ms", "TFLOP/s", "% GEMM", "x best peer", "best peer",
                  "x cuDNN", "SM MHz", "W", "check rel L2", "note / error"],
-                [[r["case"], r["impl"], r["status"], _fmt(r.get("time_ms"), ".3f"), _fmt(r.get("tflops")),
+                [[r["case"], r["impl"], r["status"], _fmt(r.get("time_ms"), ".3f"), _fmt(r.get("host_ms"), ".3f"),
+                  _fmt(r.get("tflops")),
                   _fmt(r.get("pct_gemm")), _fmt(r.get("ratio_best_peer"), ".2f"), _peer_cell(r),
                   _fmt(r.get("ratio_cudnn"), ".2f"),
                   _fmt(r.get("sm_clock_mhz"), ".0f"), _fmt(r.get("power_w"), ".0f"),

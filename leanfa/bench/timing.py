@@ -9,7 +9,10 @@ starts (the caller sizes the copies, see :func:`leanfa.bench.inputs.copies_for`)
 3. warms up for ``warmup_ms`` (at least 2 calls) so clocks and power settle;
 4. records a CUDA event pair around each of ``n`` calls, ``n`` from ``rep_ms`` clamped to
    ``[min_reps, max_reps]``, while an optional sampler (e.g. NVML) runs, then synchronizes
-   once and returns the median time with its 20th/80th percentiles.
+   once and returns the median time with its 20th/80th percentiles;
+5. measures the host time of one call: the CPU time of a few calls enqueued back to back with no
+   synchronization in between (about 50 ms of GPU work, so the launch queue never fills). A call
+   whose host time exceeds its GPU time is host-bound: in an eager serving loop the GPU waits.
 
 The GPU runs the calls back to back (the host enqueues ahead), as in a real prefill loop.
 """
@@ -27,10 +30,11 @@ class Timing:
     p80_ms: float
     reps: int
     copies: int
+    host_ms: float | None = None
 
     def to_dict(self) -> dict:
         return {"time_ms": self.median_ms, "time_p20_ms": self.p20_ms, "time_p80_ms": self.p80_ms,
-                "reps": self.reps, "copies": self.copies}
+                "reps": self.reps, "copies": self.copies, "host_ms": self.host_ms}
 
 
 def quantile(values, q: float) -> float:
@@ -43,9 +47,9 @@ def quantile(values, q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
-def summarize(times_ms, copies: int) -> Timing:
+def summarize(times_ms, copies: int, host_ms: float | None = None) -> Timing:
     return Timing(statistics.median(times_ms), quantile(times_ms, 0.2), quantile(times_ms, 0.8),
-                  len(times_ms), copies)
+                  len(times_ms), copies, host_ms)
 
 
 def time_calls(fns, *, warmup_ms: float = 100.0, rep_ms: float = 300.0, min_reps: int = 5,
@@ -95,4 +99,19 @@ def time_calls(fns, *, warmup_ms: float = 100.0, rep_ms: float = 300.0, min_reps
         if sampler is not None:
             sampler.stop()
     times = [s.elapsed_time(e) for s, e in zip(starts, ends)]
-    return summarize(times, len(fns))
+    return summarize(times, len(fns), _host_ms(fns, max(3, min(n_rep, int(50.0 / est_ms)))))
+
+
+def _host_ms(fns, n: int) -> float:
+    """CPU milliseconds per call of ``n`` calls enqueued back to back (synchronized before and after only)."""
+    import time
+
+    import torch
+
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for i in range(n):
+        fns[i % len(fns)]()
+    host = (time.perf_counter() - t) * 1e3 / n
+    torch.cuda.synchronize()
+    return host

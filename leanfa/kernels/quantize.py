@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from .fp8 import E4M3_MAX_C, to_e4m3
-from .sequences import sequence_span
+from .sequences import packed_block, sequence_span
 
 # Launch parameters of the fused kernels, shared by the host (leanfa.quant) and the AOT
 # compile (leanfa.kernels.triton_aot).
@@ -51,6 +51,8 @@ STATS_WARPS = 8
 #: finish_kv_stats: channels per program, and partial rows (blocks) accumulated per step
 FINISH_CHANNELS = 32
 FINISH_ROWS = 128
+#: packed batches: sequences summed per step when a program looks up its block (sequences.packed_block)
+PACKED_STEP = tl.constexpr(256)
 
 
 @triton.jit
@@ -210,9 +212,9 @@ def quantize_blocks(
 # ------------------------------------------------------------ fused kernels (granularity="block")
 
 
-@triton.jit(do_not_specialize=["seqlen_dense", "num_heads"])
+@triton.jit(do_not_specialize=["seqlen_dense", "num_heads", "batch", "nblk"])
 def kv_stats(
-    K, V, CU, KSUM, VAMAX, seqlen_dense, num_heads,
+    K, V, CU, KSUM, VAMAX, seqlen_dense, num_heads, batch, nblk,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
     DQK: tl.constexpr, BLOCK_DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -224,15 +226,24 @@ def kv_stats(
 
     One program per block (thousands at prefill sizes, not a loop over a long chunk) with both
     tiles loaded before either is reduced: many independent loads in flight per SM, which is
-    what a pass that only reads needs. Blocks past a sequence's end write nothing.
+    what a pass that only reads needs. Blocks past a sequence's end write nothing. Dense: programs
+    ``(blk, b * num_heads + h)``; packed (VARLEN): ``(i, h)``, the ``i``-th block of the batch
+    (:func:`packed_block`), so no program is launched for a block past a short sequence's end. Partials of
+    head ``pid`` go to slots ``pid * nblk + blk``.
     """
-    blk = tl.program_id(0)
-    pid = tl.program_id(1)
+    if VARLEN:
+        b, blk = packed_block(tl.program_id(0), CU, batch, BLOCK_S, PACKED_STEP)
+        if b >= batch:
+            return
+        pid = b * num_heads + tl.program_id(1)
+    else:
+        blk = tl.program_id(0)
+        pid = tl.program_id(1)
     b, h, start, seqlen = _sequence_head(pid, CU, seqlen_dense, num_heads, VARLEN)
     s0 = blk * BLOCK_S
     if s0 >= seqlen:
         return
-    slot = pid * tl.num_programs(0) + blk
+    slot = pid * nblk + blk
     local = tl.arange(0, BLOCK_S)[:, None]  # 32-bit offsets inside the block (the base is 64-bit)
     inside = s0 + local < seqlen
     offs_k = tl.arange(0, BLOCK_DQK)
@@ -295,11 +306,14 @@ def quantize_qkv(
     BLOCK_S: tl.constexpr, V_PAD: tl.constexpr, VARLEN: tl.constexpr, SMOOTH_K: tl.constexpr,
     EXACT_ROUND: tl.constexpr,
 ):
-    """Q, K and V in one launch, ``granularity="block"``. Programs ``(blk, pid)``: pid in
+    """Q, K and V in one launch, ``granularity="block"``. Dense programs ``(blk, pid)``: pid in
     ``[0, B*Hq)`` quantize Q (block scales to QS, contiguous ``(B, Hq, nblk_q)``), the next
     ``B*Hkv`` K (the finished mean KMEAN ``(B*Hkv, Dqk)`` is subtracted; block scales to KS),
     the last ``B*Hkv`` V (divided by the finished per-channel descale VS ``(B*Hkv, Dv)``; V8
-    is the transposed storage's view).
+    is the transposed storage's view). Packed (VARLEN) programs ``(i, head)``: head ``[0, Hq)`` of Q, then
+    ``Hkv`` of K and ``Hkv`` of V, each on the ``i``-th block of its batch (:func:`packed_block`), so no
+    program is launched for a block past a short sequence's end (their scale entries are left as the
+    caller made them: ones).
 
     Dense V8 rows are padded to a multiple of V_PAD tokens: a V block's store may run into the
     padding (zeros), which makes its predicate constant over V_PAD tokens, so the transposed
@@ -308,10 +322,22 @@ def quantize_qkv(
     """
     # (the Q, K and V branches name their values apart: Triton requires a name assigned in
     # both arms of an `if` to have one type, and the head dims differ)
-    blk = tl.program_id(0)
-    pid = tl.program_id(1)
     nq = batch * heads_q
     nk = batch * heads_kv
+    if VARLEN:  # programs (i, head of Q, K or V): the i-th block of the batch (packed_block)
+        hh = tl.program_id(1)
+        if hh < heads_q:
+            b_blk, blk = packed_block(tl.program_id(0), CU_Q, batch, BLOCK_S, PACKED_STEP)
+            pid = b_blk * heads_q + hh
+        else:
+            b_blk, blk = packed_block(tl.program_id(0), CU_K, batch, BLOCK_S, PACKED_STEP)
+            hk = hh - heads_q
+            pid = nq + b_blk * heads_kv + hk % heads_kv + (hk // heads_kv) * nk
+        if b_blk >= batch:
+            return
+    else:
+        blk = tl.program_id(0)
+        pid = tl.program_id(1)
     s0 = blk * BLOCK_S
     if pid < nq:
         b, h, start, seqlen = _sequence_head(pid, CU_Q, seqlen_q_dense, heads_q, VARLEN)

@@ -15,3 +15,25 @@ def sequence_span(CU, b, seqlen_dense, VARLEN: tl.constexpr):
         start = b * 0  # a tensor zero (int literals have no .to())
         seqlen = seqlen_dense
     return start, seqlen
+
+
+@triton.jit
+def packed_block(i, CU, batch, BLOCK_S: tl.constexpr, BLOCK_B: tl.constexpr):
+    """(sequence, block) of the ``i``-th ``BLOCK_S``-token block of a packed batch whose blocks are counted
+    sequence after sequence (sequence ``b`` has ``ceil(len_b / BLOCK_S)``, an empty one none), by a running sum
+    of the block counts over ``BLOCK_B`` sequences per step. The sequence is ``batch`` when ``i`` lies past
+    the last block. A grid of ``total // BLOCK_S + batch`` such programs covers every block of the batch."""
+    b = i * 0
+    before = i * 0  # blocks of the sequences before b
+    counted = i * 0  # blocks of the sequences of the steps done
+    for b0 in range(0, batch, BLOCK_B):
+        j = b0 + tl.arange(0, BLOCK_B)
+        m = j < batch
+        n = tl.load(CU + j + 1, mask=m, other=0) - tl.load(CU + j, mask=m, other=0)
+        blocks = (n + BLOCK_S - 1) // BLOCK_S
+        ends = counted + tl.cumsum(blocks, 0)  # one past each sequence's last block
+        passed = m & (ends <= i)
+        b += tl.sum(passed.to(tl.int32), 0)
+        before += tl.sum(tl.where(passed, blocks, 0), 0)
+        counted += tl.sum(blocks, 0)
+    return b, i - before

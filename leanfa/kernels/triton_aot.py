@@ -145,7 +145,7 @@ def fused_quant_compiles(target, dqk: int, dv: int, varlen: bool, smooth: bool):
     """(name, compiled kernel) of each fused quantizer kernel for bf16 inputs of head dims
     ``dqk``/``dv``, with the launch parameters :func:`leanfa.quant._quantize_block_fused` uses."""
     dims = dict(DQK=dqk, BLOCK_DQK=triton.next_power_of_2(dqk), DV=dv, BLOCK_DV=triton.next_power_of_2(dv))
-    t = {n: "i32" for n in quantize.kv_stats.arg_names if n.startswith("stride_") or n in ("seqlen_dense", "num_heads")}
+    t = {n: "i32" for n in quantize.kv_stats.arg_names if n.startswith("stride_") or n in ("seqlen_dense", "num_heads", "batch", "nblk")}
     t.update(K="*bf16", V="*bf16", CU="*i32", KSUM="*fp32", VAMAX="*fp32")
     yield "kv_stats", _compile(quantize.kv_stats, t, dict(**dims, BLOCK_S=SCALE_BLOCK, VARLEN=varlen, WANT_KSUM=smooth,
                                                           stride_kd=1, stride_vd=1), target, num_warps=STATS_WARPS)
