@@ -12,8 +12,9 @@ host-bound: the GPU waits for the CPU. Parts: ``quantize_fp8``, the Hopper plan 
 ``flash_attn_func``, and ``flash_attn_varlen_func`` (FP8 pre-quantized and BF16) on the same tokens packed as b
 sequences, and the varlen FP8 call's V re-pack alone (``align_varlen_v``). FlashAttention-3's ``flash_attn_func`` and ``flash_attn_varlen_func`` (BF16, and FP8 on inputs quantized
 beforehand with per-head descales) are measured the same way when its module is importable. ``--launches``: every
-GPU launch of one call of each end-to-end path (name and GPU microseconds, from the CUDA profiler). ``--profile``: the top functions (own
-time) of 200 calls of ``flash_attn_func`` FP8, end-to-end FP8 and varlen FP8 under cProfile, at the first shape.
+GPU launch of one call of each end-to-end path (name and GPU microseconds, from the CUDA profiler). ``--profile``: the functions by cumulative
+time of 200 calls of BF16 ``flash_attn_func`` and of the varlen calls (BF16, FP8, FP8 end to end) under cProfile, at
+the first shape.
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ def main():
                          "varlen fp8 end to end"):
                 print(f"{shape:>12s} {name}: " + ", ".join(f"{k} {us:.1f} us" for k, us in launches(parts[name])))
         if args.profile and shape == args.shapes.split(",")[0]:  # the host work is the same at every shape
-            for name in ("flash_attn_func fp8", "attention(precision=fp8)", "varlen fp8"):
+            for name in ("flash_attn_func bf16", "varlen bf16", "varlen fp8", "varlen fp8 end to end"):
                 prof = cProfile.Profile()
                 prof.enable()
                 for _ in range(200):
@@ -128,7 +129,7 @@ def main():
                 prof.disable()
                 torch.cuda.synchronize()
                 print(f"\ncProfile, 200 x {name} at {shape} (own time, top 30):")
-                pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+                pstats.Stats(prof).sort_stats("cumulative").print_stats(45)
 
 if __name__ == "__main__":
     main()
