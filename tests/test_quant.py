@@ -96,13 +96,17 @@ def test_bad_granularity():
         leanfa.quantize_fp8(x, x, x, granularity="row")
 
 
-@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("varlen", [False, "grid", "packed"])
 @pytest.mark.parametrize("smooth_k", [True, False])
-def test_fused_block_path_matches_per_tensor_kernels(device, varlen, smooth_k):
+def test_fused_block_path_matches_per_tensor_kernels(device, monkeypatch, varlen, smooth_k):
     """granularity="block" runs two fused launches (K/V statistics, then Q, K, V together); the
     general per-tensor kernels compute the same thing: identical Q, V and scales, and K equal up
-    to the summation order of its mean (a few e4m3 roundings may flip by one step)."""
+    to the summation order of its mean (a few e4m3 roundings may flip by one step). Packed batches
+    both ways: one program per (sequence, block of the longest) and one per block slot (quant.packed_grid)."""
     from leanfa import quant
+
+    if varlen:
+        monkeypatch.setattr(quant, "packed_grid", lambda *a: varlen == "packed")
 
     g = torch.Generator().manual_seed(5)
     hq, hkv, dqk, dv = 6, 2, 192, 128
@@ -141,12 +145,16 @@ def test_fused_block_path_matches_per_tensor_kernels(device, varlen, smooth_k):
     torch.testing.assert_close(fused.k_descale, kd, rtol=1e-5, atol=0)
 
 
+@pytest.mark.parametrize("packed", [False, True])  # (the fused quantizer's two grids, quant.packed_grid)
 @pytest.mark.parametrize("dim", [128, 256])  # the fused quantizer, and the per-tensor kernels (dim > 192)
-def test_blocks_past_a_sequence_end_have_unit_descale(device, monkeypatch, dim):
+def test_blocks_past_a_sequence_end_have_unit_descale(device, monkeypatch, dim, packed):
     """Packed varlen: a sequence shorter than the longest has block-scale slots past its end; they hold 1, not
     what the allocator left there (GPU run 53: two calls on equal inputs differed in exactly those slots). Every
     ``torch.empty`` is poisoned here (float32: NaN), so a slot left unwritten fails."""
+    from leanfa import quant
+
     poison_empty(monkeypatch)
+    monkeypatch.setattr(quant, "packed_grid", lambda *a: packed)
     lens = [300, 5, 0, 129]  # (a one-token K smooths to 0: descale 1 in its own block too)
     cu = cu_seqlens(lens, device)
     g = torch.Generator().manual_seed(7)
@@ -176,8 +184,9 @@ class _PoisonedStats:
         return launch
 
 
+@pytest.mark.parametrize("packed", [False, True])  # (the fused quantizer's two grids, quant.packed_grid)
 @pytest.mark.parametrize("finish_rows", [None, 2])  # the default, and a reduction over several steps
-def test_fused_statistics_match_float64(device, monkeypatch, finish_rows):
+def test_fused_statistics_match_float64(device, monkeypatch, finish_rows, packed):
     """The fused path's K mean and V descales, finished from per-block partials, against float64
     references taken directly per sequence and head: packed sequences from 0 tokens to many
     blocks (one a single token, one a block plus one token), K channel offsets and V channel
@@ -186,6 +195,7 @@ def test_fused_statistics_match_float64(device, monkeypatch, finish_rows):
     from leanfa import quant
 
     monkeypatch.setattr(quant, "kv_stats", _PoisonedStats(quant.kv_stats))
+    monkeypatch.setattr(quant, "packed_grid", lambda *a: packed)
     if finish_rows is not None:
         monkeypatch.setattr(quant, "FINISH_ROWS", finish_rows)
     g = torch.Generator().manual_seed(11)

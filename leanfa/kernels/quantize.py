@@ -218,7 +218,7 @@ def kv_stats(
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
     DQK: tl.constexpr, BLOCK_DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_S: tl.constexpr, VARLEN: tl.constexpr, WANT_KSUM: tl.constexpr,
+    BLOCK_S: tl.constexpr, VARLEN: tl.constexpr, WANT_KSUM: tl.constexpr, PACKED: tl.constexpr,
 ):
     """Per (block of BLOCK_S tokens, batch * KV head): the sum of each K channel over the block
     (when WANT_KSUM) and the max |v| of each V channel, to ``KSUM[pid, blk, :]`` /
@@ -226,12 +226,12 @@ def kv_stats(
 
     One program per block (thousands at prefill sizes, not a loop over a long chunk) with both
     tiles loaded before either is reduced: many independent loads in flight per SM, which is
-    what a pass that only reads needs. Blocks past a sequence's end write nothing. Dense: programs
-    ``(blk, b * num_heads + h)``; packed (VARLEN): ``(i, h)``, the ``i``-th block of the batch
+    what a pass that only reads needs. Blocks past a sequence's end write nothing. Programs
+    ``(blk, b * num_heads + h)``; with PACKED (varlen) ``(i, h)``, the ``i``-th block of the batch
     (:func:`packed_block`), so no program is launched for a block past a short sequence's end. Partials of
     head ``pid`` go to slots ``pid * nblk + blk``.
     """
-    if VARLEN:
+    if PACKED:
         b, blk = packed_block(tl.program_id(0), CU, batch, BLOCK_S, PACKED_STEP)
         if b >= batch:
             return
@@ -304,14 +304,14 @@ def quantize_qkv(
     stride_v8b, stride_v8s, stride_v8h, stride_v8d,
     DQK: tl.constexpr, BLOCK_DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_S: tl.constexpr, V_PAD: tl.constexpr, VARLEN: tl.constexpr, SMOOTH_K: tl.constexpr,
-    EXACT_ROUND: tl.constexpr,
+    EXACT_ROUND: tl.constexpr, PACKED: tl.constexpr,
 ):
-    """Q, K and V in one launch, ``granularity="block"``. Dense programs ``(blk, pid)``: pid in
+    """Q, K and V in one launch, ``granularity="block"``. Programs ``(blk, pid)``: pid in
     ``[0, B*Hq)`` quantize Q (block scales to QS, contiguous ``(B, Hq, nblk_q)``), the next
     ``B*Hkv`` K (the finished mean KMEAN ``(B*Hkv, Dqk)`` is subtracted; block scales to KS),
     the last ``B*Hkv`` V (divided by the finished per-channel descale VS ``(B*Hkv, Dv)``; V8
-    is the transposed storage's view). Packed (VARLEN) programs ``(i, head)``: head ``[0, Hq)`` of Q, then
-    ``Hkv`` of K and ``Hkv`` of V, each on the ``i``-th block of its batch (:func:`packed_block`), so no
+    is the transposed storage's view). With PACKED (varlen), programs ``(i, head)``: head ``[0, Hq)`` of Q,
+    then ``Hkv`` of K and ``Hkv`` of V, each on the ``i``-th block of its batch (:func:`packed_block`), so no
     program is launched for a block past a short sequence's end (their scale entries are left as the
     caller made them: ones).
 
@@ -324,7 +324,7 @@ def quantize_qkv(
     # both arms of an `if` to have one type, and the head dims differ)
     nq = batch * heads_q
     nk = batch * heads_kv
-    if VARLEN:  # programs (i, head of Q, K or V): the i-th block of the batch (packed_block)
+    if PACKED:  # programs (i, head of Q, K or V): the i-th block of the batch (packed_block)
         hh = tl.program_id(1)
         if hh < heads_q:
             b_blk, blk = packed_block(tl.program_id(0), CU_Q, batch, BLOCK_S, PACKED_STEP)

@@ -148,7 +148,7 @@ def fused_quant_compiles(target, dqk: int, dv: int, varlen: bool, smooth: bool):
     t = {n: "i32" for n in quantize.kv_stats.arg_names if n.startswith("stride_") or n in ("seqlen_dense", "num_heads", "batch", "nblk")}
     t.update(K="*bf16", V="*bf16", CU="*i32", KSUM="*fp32", VAMAX="*fp32")
     yield "kv_stats", _compile(quantize.kv_stats, t, dict(**dims, BLOCK_S=SCALE_BLOCK, VARLEN=varlen, WANT_KSUM=smooth,
-                                                          stride_kd=1, stride_vd=1), target, num_warps=STATS_WARPS)
+                                                          PACKED=varlen, stride_kd=1, stride_vd=1), target, num_warps=STATS_WARPS)
     t = dict(KSUM="*fp32", VAMAX="*fp32", CU="*i32", KMEAN="*fp32", VS="*fp32", seqlen_dense="i32", num_heads="i32",
              nblk="i32")
     yield "finish_kv_stats", _compile(quantize.finish_kv_stats, t,
@@ -159,7 +159,7 @@ def fused_quant_compiles(target, dqk: int, dv: int, varlen: bool, smooth: bool):
              CU_Q="*i32", CU_K="*i32", **{n: "*fp32" for n in ("QS", "KS", "KMEAN", "VS")})
     yield "quantize_qkv", _compile(quantize.quantize_qkv, t,
                                    dict(**dims, BLOCK_S=SCALE_BLOCK, V_PAD=V_TOKEN_ALIGN, VARLEN=varlen,
-                                        SMOOTH_K=smooth, EXACT_ROUND=False, stride_qd=1, stride_kd=1, stride_vd=1,
+                                        SMOOTH_K=smooth, EXACT_ROUND=False, PACKED=varlen, stride_qd=1, stride_kd=1, stride_vd=1,
                                         stride_q8d=1, stride_k8d=1, stride_v8s=1),
                                    # V8's channel stride is its token count padded to V_TOKEN_ALIGN
                                    target, num_warps=FUSED_WARPS, divisible=("stride_v8d",))
