@@ -65,7 +65,10 @@ def test_flops_conventions():
     assert f(2, 16, 1024, 1024, 128, 128, False) == 2 * 2 * 16 * 1024 * 1024 * 256
     assert f(2, 16, 1024, 1024, 128, 128, True) == 2 * 16 * 1024 * 1024 * 256
     assert f(1, 16, 4096, 4096, 192, 128, False) == 2 * 16 * 4096 * 4096 * 320  # MLA
-    assert f(1, 8, 100, 300, 64, 64, True) == 2 * 8 * 100 * 300 * 128  # Sq != Sk: not halved
+    # Sq < Sk causal (bottom-right): the 200 keys before the chunk in full, the 100x100 square halved
+    assert f(1, 8, 100, 300, 64, 64, True) == 2 * 8 * (100 * 200 + 100 * 100 / 2) * 128
+    assert f(1, 8, 100, 300, 64, 64, False) == 2 * 8 * 100 * 300 * 128
+    assert f(1, 8, 300, 100, 64, 64, True) == 2 * 8 * 100 * 100 / 2 * 128  # Sq > Sk: 200 rows see no key
     case = shapes.Case("varlen", "x", "gaussian", 3, 7, 4, 2, 128, 128, True, (7, 3, 5))
     assert shapes.flops(case) == sum(2 * 4 * s * s * 256 / 2 for s in (7, 3, 5))
     assert shapes.flops(case.__class__(**{**case.__dict__, "causal": False})) == sum(
@@ -97,9 +100,12 @@ def test_model_and_varlen_shapes():
 
 def test_serving_batches():
     """The serving sweep: six packed causal batches on Llama-3-8B heads, each its own label, lengths fixed on every
-    machine (a long prompt among 40 short ones, 64 and 256 chat prompts, equal lengths, a one-token prompt)."""
+    machine (a long prompt among 40 short ones, 64 and 256 chat prompts, equal lengths, a one-token prompt),
+    then two chunked-prefill batches (tests/test_bench_serving.py)."""
     cases = shapes.build_cases(["serving"])
-    assert len({c.label for c in cases}) == len(cases) == 6 and all(c.varlen and c.causal for c in cases)
+    assert len({c.label for c in cases}) == len(cases) == 8 and all(c.varlen and c.causal for c in cases)
+    assert [c.label for c in cases if not c.chunked] == list(shapes.SERVING_BATCHES)
+    assert [c.label for c in cases if c.chunked] == list(shapes.SERVING_CHUNKED_BATCHES)
     assert {(c.heads, c.kv_heads, c.head_dim) for c in cases} == {(32, 8, 128)}
     by = {c.label: c for c in cases}
     assert by["equal4x4k"].seqlens == (4096,) * 4 and min(by["mixed8"].seqlens) == 1

@@ -2,7 +2,8 @@
 
 One concern per module:
 
-* :mod:`.shapes` — benchmark cases (standard sweep, model presets, varlen) and FLOP counts;
+* :mod:`.shapes` — benchmark cases (standard sweep, model presets, varlen, serving batches with
+  chunked prefill) and FLOP counts;
 * :mod:`.inputs` — Q/K/V for a case (never zeros) and copies for L2 rotation;
 * :mod:`.impls` — the implementations compared (leanfa backends, cuDNN, FA2/3/4, FlashInfer)
   and whether each can run here;

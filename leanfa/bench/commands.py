@@ -25,9 +25,11 @@ result is reported FAILED, not timed), then it is timed: median of CUDA-event ti
 rotated so they are not served from L2, SM clock and power sampled meanwhile. Sweeps:
 "standard" (16K tokens per batch, 16 heads, head dims 128 and MLA 192/128, causal and not),
 "models" (the heads of Llama-3-8B, Llama-3.1-70B, Mistral-7B, Qwen2.5-7B, DeepSeek-V3 MLA,
-on model-like activations), "varlen" (one uneven prefill batch) and "serving" (six packed batches of
-prompts as a serving engine sees them: one long among many short, equal lengths, 64 and 256 chat-length
-prompts).
+on model-like activations), "varlen" (one uneven prefill batch) and "serving" (packed batches as a
+serving engine's flash_attn_varlen_func sees them: six of whole prompts -- one long among many short,
+equal lengths, 64 and 256 chat-length prompts -- and two chunked-prefill batches, whose queries are
+chunks attending causally, aligned bottom-right, to their cached prefix plus the chunk: 8 chunks of 2K
+tokens after prefixes of 1.6K-11.7K, and 3 chunks after 6.5K-28.6K-token prefixes among 12 new prompts).
 
 Each leanfa row is reported in TFLOP/s and as a ratio to the best peer of its precision on
 the same shape (FP8: cuDNN FP8 and FA3 FP8; BF16: cuDNN and FA3 BF16), naming that peer.
@@ -62,6 +64,7 @@ EXAMPLES = {
   leanfa bench --sweep standard --seqlens 4k,16k --causal true \\
                --impl 'leanfa-hopper-*,cudnn-*,fa3-*'
   leanfa bench --sweep models --models llama3.1-70b --seqlens 8k
+  leanfa bench --sweep serving          # packed serving batches, chunked prefill included
   leanfa bench --list                   # implementations, and why any cannot run here
   leanfa bench --dry-run --quick        # the cases, without running anything
 """,
@@ -122,7 +125,7 @@ def build_parser(command: str) -> argparse.ArgumentParser:
     if command == "bench":
         _common(p)
         p.add_argument("--sweep", default="standard,models,varlen",
-                       help="comma list of standard,models,varlen (default all three)")
+                       help="comma list of standard,models,varlen,serving (default standard,models,varlen)")
         p.add_argument("--seqlens", help="comma list overriding the sweeps' sequence lengths "
                                          "(e.g. 1k,4k,16k)")
         p.add_argument("--causal", choices=("both", "true", "false"),

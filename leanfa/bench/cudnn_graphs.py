@@ -20,7 +20,10 @@ Layouts: leanfa's ``(B, S, H, D)`` tensors are described to cuDNN as ``(B, H, S,
 the strides of the BSHD memory, so nothing is copied; packed varlen ``(total, H, D)`` uses
 the THD layout with ragged offsets (``cu_seqlens·H·D`` elements) and a padding mask.
 Causal is cuDNN's top-left causal mask, which equals flash-attn's bottom-right one for
-``Sq == Sk`` (every benchmark case).
+``Sq == Sk``; a chunked-prefill batch (``Sq < Sk`` per sequence, separate ragged offsets and
+lengths for Q and K/V) asks for ``use_causal_mask_bottom_right`` instead. cuDNN frontend 1.15
+supports that in BF16 (cuDNN >= 9.3) but in FP8 only on Blackwell, so ``cudnn-fp8`` is "n/a" for
+those batches on Hopper (the graph's support check says so).
 
 This code runs only on a GPU: the lead checks it on the H200 before trusting its numbers.
 """
@@ -101,23 +104,26 @@ class SdpaGraph:
 
 def get_graph(*, fp8: bool, batch: int, heads: int, kv_heads: int, seqlen: int, head_dim: int,
               head_dim_v: int, causal: bool, softmax_scale: float, ragged: bool,
-              device) -> SdpaGraph:
-    """The cached graph for this shape (``seqlen`` is the longest sequence when ragged)."""
-    key = (fp8, batch, heads, kv_heads, seqlen, head_dim, head_dim_v, causal, softmax_scale, ragged,
-           str(device))
+              device, seqlen_k: int | None = None, bottom_right: bool = False) -> SdpaGraph:
+    """The cached graph for this shape (``seqlen`` is the longest query sequence when ragged,
+    ``seqlen_k`` the longest key sequence, default ``seqlen``). ``bottom_right``: causal aligned
+    bottom-right (flash-attn's mask for ``Sq < Sk``) instead of top-left."""
+    seqlen_k = seqlen if seqlen_k is None else seqlen_k
+    key = (fp8, batch, heads, kv_heads, seqlen, seqlen_k, head_dim, head_dim_v, causal, bottom_right,
+           softmax_scale, ragged, str(device))
     if key not in _graphs:
         _graphs[key] = _build(*key[:-1], device=device)
     return _graphs[key]
 
 
-def _build(fp8, b, hq, hkv, s, dqk, dv, causal, scale, ragged, *, device) -> SdpaGraph:
+def _build(fp8, b, hq, hkv, s, s_k, dqk, dv, causal, bottom_right, scale, ragged, *, device) -> SdpaGraph:
     mod = cudnn()
     io = mod.data_type.FP8_E4M3 if fp8 else mod.data_type.BFLOAT16
     g = mod.pygraph(io_data_type=io, intermediate_data_type=mod.data_type.FLOAT,
                     compute_data_type=mod.data_type.FLOAT, handle=handle())
     t: dict = {}
-    for name, h, d in (("q", hq, dqk), ("k", hkv, dqk), ("v", hkv, dv)):
-        dim, stride = _bshd(b, h, s, d)
+    for name, h, n, d in (("q", hq, s, dqk), ("k", hkv, s_k, dqk), ("v", hkv, s_k, dv)):
+        dim, stride = _bshd(b, h, n, d)
         t[name] = g.tensor(name=name, dim=dim, stride=stride, data_type=io)
     extra = {}
     if ragged:
@@ -131,6 +137,9 @@ def _build(fp8, b, hq, hkv, s, dqk, dv, causal, scale, ragged, *, device) -> Sdp
             t[name] = g.tensor(name=name, dim=[b, 1, 1, 1], stride=[1, 1, 1, 1],
                                data_type=mod.data_type.INT32)
         extra = dict(use_padding_mask=True, seq_len_q=t["seq_q"], seq_len_kv=t["seq_kv"])
+    mask = dict(use_causal_mask=causal and not bottom_right)
+    if causal and bottom_right:
+        mask["use_causal_mask_bottom_right"] = True
     if fp8:
         for name in ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o"):
             t[name] = g.tensor(name=name, dim=[1, 1, 1, 1], stride=[1, 1, 1, 1],
@@ -138,15 +147,14 @@ def _build(fp8, b, hq, hkv, s, dqk, dv, causal, scale, ragged, *, device) -> Sdp
         o, _stats, amax_s, amax_o = g.sdpa_fp8(
             q=t["q"], k=t["k"], v=t["v"], descale_q=t["descale_q"], descale_k=t["descale_k"],
             descale_v=t["descale_v"], descale_s=t["descale_s"], scale_s=t["scale_s"],
-            scale_o=t["scale_o"], generate_stats=False, attn_scale=scale, use_causal_mask=causal,
-            name="sdpa_fp8", **extra)
+            scale_o=t["scale_o"], generate_stats=False, attn_scale=scale, name="sdpa_fp8", **mask, **extra)
         for name, a in (("amax_s", amax_s), ("amax_o", amax_o)):
             a.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(
                 mod.data_type.FLOAT)
             t[name] = a
     else:
         o, _stats = g.sdpa(q=t["q"], k=t["k"], v=t["v"], generate_stats=False, attn_scale=scale,
-                           use_causal_mask=causal, name="sdpa", **extra)
+                           name="sdpa", **mask, **extra)
     dim, stride = _bshd(b, hq, s, dv)
     o.set_output(True).set_dim(dim).set_stride(stride).set_data_type(io)
     if ragged:
@@ -166,19 +174,23 @@ def _build(fp8, b, hq, hkv, s, dqk, dv, causal, scale, ragged, *, device) -> Sdp
 
 
 def ragged_tensors(cu_seqlens: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
-                   head_dim_v: int) -> dict:
-    """Ragged offsets (elements) and sequence lengths for a packed THD batch."""
+                   head_dim_v: int, cu_seqlens_k: torch.Tensor | None = None) -> dict:
+    """Ragged offsets (elements) and sequence lengths for a packed THD batch: Q and O cut by
+    ``cu_seqlens``, K and V by ``cu_seqlens_k`` (default the same)."""
     mod = cudnn()
     off_dtype = torch.int64 if mod.backend_version() >= 90600 else torch.int32
-    cu = cu_seqlens.to(torch.int64)
-    lens = (cu[1:] - cu[:-1]).to(torch.int32).reshape(-1, 1, 1, 1).contiguous()
+    cu_q = cu_seqlens.to(torch.int64)
+    cu_k = cu_q if cu_seqlens_k is None else cu_seqlens_k.to(torch.int64)
 
-    def off(h, d):
+    def lens(cu):
+        return (cu[1:] - cu[:-1]).to(torch.int32).reshape(-1, 1, 1, 1).contiguous()
+
+    def off(cu, h, d):
         return (cu * (h * d)).to(off_dtype).reshape(-1, 1, 1, 1).contiguous()
 
-    return {"off_q": off(heads, head_dim), "off_k": off(kv_heads, head_dim),
-            "off_v": off(kv_heads, head_dim_v), "off_o": off(heads, head_dim_v),
-            "seq_q": lens, "seq_kv": lens}
+    return {"off_q": off(cu_q, heads, head_dim), "off_k": off(cu_k, kv_heads, head_dim),
+            "off_v": off(cu_k, kv_heads, head_dim_v), "off_o": off(cu_q, heads, head_dim_v),
+            "seq_q": lens(cu_q), "seq_kv": lens(cu_k)}
 
 
 def scalar(x: float, device) -> torch.Tensor:

@@ -56,7 +56,8 @@ def _subset(inputs):
     heads, kv_heads = inputs.q.shape[-2], inputs.k.shape[-2]
     q_idx, kv_idx = head_subset(heads, kv_heads)
     if inputs.varlen:
-        kw = dict(cu_seqlens_q=inputs.cu_seqlens, cu_seqlens_k=inputs.cu_seqlens)
+        # queries and keys each cut by their own lengths (they differ in a chunked-prefill batch)
+        kw = dict(cu_seqlens_q=inputs.cu_seqlens, cu_seqlens_k=inputs.cu_seqlens_k)
         return inputs.q[:, q_idx], inputs.k[:, kv_idx], inputs.v[:, kv_idx], kw, q_idx, False
     return inputs.q[:1, :, q_idx], inputs.k[:1, :, kv_idx], inputs.v[:1, :, kv_idx], {}, q_idx, True
 

@@ -130,13 +130,16 @@ def call(case, x, fp8: bool) -> tuple[Callable[[], torch.Tensor], str]:
     kw: dict = {"causal": case.causal}
     note = fa3.__name__
     if fp8:
-        cu = x.cu_seqlens if x.varlen else None
-        q, dq = quantize_per_kv_head(x.q, case.kv_heads, cu)
-        k, dk = quantize_per_kv_head(x.k, case.kv_heads, cu)
-        v, dv = quantize_per_kv_head(x.v, case.kv_heads, cu)
+        # Q's scales per sequence of queries, K's and V's per sequence of keys (longer in a
+        # chunked-prefill batch)
+        cu_q = x.cu_seqlens if x.varlen else None
+        cu_k = x.cu_seqlens_k if x.varlen else None
+        q, dq = quantize_per_kv_head(x.q, case.kv_heads, cu_q)
+        k, dk = quantize_per_kv_head(x.k, case.kv_heads, cu_k)
+        v, dv = quantize_per_kv_head(x.v, case.kv_heads, cu_k)
         kw.update(q_descale=dq, k_descale=dk, v_descale=dv)
         note += "; e4m3 with one scale per (sequence, KV head)"
     if x.varlen:
-        cu, m = x.cu_seqlens, x.max_seqlen
-        return (lambda: output_of(fa3.flash_attn_varlen_func(q, k, v, cu, cu, m, m, **kw))), note
+        cu_q, cu_k, m_q, m_k = x.cu_seqlens, x.cu_seqlens_k, x.max_seqlen, x.max_seqlen_k
+        return (lambda: output_of(fa3.flash_attn_varlen_func(q, k, v, cu_q, cu_k, m_q, m_k, **kw))), note
     return (lambda: output_of(fa3.flash_attn_func(q, k, v, **kw))), note

@@ -14,7 +14,8 @@ Rows:
   alone on inputs quantized beforehand;
 * ``leanfa-<backend>-bf16``: ``flash_attn_func`` on the BF16 inputs;
 * ``cudnn-bf16``: torch SDPA forced to ``SDPBackend.CUDNN_ATTENTION`` (varlen: cuDNN
-  frontend graph with ragged offsets) — the BF16 baseline;
+  frontend graph with ragged offsets; a chunked-prefill batch, ``Sq < Sk``, with the
+  bottom-right causal mask) — the BF16 baseline;
 * ``cudnn-fp8``: cuDNN frontend ``sdpa_fp8`` on per-tensor-quantized inputs (the kernel
   alone, FP8 output) — the FP8 baseline; ``cudnn-fp8-e2e`` adds the per-tensor
   quantization of Q/K/V and the dequantization of the output to the timing;
@@ -24,6 +25,9 @@ Rows:
   ``flash_attn_interface``; :mod:`leanfa.bench.fa3`), FP8 on inputs quantized beforehand with
   one scale per (sequence, KV head) — the kernel alone;
 * ``flashinfer-bf16``, ``fa4-bf16`` (``flash_attn.cute``) when importable.
+
+Every varlen call passes the queries' and the keys' ``cu_seqlens``/``max_seqlen`` separately
+(:meth:`Inputs.varlen_kw`): they differ in the serving sweep's chunked-prefill batches.
 
 Each row's ``available()`` says whether it can run here and why not: the Hopper, cuDNN and FA3
 rows need a CUDA GPU (Hopper and FA3 one of compute capability 9.x); the portable leanfa rows
@@ -106,8 +110,8 @@ def _leanfa_available() -> tuple[bool, str]:
 
 
 def _varlen_kw(x: Inputs) -> dict:
-    return dict(cu_seqlens_q=x.cu_seqlens, cu_seqlens_k=x.cu_seqlens, max_seqlen_q=x.max_seqlen,
-                max_seqlen_k=x.max_seqlen)
+    """Queries and keys each with their own lengths (they differ in a chunked-prefill batch)."""
+    return x.varlen_kw()
 
 
 def _leanfa_call(fn: Callable[[], Any]) -> Callable[[], Any]:
@@ -125,7 +129,7 @@ def _leanfa_bf16(backend: str):
         lf = _leanfa()
         if x.varlen:
             return Prepared(_leanfa_call(lambda: lf.flash_attn_varlen_func(
-                x.q, x.k, x.v, x.cu_seqlens, x.cu_seqlens, x.max_seqlen, x.max_seqlen,
+                x.q, x.k, x.v, x.cu_seqlens, x.cu_seqlens_k, x.max_seqlen, x.max_seqlen_k,
                 causal=case.causal, backend=backend)))
         return Prepared(_leanfa_call(lambda: lf.flash_attn_func(x.q, x.k, x.v, causal=case.causal,
                                                                 backend=backend)))
@@ -160,7 +164,7 @@ def _leanfa_fp8_kernel(backend: str):
         if x.varlen:
             quant = lf.quantize_fp8(x.q, x.k, x.v, granularity="block", smooth_k=True, **_varlen_kw(x))
             return Prepared(_leanfa_call(lambda: lf.flash_attn_varlen_func(
-                quant, None, None, x.cu_seqlens, x.cu_seqlens, x.max_seqlen, x.max_seqlen,
+                quant, None, None, x.cu_seqlens, x.cu_seqlens_k, x.max_seqlen, x.max_seqlen_k,
                 causal=case.causal, backend=backend)))
         quant = lf.quantize_fp8(x.q, x.k, x.v, granularity="block", smooth_k=True)
         return Prepared(_leanfa_call(lambda: lf.flash_attn_func(quant, causal=case.causal,
@@ -249,8 +253,9 @@ def _varlen_flash(case: Case, x: Inputs) -> Prepared:
             group = case.heads // case.kv_heads
             k, v = (t.repeat_interleave(group, dim=1) for t in (x.k, x.v))
             note = "K/V heads repeated for GQA"
-    return Prepared(lambda: varlen_attn(x.q, k, v, x.cu_seqlens, x.cu_seqlens, x.max_seqlen,
-                                        x.max_seqlen, **kw), note=note)
+    # FlashAttention-2's causal mask (window (-1, 0)) is aligned bottom-right, as flash-attn's
+    return Prepared(lambda: varlen_attn(x.q, k, v, x.cu_seqlens, x.cu_seqlens_k, x.max_seqlen,
+                                        x.max_seqlen_k, **kw), note=note)
 
 
 # ----------------------------------------------------------------------- cuDNN frontend
@@ -262,16 +267,22 @@ def _cudnn_graph_prepare(case: Case, x: Inputs, *, fp8: bool, e2e: bool) -> Prep
     ragged = x.varlen
     b = len(case.seqlens) if ragged else case.batch
     s = x.max_seqlen if ragged else case.seqlen
+    s_k = x.max_seqlen_k if ragged else case.seqlen
+    # a chunked-prefill batch (Sq < Sk) needs flash-attn's bottom-right causal alignment; cuDNN's
+    # plain causal mask is top-left (the same only where Sq == Sk)
+    bottom_right = case.causal and case.chunked
     try:
         graph = cg.get_graph(fp8=fp8, batch=b, heads=case.heads, kv_heads=case.kv_heads, seqlen=s,
-                             head_dim=case.head_dim, head_dim_v=case.head_dim_v, causal=case.causal,
-                             softmax_scale=scale, ragged=ragged, device=dev)
+                             seqlen_k=s_k, head_dim=case.head_dim, head_dim_v=case.head_dim_v,
+                             causal=case.causal, bottom_right=bottom_right, softmax_scale=scale,
+                             ragged=ragged, device=dev)
     except cg.Unsupported as e:
-        raise NotApplicable(str(e)) from e
+        why = "chunked batch (Sq < Sk) needs bottom-right causal: " if bottom_right else ""
+        raise NotApplicable(why + str(e)) from e
     named: dict = {}
     if ragged:
         named.update(cg.ragged_tensors(x.cu_seqlens, case.heads, case.kv_heads, case.head_dim,
-                                       case.head_dim_v))
+                                       case.head_dim_v, cu_seqlens_k=x.cu_seqlens_k))
     out_shape = x.q.shape[:-1] + (case.head_dim_v,)
     if not fp8:
         o = torch.empty(out_shape, dtype=torch.bfloat16, device=dev)
@@ -357,15 +368,15 @@ def _flashinfer(case: Case, x: Inputs) -> Prepared:
 
     dev = x.q.device
     if x.varlen:
-        indptr = x.cu_seqlens
+        indptr, kv_indptr = x.cu_seqlens, x.cu_seqlens_k  # FlashInfer's causal is bottom-right too
         q, k, v = x.q, x.k, x.v
     else:
         b, s = case.batch, case.seqlen
-        indptr = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=dev)
+        indptr = kv_indptr = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=dev)
         q, k, v = (t.reshape(b * s, t.shape[2], t.shape[3]) for t in (x.q, x.k, x.v))
     ws = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
     w = flashinfer.prefill.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")
-    w.plan(indptr, indptr, case.heads, case.kv_heads, case.head_dim, head_dim_vo=case.head_dim_v,
+    w.plan(indptr, kv_indptr, case.heads, case.kv_heads, case.head_dim, head_dim_vo=case.head_dim_v,
            causal=case.causal, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
     shape = x.q.shape[:-1] + (case.head_dim_v,)
     return Prepared(lambda: w.run(q, k, v), lambda o: o.reshape(shape))

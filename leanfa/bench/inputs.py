@@ -18,17 +18,45 @@ from .shapes import Case
 @dataclass
 class Inputs:
     """BF16 inputs of one case: ``(B, S, H, D)``, or packed ``(total, H, D)`` with
-    int32 ``cu_seqlens`` for a varlen case."""
+    int32 ``cu_seqlens`` for a varlen case.
+
+    ``cu_seqlens``/``max_seqlen`` cut the queries (also spelled ``cu_seqlens_q``/``max_seqlen_q``);
+    ``cu_seqlens_k``/``max_seqlen_k`` cut the keys and values, and equal the query ones unless
+    the case is a chunked-prefill batch (then K and V have more tokens than Q). A caller passes
+    ``cu_seqlens_q`` and ``cu_seqlens_k`` to every varlen call."""
 
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
     cu_seqlens: torch.Tensor | None = None
     max_seqlen: int | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    max_seqlen_k: int | None = None
+
+    def __post_init__(self):
+        if self.cu_seqlens is None:
+            if self.cu_seqlens_k is not None:
+                raise ValueError("cu_seqlens_k without cu_seqlens")
+            return
+        if self.cu_seqlens_k is None:
+            self.cu_seqlens_k, self.max_seqlen_k = self.cu_seqlens, self.max_seqlen
 
     @property
     def varlen(self) -> bool:
         return self.cu_seqlens is not None
+
+    @property
+    def cu_seqlens_q(self) -> torch.Tensor | None:
+        return self.cu_seqlens
+
+    @property
+    def max_seqlen_q(self) -> int | None:
+        return self.max_seqlen
+
+    def varlen_kw(self) -> dict:
+        """``cu_seqlens_q``, ``cu_seqlens_k``, ``max_seqlen_q``, ``max_seqlen_k`` (flash-attn's names)."""
+        return dict(cu_seqlens_q=self.cu_seqlens, cu_seqlens_k=self.cu_seqlens_k, max_seqlen_q=self.max_seqlen,
+                    max_seqlen_k=self.max_seqlen_k)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.q, self.k, self.v))
@@ -64,17 +92,32 @@ def cu_seqlens_of(seqlens, device) -> torch.Tensor:
     return torch.tensor(cu, dtype=torch.int32, device=device)
 
 
+def chunk_query_index(seqlens_q, seqlens_k, device) -> torch.Tensor:
+    """Positions, among the packed key tokens, of each sequence's queries: the last ``Sq`` of
+    its ``Sk`` tokens (a chunk after its prefix; int64)."""
+    idx, start = [], 0
+    for sq, sk in zip(seqlens_q, seqlens_k):
+        idx.append(torch.arange(start + sk - sq, start + sk, device=device))
+        start += sk
+    return torch.cat(idx) if idx else torch.zeros(0, dtype=torch.long, device=device)
+
+
 def make_inputs(case: Case, *, device="cuda", seed: int = 0) -> Inputs:
     """The case's BF16 inputs on ``device``; a varlen batch is made as one long sequence
-    of ``sum(seqlens)`` tokens and cut by ``cu_seqlens``."""
+    of ``sum(seqlens)`` tokens and cut by ``cu_seqlens``. A chunked-prefill batch makes that
+    sequence with its key tokens (``sum(seqlens_k)``): K and V are all of it, cut by
+    ``cu_seqlens_k``, and Q is each sequence's last ``Sq`` tokens (the chunk), cut by ``cu_seqlens``."""
     if case.varlen:
-        shape = (case.tokens,)
+        shape = (case.tokens_k,)
         if case.preset == "gaussian":
             q, k, v = _gaussian(case, shape, seed, device)
         else:
-            q, k, v = (t[0] for t in _profile(case, 1, case.tokens, seed, device))
+            q, k, v = (t[0] for t in _profile(case, 1, case.tokens_k, seed, device))
+        if case.chunked:
+            q = q[chunk_query_index(case.seqlens, case.seqlens_k, q.device)]
         return Inputs(q.contiguous(), k.contiguous(), v.contiguous(),
-                      cu_seqlens_of(case.seqlens, device), max(case.seqlens))
+                      cu_seqlens_of(case.seqlens, device), max(case.seqlens),
+                      cu_seqlens_of(case.key_seqlens, device), max(case.key_seqlens))
     if case.preset == "gaussian":
         q, k, v = _gaussian(case, (case.batch, case.seqlen), seed, device)
     else:
@@ -84,8 +127,9 @@ def make_inputs(case: Case, *, device="cuda", seed: int = 0) -> Inputs:
 
 def input_bytes(case: Case) -> int:
     """Bytes of one BF16 Q/K/V set of ``case``."""
-    per_token = case.heads * case.head_dim + case.kv_heads * (case.head_dim + case.head_dim_v)
-    return 2 * case.tokens * per_token
+    q_token = case.heads * case.head_dim
+    kv_token = case.kv_heads * (case.head_dim + case.head_dim_v)
+    return 2 * (case.tokens * q_token + case.tokens_k * kv_token)
 
 
 def copies_for(bytes_per_copy: int, *, l2_bytes: int, factor: int = 4, max_copies: int = 4,
@@ -106,5 +150,5 @@ def make_copies(case: Case, n: int, *, device="cuda", seed: int = 0) -> list[Inp
     out = [first]
     for _ in range(n - 1):
         out.append(Inputs(first.q.clone(), first.k.clone(), first.v.clone(), first.cu_seqlens,
-                          first.max_seqlen))
+                          first.max_seqlen, first.cu_seqlens_k, first.max_seqlen_k))
     return out

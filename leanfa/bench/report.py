@@ -80,8 +80,12 @@ def _uniq(seq):
 
 
 def _case_cell(r: dict) -> list:
-    shape = f"varlen x{len(r['seqlens'])}" if r.get("seqlens") else f"B{r['batch']}"
-    return [r["label"], r["seqlen"], shape, f"{r['heads']}/{r['kv_heads']}",
+    seqlen = r["seqlen"]
+    if r.get("seqlens_k"):  # chunked prefill: the longest chunk and the longest key sequence
+        shape, seqlen = f"chunked x{len(r['seqlens'])}", f"{r['seqlen']} (Sk {max(r['seqlens_k'])})"
+    else:
+        shape = f"varlen x{len(r['seqlens'])}" if r.get("seqlens") else f"B{r['batch']}"
+    return [r["label"], seqlen, shape, f"{r['heads']}/{r['kv_heads']}",
             f"{r['head_dim']}/{r['head_dim_v']}", "causal" if r["causal"] else "full"]
 
 

@@ -1,9 +1,15 @@
-"""Benchmark shapes: the standard sweep, the model presets, one uneven varlen batch, the serving batches.
+"""Benchmark shapes: the standard sweep, the model presets, one uneven varlen batch, the serving batches
+(packed prompts, and chunked-prefill batches whose queries attend to longer key sequences).
 
 A :class:`Case` is one attention problem (shape, mask, activation profile). FLOPs follow
 the flash-attn convention (docs/design.md §6): ``2·B·Hq·Sq·Sk·(Dqk+Dv)`` for the two matrix
-products, halved for causal with ``Sq == Sk``; a varlen batch sums that over its sequences
-(causal halves each sequence).
+products without a mask; causal counts the keys the bottom-right mask leaves,
+``2·B·Hq·(Dqk+Dv)·(Sq·(Sk−Sq) + Sq²/2)`` for ``Sq <= Sk`` (half of ``Sq·Sk`` when ``Sq == Sk``, as
+before; see :func:`attention_flops`); a varlen batch sums that over its sequences.
+
+A chunked-prefill batch (:data:`SERVING_CHUNKED_BATCHES`) has per-sequence key lengths
+``Case.seqlens_k`` longer than its query lengths ``Case.seqlens``: each sequence's queries are the
+last ``Sq`` of its ``Sk`` tokens (a chunk after a cached prefix), causal aligned bottom-right.
 """
 
 from __future__ import annotations
@@ -61,13 +67,36 @@ SERVING_BATCHES = {
     "chat256": _lengths(3, 256, 20, 300),  # a large decode-sized prefill batch
 }
 
+
+def _chunks(chunk_lengths, prefixes) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(query lengths, key lengths) of chunks after cached prefixes: ``Sk = prefix + Sq``."""
+    return tuple(chunk_lengths), tuple(c + p for c, p in zip(chunk_lengths, prefixes))
+
+
+#: chunked-prefill batches (``--sweep serving``): ``label -> (query lengths, key lengths)``, what a
+#: serving engine's chunked prefill passes to ``flash_attn_varlen_func`` (``cu_seqlens_q !=
+#: cu_seqlens_k``): each sequence's queries are a chunk of its newest tokens, its keys the cached
+#: prefix plus the chunk (causal aligned bottom-right). About 16K query tokens each, on
+#: :data:`SERVING_MODEL` heads.
+_NEW_PROMPTS = _lengths(6, 12, 100, 900)  # fresh prompts in a chunked batch: Sq == Sk
+SERVING_CHUNKED_BATCHES = {
+    # 8 chunks of 2048 tokens after prefixes drawn from 1024-12288 tokens (1599-11717): keys 3647-13765,
+    # 68,689 in all
+    "chunk8x2k+prefix": _chunks((2048,) * 8, _lengths(4, 8, 1024, 12288)),
+    # 3 chunks (4096, 4096, 2048) after prefixes of 14699, 6456, 28574 tokens, then 12 new prompts of
+    # 100-900 tokens: 16,276 query tokens, 66,005 keys
+    "chunks+new": tuple(x + _NEW_PROMPTS for x in _chunks((4096, 4096, 2048), _lengths(7, 3, 4096, 28672))),
+}
+
 SWEEPS = ("standard", "models", "varlen", "serving")
 
 
 @dataclass(frozen=True)
 class Case:
     """One attention problem. ``seqlens`` is set for a varlen batch (then ``batch`` is its
-    number of sequences and ``seqlen`` the longest one)."""
+    number of sequences and ``seqlen`` the longest one). ``seqlens_k`` (varlen only) gives each
+    sequence's key length where it differs from its query length (a chunked-prefill batch:
+    ``Sk >= Sq``, causal aligned bottom-right); None means ``seqlens``."""
 
     sweep: str
     label: str  # "d128" / "mla" for the standard sweep, the model name otherwise
@@ -80,26 +109,69 @@ class Case:
     head_dim_v: int
     causal: bool
     seqlens: tuple[int, ...] | None = field(default=None)
+    seqlens_k: tuple[int, ...] | None = field(default=None)
+
+    def __post_init__(self):
+        if self.seqlens_k is None:
+            return
+        if self.seqlens is None:
+            raise ValueError("seqlens_k needs seqlens (key lengths are per sequence of a varlen batch)")
+        if len(self.seqlens_k) != len(self.seqlens):
+            raise ValueError(f"{len(self.seqlens_k)} key lengths for {len(self.seqlens)} sequences")
+        if any(k < q for q, k in zip(self.seqlens, self.seqlens_k)):
+            raise ValueError(f"a key length is shorter than its query length: seqlens={self.seqlens}, "
+                             f"seqlens_k={self.seqlens_k}")
+        if tuple(self.seqlens_k) == tuple(self.seqlens):  # not chunked: one spelling of a plain batch
+            object.__setattr__(self, "seqlens_k", None)
 
     @property
     def varlen(self) -> bool:
         return self.seqlens is not None
 
     @property
+    def chunked(self) -> bool:
+        """A varlen batch whose key lengths differ from its query lengths (chunked prefill)."""
+        return self.seqlens_k is not None
+
+    @property
+    def key_seqlens(self) -> tuple[int, ...] | None:
+        """Each sequence's key length (``seqlens`` unless chunked); None for a dense case."""
+        return self.seqlens_k if self.chunked else self.seqlens
+
+    @property
     def tokens(self) -> int:
+        """Query tokens."""
         return sum(self.seqlens) if self.varlen else self.batch * self.seqlen
+
+    @property
+    def tokens_k(self) -> int:
+        """Key (and value) tokens."""
+        return sum(self.key_seqlens) if self.varlen else self.batch * self.seqlen
+
+    @property
+    def seqlen_k(self) -> int:
+        """The longest key sequence."""
+        return max(self.seqlens_k) if self.chunked else self.seqlen
 
     @property
     def name(self) -> str:
         mask = "causal" if self.causal else "full"
-        shape = f"varlen{len(self.seqlens)}" if self.varlen else f"B{self.batch}"
-        return (f"{self.sweep}/{self.label}/{shape}/S{self.seqlen}/H{self.heads}-{self.kv_heads}"
+        if self.chunked:  # e.g. .../chunked8/S2048-Sk13765/...: longest chunk, longest key sequence
+            shape, s = f"chunked{len(self.seqlens)}", f"S{self.seqlen}-Sk{self.seqlen_k}"
+        else:
+            shape = f"varlen{len(self.seqlens)}" if self.varlen else f"B{self.batch}"
+            s = f"S{self.seqlen}"
+        return (f"{self.sweep}/{self.label}/{shape}/{s}/H{self.heads}-{self.kv_heads}"
                 f"/D{self.head_dim}-{self.head_dim_v}/{mask}")
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["seqlens"] = list(self.seqlens) if self.seqlens else None
+        d["seqlens_k"] = list(self.seqlens_k) if self.seqlens_k else None
         d["tokens"] = self.tokens
+        if self.chunked:
+            d["tokens_k"] = self.tokens_k
+            d["seqlen_k"] = self.seqlen_k
         d["flops"] = flops(self)
         return d
 
@@ -111,17 +183,28 @@ def activation_preset(model: str) -> str:
 
 def attention_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int,
                     head_dim_v: int, causal: bool) -> float:
-    """FLOPs of one forward attention, flash-attn convention (halved if causal and Sq == Sk)."""
-    f = 2.0 * batch * heads * seqlen_q * seqlen_k * (head_dim + head_dim_v)
-    if causal and seqlen_q == seqlen_k:
-        f /= 2
-    return f
+    """FLOPs of one forward attention, flash-attn convention: ``2·B·Hq·(Dqk+Dv)`` times the
+    (query, key) pairs computed.
+
+    Without a mask that is ``Sq·Sk``. Causal (aligned bottom-right: query ``i`` sees keys
+    ``j <= i + Sk − Sq``) it is ``Sq·(Sk−Sq) + Sq²/2`` for ``Sq <= Sk``: the keys before the chunk
+    in full, the square over the chunk halved. That is the exact count
+    ``Σ_i (Sk − Sq + i + 1) = Sq·(Sk−Sq) + Sq·(Sq+1)/2`` less ``Sq/2`` (the half diagonal), the
+    convention flash-attn's benchmarks use and this project always has for ``Sq == Sk``
+    (``Sq²/2``), so results before chunked batches stay comparable. For ``Sq > Sk`` the first
+    ``Sq − Sk`` queries see no key: ``Sk²/2``.
+    """
+    per_pair = 2.0 * batch * heads * (head_dim + head_dim_v)
+    if not causal:
+        return per_pair * seqlen_q * seqlen_k
+    sq = min(seqlen_q, seqlen_k)  # queries that see at least one key
+    return per_pair * (sq * (seqlen_k - sq) + sq * sq / 2)
 
 
 def flops(case: Case) -> float:
     if case.varlen:
-        return sum(attention_flops(1, case.heads, s, s, case.head_dim, case.head_dim_v, case.causal)
-                   for s in case.seqlens)
+        return sum(attention_flops(1, case.heads, sq, sk, case.head_dim, case.head_dim_v, case.causal)
+                   for sq, sk in zip(case.seqlens, case.key_seqlens))
     return attention_flops(case.batch, case.heads, case.seqlen, case.seqlen, case.head_dim,
                            case.head_dim_v, case.causal)
 
@@ -155,11 +238,28 @@ def varlen_cases(causal=(True,), seqlens=VARLEN_SEQLENS, model=VARLEN_MODEL) -> 
                  tuple(seqlens)) for c in causal]
 
 
-def serving_cases(causal=(True,), batches=tuple(SERVING_BATCHES), model=SERVING_MODEL) -> list[Case]:
-    """The serving batches (:data:`SERVING_BATCHES`), labelled by batch."""
+def serving_lengths(label: str) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+    """(query lengths, key lengths or None) of a serving batch, plain or chunked."""
+    if label in SERVING_BATCHES:
+        return tuple(SERVING_BATCHES[label]), None
+    if label in SERVING_CHUNKED_BATCHES:
+        q, k = SERVING_CHUNKED_BATCHES[label]
+        return tuple(q), tuple(k)
+    raise ValueError(f"unknown serving batch {label!r}; choose from "
+                     f"{tuple(SERVING_BATCHES) + tuple(SERVING_CHUNKED_BATCHES)}")
+
+
+def serving_cases(causal=(True,), batches=tuple(SERVING_BATCHES) + tuple(SERVING_CHUNKED_BATCHES),
+                  model=SERVING_MODEL) -> list[Case]:
+    """The serving batches (:data:`SERVING_BATCHES`, then the chunked-prefill ones of
+    :data:`SERVING_CHUNKED_BATCHES`), labelled by batch."""
     hq, hkv, dqk, dv = MODELS[model]
-    return [Case("serving", b, activation_preset(model), len(SERVING_BATCHES[b]), max(SERVING_BATCHES[b]), hq, hkv,
-                 dqk, dv, c, tuple(SERVING_BATCHES[b])) for b in batches for c in causal]
+    out = []
+    for b in batches:
+        q, k = serving_lengths(b)
+        out += [Case("serving", b, activation_preset(model), len(q), max(q), hq, hkv, dqk, dv, c, q, k)
+                for c in causal]
+    return out
 
 
 def _causal_options(causal: str | None, default: tuple[bool, ...]) -> tuple[bool, ...]:
