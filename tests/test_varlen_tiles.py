@@ -108,7 +108,7 @@ from leanfa.kernels import triton_aot
 from leanfa.kernels.hopper import varlen_tiles as vt
 types = {"cu_q": "*i32", "cu_k": "*i32", "table": "*i32", "hist": "*i32", "batch": "i32", "slots": "i32", "NBUCKETS": "i32"}
 consts = {"CAUSAL": sys.argv[1] == "1", "BLOCK_M": 128, "BLOCK_B": vt.BLOCK_B, "BLOCK_T": vt.BLOCK_T, "BLOCK_H": 1024}
-ck = triton_aot._compile(vt._tile_table_kernel, types, consts, GPUTarget("cuda", 90, 32))
+ck = triton_aot._compile(vt._tile_table_kernel, types, consts, GPUTarget("cuda", 90, 32), num_warps=vt.WARPS)
 print("usage", *triton_aot.ptxas_usage(ck.asm["ptx"]))
 """
 

@@ -45,6 +45,8 @@ def table_problem(total_q: int, batch: int, block_m: int) -> str | None:
 #: sequences x tiles handled per step of the one program (a 32 x 32 block of (sequence, tile) pairs)
 BLOCK_B = 32
 BLOCK_T = 32
+#: warps of the one program: 2 lanes of a 32 x 32 block per thread (a thread's atomics run one after another)
+WARPS = 16
 KEY_BLOCK = tl.constexpr(128)  # keys per bucket of the counting sort (the Hopper kernel's key block)
 
 
@@ -137,5 +139,5 @@ def build(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q: int, 
     table = torch.empty(1 + slots + buckets, dtype=torch.int32, device=cu_seqlens_q.device)
     _TILE_TABLE[(1, )](cu_seqlens_q, cu_seqlens_k, table, table[1 + slots:], batch, slots, buckets,
                        CAUSAL=bool(causal), BLOCK_M=block_m, BLOCK_B=BLOCK_B, BLOCK_T=BLOCK_T, BLOCK_H=1024,
-                       num_warps=4)
+                       num_warps=WARPS)
     return table
