@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
+import statistics
 import time
 
 import torch
@@ -34,17 +35,20 @@ from leanfa.kernels import hopper
 from leanfa.kernels.hopper.varlen_v import align_varlen_v
 
 
-def host_ms(fn, calls: int = 200) -> float:
-    """CPU milliseconds per call of ``fn`` queued back to back (synchronized before and after only)."""
+def host_ms(fn, calls: int = 40, repeats: int = 7) -> float:
+    """CPU milliseconds per call of ``fn`` queued back to back (synchronized before and after only): the median
+    of ``repeats`` runs of ``calls`` calls (single runs swing by 2x on a busy host)."""
     for _ in range(10):
         fn()
+    runs = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        runs.append((time.perf_counter() - t0) * 1e3 / calls)
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) * 1e3 / calls
+    return statistics.median(runs)
 
 
 def launches(fn) -> list[tuple[str, float]]:

@@ -12,8 +12,8 @@ BM = 128
 
 
 def _pairs(table):
-    n = int(table[0])
-    return n, [(int(p) >> varlen_tiles.PAIR_SHIFT, int(p) & 0xFFFF) for p in table[1:1 + n]], table[1 + n:]
+    n, shift = int(table[0]), varlen_tiles.PAIR_SHIFT.value
+    return n, [(int(p) >> shift, int(p) & ((1 << shift) - 1)) for p in table[1:1 + n]], table[1 + n:]
 
 
 def _seen(b, m, lq, lk, causal):

@@ -16,6 +16,7 @@ of tiles is the table's first entry times the heads, read on the GPU.
 from __future__ import annotations
 
 from .gluon_compat import gl, gluon
+from .varlen_tiles import PAIR_SHIFT
 
 
 @gluon.jit
@@ -32,10 +33,10 @@ def tile_coords(t, num_bh, num_heads, group_size, num_m_tiles, BLOCK_M: gl.const
 @gluon.jit
 def varlen_tile_coords(t, tiles, num_heads, group_size, BLOCK_M: gl.constexpr):
     """``(b, h, hkv, m_start)`` of varlen tile ``t`` (``< num_tiles``): query head ``t % num_heads`` of the
-    table's pair ``t // num_heads`` (``tiles[1 + i] = b << 16 | m``, :mod:`.varlen_tiles`)."""
+    table's pair ``t // num_heads`` (``tiles[1 + i] = b << PAIR_SHIFT | m``, :mod:`.varlen_tiles`)."""
     pair = gl.maximum(gl.load(tiles + 1 + t // num_heads), 0)  # (an empty batch's -1 padding reads as pair 0)
     h = t % num_heads
-    return pair >> 16, h, h // group_size, (pair & 0xFFFF) * BLOCK_M
+    return pair >> PAIR_SHIFT, h, h // group_size, (pair & ((1 << PAIR_SHIFT) - 1)) * BLOCK_M
 
 
 @gluon.jit

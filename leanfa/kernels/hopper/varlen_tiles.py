@@ -22,10 +22,11 @@ import triton.language as tl
 
 from ..launcher import DirectLaunch
 
-#: a pair is packed as ``b << PAIR_SHIFT | m`` in one int32
-PAIR_SHIFT = 16
-MAX_TILES_PER_SEQUENCE = 1 << PAIR_SHIFT
-MAX_SEQUENCES = 1 << (31 - PAIR_SHIFT)
+#: a pair is packed as ``b << PAIR_SHIFT | m`` in one int32 (the table kernel packs, ``schedule.varlen_tile_coords``
+#: unpacks)
+PAIR_SHIFT = tl.constexpr(16)
+MAX_TILES_PER_SEQUENCE = 1 << PAIR_SHIFT.value
+MAX_SEQUENCES = 1 << (31 - PAIR_SHIFT.value)
 
 
 def capacity(total_q: int, batch: int, block_m: int) -> int:
@@ -71,7 +72,7 @@ def _pair_buckets(cu_q, cu_k, b, t0, batch, CAUSAL: tl.constexpr, BLOCK_M: tl.co
     else:
         seen = len_k[:, None] + 0 * m[None, :]
     bucket = tl.minimum((seen + KEY_BLOCK - 1) // KEY_BLOCK, NBUCKETS - 1)
-    pair = (b[:, None] << 16) | m[None, :]
+    pair = (b[:, None] << PAIR_SHIFT) | m[None, :]
     return pair, bucket, real
 
 
@@ -130,7 +131,7 @@ _TILE_TABLE = DirectLaunch(_tile_table_kernel)
 def build(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q: int, max_seqlen_k: int, causal: bool,
           block_m: int) -> torch.Tensor:
     """int32 ``[1 + capacity + buckets]``: entry 0 is the number ``n`` of real pairs, entries ``1 .. n`` the pairs
-    ``b << 16 | m`` (query tile ``m`` of sequence ``b``), most key blocks first, then -1 up to the capacity
+    ``b << PAIR_SHIFT | m`` (query tile ``m`` of sequence ``b``), most key blocks first, then -1 up to the capacity
     (:func:`capacity`; an empty table holds pair 0), then the launch's scratch.
     ``max_seqlen_k`` sizes the histogram (a longer sequence's tiles share its last bucket: still all listed)."""
     batch = cu_seqlens_q.numel() - 1
