@@ -17,6 +17,7 @@ from . import scales
 from .checks import check_cu_seqlens as _check_cu_seqlens
 from .checks import check_device, check_fp8_device, interpreter_enabled  # noqa: F401 (re-exported)
 from .checks import check_seqused as _check_seqused
+from .checks import check_window_softcap as _check_window_softcap
 from .checks import resolve_softmax_scale as _resolve_scale
 from .problem import FP8_DTYPE, Problem  # Problem's home is leanfa.problem; leanfa.api.Problem stays importable
 from .quant import FP8QKV, quantize_fp8
@@ -99,12 +100,30 @@ def _unpack_quantized(q, k, v, q_descale, k_descale, v_descale, k_mean):
     return q, k, v, q_descale, k_descale, v_descale, k_mean
 
 
+def _normalize_window(causal: bool, left: int, right: int, max_seqlen_q: int, max_seqlen_k: int):
+    """flash-attn's window rules, as :class:`Problem` stores them: ``causal`` is a right side of 0 (kept as
+    ``causal``, right -1); a side that reaches past every key of every sequence is unbounded (query ``i`` at
+    key position ``i + Sk - Sq`` sees all keys on the left once ``left >= Sk - 1``, on the right once
+    ``right >= Sq - 1``); ``(-1, 0)`` is the causal mask. Returns ``(causal, left, right)``."""
+    if causal:
+        right = -1
+    if left >= max_seqlen_k - 1:
+        left = -1
+    if right >= max_seqlen_q - 1:
+        right = -1
+    if right == 0 and left == -1:
+        causal, right = True, -1
+    return causal, left, right
+
+
 def _build_problem(q, k, v, *, varlen, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                    softmax_scale, causal, q_descale, k_descale, v_descale, k_mean,
-                   return_lse, out_dtype, seqused_q=None, seqused_k=None) -> Problem:
+                   return_lse, out_dtype, seqused_q=None, seqused_k=None, window_size=(-1, -1),
+                   softcap=0.0) -> Problem:
     _check_inputs(q, k, v, 3 if varlen else 4)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    left, right, softcap = _check_window_softcap(window_size, softcap)
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     _check_half_descales(q.dtype, q_descale, k_descale, v_descale)
@@ -141,6 +160,7 @@ def _build_problem(q, k, v, *, varlen, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     v_scale = scales.channel_scale_table("v_descale", v_descale, batch=batch, kv_heads=kv_heads,
                                          head_dim=dv, device=dev)
     _check_k_mean(k_mean, batch, kv_heads, dqk, dev)
+    causal, left, right = _normalize_window(causal, left, right, max_seqlen_q, max_seqlen_k)
     return Problem(
         q=q, k=k, v=v, batch=batch, heads=heads, kv_heads=kv_heads, head_dim_qk=dqk, head_dim_v=dv,
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
@@ -148,7 +168,7 @@ def _build_problem(q, k, v, *, varlen, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         causal=causal, softmax_scale=_resolve_scale(softmax_scale, dqk),
         q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, k_mean=k_mean,
         out_dtype=_resolve_out_dtype(q.dtype, out_dtype), return_lse=return_lse,
-        seqused_q=seqused_q, seqused_k=seqused_k,
+        seqused_q=seqused_q, seqused_k=seqused_k, window_left=left, window_right=right, softcap=softcap,
     )
 
 
@@ -179,6 +199,8 @@ def flash_attn_func(
     backend: str = "auto",
     seqused_q: torch.Tensor | None = None,
     seqused_k: torch.Tensor | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
 ):
     """Attention forward on ``(batch, seqlen, heads, head_dim)`` tensors.
 
@@ -206,6 +228,15 @@ def flash_attn_func(
             only its first ``seqused_q[b]`` queries and ``seqused_k[b]`` keys (the causal mask is
             aligned to these lengths); output rows past ``seqused_q[b]`` are 0 and their LSE
             ``-inf`` (FA3 leaves them unwritten). Runs on the portable kernel.
+        window_size: ``(left, right)``, flash-attn's sliding-window (local) attention: query ``i`` sees
+            keys ``j`` with ``i + Sk - Sq - left <= j <= i + Sk - Sq + right`` (bottom-right aligned, as
+            the causal mask); -1 is no limit on that side, ``(-1, -1)`` (default) no window. With
+            ``causal=True`` the right side is 0 (flash-attn's rule). Rows whose window holds no key get
+            output 0 and LSE ``-inf``. ``left``/``right`` below -1 raise ``ValueError``. Runs on the
+            portable kernel (where it would take the Hopper kernel: one warning per process).
+        softcap: flash-attn's score capping: with ``softcap > 0`` the scores ``s = softmax_scale * q.k``
+            become ``softcap * tanh(s / softcap)`` before the softmax (and in the LSE); 0 (default) is
+            off, negative values raise ``ValueError``. Runs on the portable kernel, as ``window_size``.
 
     Any strides are accepted; inputs are never copied. Empty inputs (``B``, ``Sq`` or ``Sk`` 0)
     are allowed: the output is empty, or 0 with LSE ``-inf`` where no key exists.
@@ -219,7 +250,7 @@ def flash_attn_func(
         q, k, v, varlen=False, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
         max_seqlen_k=None, softmax_scale=softmax_scale, causal=causal, q_descale=q_descale,
         k_descale=k_descale, v_descale=v_descale, k_mean=k_mean, return_lse=return_lse,
-        out_dtype=out_dtype, seqused_q=seqused_q, seqused_k=seqused_k)
+        out_dtype=out_dtype, seqused_q=seqused_q, seqused_k=seqused_k, window_size=window_size, softcap=softcap)
     return _run(problem, backend)
 
 
@@ -243,6 +274,8 @@ def flash_attn_varlen_func(
     backend: str = "auto",
     seqused_q: torch.Tensor | None = None,
     seqused_k: torch.Tensor | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
 ):
     """Attention forward on packed ``(total_tokens, heads, head_dim)`` tensors.
 
@@ -250,8 +283,10 @@ def flash_attn_varlen_func(
     ``cu_seqlens_k[b]:cu_seqlens_k[b+1]`` (int32, flash-attn convention). Empty sequences
     are allowed, also all of them (``max_seqlen_q``/``max_seqlen_k`` may then be 0). ``seqused_q``/
     ``seqused_k`` (int32 ``(B,)``) as in :func:`flash_attn_func`: only the first that many tokens of
-    each sequence are used. Per-block descales are ``(B, H, ceil(max_seqlen/128))``, blocks counted from
-    each sequence's start. The LSE is ``(Hq, total_q)``. Other arguments as
+    each sequence are used. ``window_size`` and ``softcap`` as in :func:`flash_attn_func`, per sequence
+    (``Sq``/``Sk`` are the sequence's lengths, or its ``seqused`` lengths). Per-block descales are
+    ``(B, H, ceil(max_seqlen/128))``, blocks counted from each sequence's start. The LSE is
+    ``(Hq, total_q)``. Other arguments as
     :func:`flash_attn_func`; ``q`` may be an :class:`FP8QKV` from ``quantize_fp8(...,
     cu_seqlens_q=..., cu_seqlens_k=...)`` (then ``k`` and ``v`` are ``None``).
 
@@ -265,7 +300,7 @@ def flash_attn_varlen_func(
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
         causal=causal, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
         k_mean=k_mean, return_lse=return_lse, out_dtype=out_dtype, seqused_q=seqused_q,
-        seqused_k=seqused_k)
+        seqused_k=seqused_k, window_size=window_size, softcap=softcap)
     return _run(problem, backend)
 
 
@@ -307,6 +342,8 @@ def attention(
     max_seqlen_k: int | None = None,
     backend: str = "auto",
     bf16_sink_keys: int = 0,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
 ):
     """High-level attention for BF16/FP16 callers: BF16/FP16 in, same dtype out.
 
@@ -323,6 +360,10 @@ def attention(
     portable FP8 kernel (``backend="auto"`` picks it for this call), dense or varlen; other
     values, and ``backend="hopper"``, run a 16-bit call and an FP8 call merged through their
     LSEs (dense only; as accurate, slower). 0 (default) keeps every key in FP8.
+
+    ``window_size=(left, right)`` and ``softcap`` as in :func:`flash_attn_func` (flash-attn's sliding
+    window and score capping; the portable kernel runs them), in either precision; not with
+    ``bf16_sink_keys`` (``ValueError``).
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
@@ -336,6 +377,10 @@ def attention(
         raise ValueError(f"bf16_sink_keys must be a non-negative int, got {bf16_sink_keys!r}")
     if bf16_sink_keys and precision != "fp8":
         raise ValueError("bf16_sink_keys applies to precision='fp8' only")
+    left, right, cap = _check_window_softcap(window_size, softcap)
+    if bf16_sink_keys and ((left, right) != (-1, -1) or cap > 0):
+        raise ValueError("bf16_sink_keys cannot be combined with window_size or softcap (the BF16 sink keys are "
+                         "attended without a window or a cap); pass bf16_sink_keys=0")
     if precision == "fp8" and bf16_sink_keys:
         from .kernels import dispatch
         from .quant import _check as _check_quantize
@@ -365,12 +410,13 @@ def attention(
                                  cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                  max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
         args = dict(softmax_scale=softmax_scale, causal=causal, return_lse=return_lse,
-                    out_dtype=q.dtype, backend=backend)
+                    out_dtype=q.dtype, backend=backend, window_size=window_size, softcap=softcap)
         if varlen:
             return flash_attn_varlen_func(quant, None, None, cu_seqlens_q, cu_seqlens_k,
                                           max_seqlen_q, max_seqlen_k, **args)
         return flash_attn_func(quant, **args)
-    args = dict(softmax_scale=softmax_scale, causal=causal, return_lse=return_lse, backend=backend)
+    args = dict(softmax_scale=softmax_scale, causal=causal, return_lse=return_lse, backend=backend,
+                window_size=window_size, softcap=softcap)
     if varlen:
         return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **args)
     return flash_attn_func(q, k, v, **args)

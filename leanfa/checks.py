@@ -1,6 +1,6 @@
 """Argument checks shared by the public functions (:mod:`leanfa.api`) and the quantizer
 (:mod:`leanfa.quant`): the device, the ``cu_seqlens`` of a packed batch, ``seqused_q/k``,
-``softmax_scale``.
+``window_size`` and ``softcap``, ``softmax_scale``.
 
 They raise ``TypeError`` (wrong kind or dtype) or ``ValueError`` (wrong shape, device, value)
 naming the argument, and read tensor values only on CPU tensors (never synchronize the GPU).
@@ -9,6 +9,7 @@ naming the argument, and read tensor values only on CPU tensors (never synchroni
 from __future__ import annotations
 
 import math
+import operator
 import os
 
 import torch
@@ -87,6 +88,31 @@ def check_seqused(name: str, used, batch: int, slot_lengths, device) -> None:
     if used.device.type == "cpu" and not torch.compiler.is_compiling() and batch:
         if bool((used < 0).any()) or bool((used > slot_lengths).any()):
             raise ValueError(f"{name} must lie in [0, the sequence's length], got {used.tolist()}")
+
+
+def check_window_softcap(window_size, softcap) -> tuple[int, int, float]:
+    """flash-attn's ``window_size=(left, right)`` (each side a non-negative int, or -1 for unbounded) and
+    ``softcap`` (a finite float >= 0; 0 is off): returns ``(left, right, softcap)`` as Python numbers."""
+    if isinstance(window_size, (str, bytes, torch.Tensor)) or not hasattr(window_size, "__len__") \
+            or len(window_size) != 2:
+        raise TypeError(f"window_size must be a pair (left, right) of ints, got {window_size!r}")
+    sides = []
+    for side, w in zip(("left", "right"), window_size):
+        if isinstance(w, bool):
+            raise TypeError(f"window_size {side} must be an int, got {w!r}")
+        try:
+            w = operator.index(w)
+        except TypeError:
+            raise TypeError(f"window_size {side} must be an int, got {type(w).__name__}") from None
+        if w < -1:
+            raise ValueError(f"window_size must be (left, right) with each side >= 0, or -1 for no limit on that "
+                             f"side; got {tuple(window_size)} ({side} {w} < -1)")
+        sides.append(w)
+    if isinstance(softcap, (bool, torch.Tensor)) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a Python float, got {type(softcap).__name__}")
+    if not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap must be a finite float >= 0 (0 turns it off), got {softcap}")
+    return sides[0], sides[1], float(softcap)
 
 
 def resolve_softmax_scale(softmax_scale, head_dim: int) -> float:

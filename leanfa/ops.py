@@ -61,7 +61,7 @@ def _dispatch_mode():
 
 def _problem(q, k, v, cu_q, cu_k, max_q, max_k, q_scale, k_scale, v_scale, k_mean,
              softmax_scale, causal, return_lse, out_dtype, sink_q=None, sink_k=None, sink_v=None, sink_keys=0,
-             seqused_q=None, seqused_k=None):
+             seqused_q=None, seqused_k=None, window_left=-1, window_right=-1, softcap=0.0):
     varlen = cu_q is not None
     if varlen:
         batch = cu_q.numel() - 1
@@ -73,7 +73,8 @@ def _problem(q, k, v, cu_q, cu_k, max_q, max_k, q_scale, k_scale, v_scale, k_mea
         cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=causal, softmax_scale=softmax_scale,
         q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, k_mean=k_mean, out_dtype=out_dtype,
         return_lse=return_lse, sink_keys=sink_keys, sink_q=sink_q, sink_k=sink_k, sink_v=sink_v,
-        seqused_q=seqused_q, seqused_k=seqused_k)
+        seqused_q=seqused_q, seqused_k=seqused_k, window_left=window_left, window_right=window_right,
+        softcap=softcap)
 
 
 def _execute(problem, backend: str):
@@ -105,21 +106,26 @@ def fwd(
     sink_keys: int = 0,
     seqused_q: Optional[torch.Tensor] = None,
     seqused_k: Optional[torch.Tensor] = None,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense forward on ``(B, S, H, D)`` tensors; returns ``(out, lse)`` (``lse`` empty unless
     ``return_lse``). FP8 calls may attend keys ``[0, sink_keys)`` in 16 bits from
     ``sink_q``/``sink_k``/``sink_v`` (the unquantized inputs). ``seqused_q``/``seqused_k``
-    (int32 ``(B,)``): only the first that many queries/keys of each batch entry are used."""
+    (int32 ``(B,)``): only the first that many queries/keys of each batch entry are used.
+    ``window_left``/``window_right``/``softcap``: the sliding window and score cap, as
+    :class:`leanfa.problem.Problem` holds them (-1, -1, 0: none)."""
     problem = _problem(q, k, v, None, None, None, None, q_scale, k_scale, v_scale, k_mean,
                        softmax_scale, causal, return_lse, out_dtype, sink_q, sink_k, sink_v, sink_keys,
-                       seqused_q, seqused_k)
+                       seqused_q, seqused_k, window_left, window_right, softcap)
     return _execute(problem, backend)
 
 
 @fwd.register_fake
 def _fwd_fake(q, k, v, q_scale, k_scale, v_scale, k_mean, softmax_scale, causal, return_lse,
               out_dtype, backend, sink_q=None, sink_k=None, sink_v=None, sink_keys=0, seqused_q=None,
-              seqused_k=None):
+              seqused_k=None, window_left=-1, window_right=-1, softcap=0.0):
     b, sq, hq, _ = q.shape
     out = q.new_empty((b, sq, hq, v.shape[-1]), dtype=out_dtype)
     lse = q.new_empty((b, hq, sq) if return_lse else (0,), dtype=torch.float32)
@@ -150,20 +156,24 @@ def varlen_fwd(
     sink_keys: int = 0,
     seqused_q: Optional[torch.Tensor] = None,
     seqused_k: Optional[torch.Tensor] = None,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed varlen forward on ``(total, H, D)`` tensors; returns ``(out, lse)`` with ``lse``
-    ``(Hq, total_q)`` (empty unless ``return_lse``). Sink and seqused arguments as in :func:`fwd`
-    (the first ``sink_keys`` keys of each sequence)."""
+    ``(Hq, total_q)`` (empty unless ``return_lse``). Sink, seqused, window and softcap arguments as in
+    :func:`fwd` (the first ``sink_keys`` keys of each sequence)."""
     problem = _problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                        q_scale, k_scale, v_scale, k_mean, softmax_scale, causal, return_lse, out_dtype,
-                       sink_q, sink_k, sink_v, sink_keys, seqused_q, seqused_k)
+                       sink_q, sink_k, sink_v, sink_keys, seqused_q, seqused_k, window_left, window_right, softcap)
     return _execute(problem, backend)
 
 
 @varlen_fwd.register_fake
 def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q_scale,
                      k_scale, v_scale, k_mean, softmax_scale, causal, return_lse, out_dtype, backend,
-                     sink_q=None, sink_k=None, sink_v=None, sink_keys=0, seqused_q=None, seqused_k=None):
+                     sink_q=None, sink_k=None, sink_v=None, sink_keys=0, seqused_q=None, seqused_k=None,
+                     window_left=-1, window_right=-1, softcap=0.0):
     total, hq, _ = q.shape
     out = q.new_empty((total, hq, v.shape[-1]), dtype=out_dtype)
     lse = q.new_empty((hq, total) if return_lse else (0,), dtype=torch.float32)
@@ -178,7 +188,8 @@ def call(problem, backend: str):
         out, lse = _execute(p, backend)
         return out, (lse if p.return_lse else None)
     scalars = (p.softmax_scale, p.causal, p.return_lse, p.out_dtype, backend,
-               p.sink_q, p.sink_k, p.sink_v, p.sink_keys, p.seqused_q, p.seqused_k)
+               p.sink_q, p.sink_k, p.sink_v, p.sink_keys, p.seqused_q, p.seqused_k, p.window_left, p.window_right,
+               p.softcap)
     if p.varlen:
         out, lse = torch.ops.leanfa.varlen_fwd(
             p.q, p.k, p.v, p.cu_seqlens_q, p.cu_seqlens_k, p.max_seqlen_q, p.max_seqlen_k,

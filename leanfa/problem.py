@@ -50,6 +50,16 @@ class Problem:
     #: ``seqused_q[b]`` queries and ``seqused_k[b]`` keys (None: the whole sequence)
     seqused_q: torch.Tensor | None = None
     seqused_k: torch.Tensor | None = None
+    #: flash-attn's ``window_size=(left, right)`` (sliding-window attention), normalized by the API:
+    #: query ``i`` of a sequence of ``Sq`` queries and ``Sk`` keys sits at key position
+    #: ``i + Sk - Sq`` (bottom-right) and sees keys ``pos - window_left <= j <= pos + window_right``;
+    #: -1 is unbounded on that side. With ``causal`` the right side is the causal mask's
+    #: (``window_right`` is -1); a window that covers every key is stored as (-1, -1).
+    window_left: int = -1
+    window_right: int = -1
+    #: flash-attn's ``softcap``: scores ``s = softmax_scale * q.k`` become ``softcap * tanh(s / softcap)``
+    #: before the softmax (0: off)
+    softcap: float = 0.0
 
     @property
     def varlen(self) -> bool:
@@ -58,6 +68,10 @@ class Problem:
     @property
     def has_seqused(self) -> bool:
         return self.seqused_q is not None or self.seqused_k is not None
+
+    @property
+    def has_window(self) -> bool:
+        return self.window_left >= 0 or self.window_right >= 0
 
     @property
     def is_fp8(self) -> bool:

@@ -1,7 +1,8 @@
 """Float64 reference attention with exactly leanfa's semantics.
 
 Same arguments as :func:`leanfa.flash_attn_func` / :func:`leanfa.flash_attn_varlen_func`
-(GQA, bottom-right causal mask, descales, K-smoothing mean, LSE), computed in float64 on the
+(GQA, bottom-right causal mask, sliding window, softcap, descales, K-smoothing mean, LSE), computed
+in float64 on the
 inputs' device and chunked over queries so a 32K-token check fits in GPU memory: a chunk's
 float64 score temporaries (all heads x chunk rows x keys) stay under :data:`SCORE_BYTES`. Rows that
 see no key give output 0 and LSE ``-inf``.
@@ -30,7 +31,7 @@ def _dequantize(x: torch.Tensor, token_scale: torch.Tensor, seqlen: int) -> torc
     return x * per_token.transpose(0, 1).unsqueeze(-1)
 
 
-def _one_sequence(q, k, v, *, causal, scale, q_tab, k_tab, v_tab, k_mean, chunk):
+def _one_sequence(q, k, v, *, causal, scale, q_tab, k_tab, v_tab, k_mean, chunk, window=(-1, -1), softcap=0.0):
     """q (Sq, Hq, D), k (Sk, Hkv, D), v (Sk, Hkv, Dv) of one sequence -> out (Sq,Hq,Dv), lse (Hq,Sq)."""
     sq, hq, _ = q.shape
     sk, hkv, dv = v.shape
@@ -51,9 +52,18 @@ def _one_sequence(q, k, v, *, causal, scale, q_tab, k_tab, v_tab, k_mean, chunk)
     for start in range(0, sq, chunk):
         stop = min(sq, start + chunk)
         s = torch.matmul(qd[start:stop].permute(1, 0, 2), kd) * scale  # (Hq, c, Sk)
-        if causal:
-            rows = torch.arange(start, stop, device=q.device) + (sk - sq)
-            s = s.masked_fill(cols[None, None, :] > rows[None, :, None], -math.inf)
+        if softcap > 0:
+            s = softcap * torch.tanh(s / softcap)
+        pos = torch.arange(start, stop, device=q.device) + (sk - sq)  # the queries' key positions
+        left, right = window
+        if causal:  # flash-attn: causal is a right side of 0
+            right = 0
+        hidden = torch.zeros((stop - start, sk), dtype=torch.bool, device=q.device)
+        if right >= 0:
+            hidden |= cols[None, :] > pos[:, None] + right
+        if left >= 0:
+            hidden |= cols[None, :] < pos[:, None] - left
+        s = s.masked_fill(hidden[None], -math.inf)
         row_lse = torch.logsumexp(s, dim=-1)  # (Hq, c); -inf for empty rows
         p = torch.exp(s - row_lse.nan_to_num(neginf=0.0).unsqueeze(-1))
         p = torch.where(torch.isneginf(row_lse).unsqueeze(-1), torch.zeros_like(p), p)
@@ -77,8 +87,13 @@ def attention_ref(
     cu_seqlens_k: torch.Tensor | None = None,
     return_lse: bool = False,
     chunk_size: int = 2048,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
 ):
     """Float64 attention. Dense: q (B,Sq,Hq,D) -> out (B,Sq,Hq,Dv), lse (B,Hq,Sq).
+    ``window_size=(left, right)``: query ``i`` at key position ``p = i + Sk - Sq`` sees keys
+    ``p - left <= j <= p + right`` (-1: unbounded; ``causal`` bounds the right side at ``p``);
+    ``softcap > 0`` caps the scaled scores to ``softcap * tanh(s / softcap)`` before the softmax.
     Varlen (``cu_seqlens_*`` given): q (total_q,Hq,D) -> out (total_q,Hq,Dv), lse (Hq,total_q).
     ``q`` may be an :class:`leanfa.FP8QKV` (then k, v and descales come from it)."""
     from .quant import FP8QKV
@@ -115,7 +130,7 @@ def attention_ref(
             qs, ks, vs = q[b], k[b], v[b]
         o, l = _one_sequence(qs, ks, vs, causal=causal, scale=scale, q_tab=q_tab[b], k_tab=k_tab[b],
                              v_tab=v_tab[b], k_mean=None if k_mean is None else k_mean[b],
-                             chunk=chunk_size)
+                             chunk=chunk_size, window=tuple(window_size), softcap=float(softcap))
         outs.append(o)
         lses.append(l)
     if varlen:

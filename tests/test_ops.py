@@ -65,6 +65,18 @@ def test_opcheck_seqused(device):
                           test_utils=OPCHECK_TESTS)
 
 
+def test_opcheck_window_softcap(device):
+    """The ops' window_left/window_right/softcap scalars: schema, fake shapes, AOT dispatch."""
+    q, k, v = _qkv(device, s=20)
+    args = _op_args(q, k, v, return_lse=True, causal=False)
+    torch.library.opcheck(torch.ops.leanfa.fwd.default, args, {"window_left": 5, "window_right": 2, "softcap": 10.0},
+                          test_utils=OPCHECK_TESTS)
+    cu = torch.tensor([0, 7, 20], dtype=torch.int32, device=device)
+    torch.library.opcheck(torch.ops.leanfa.varlen_fwd.default,
+                          (q[0], k[0], v[0], cu, cu, 13, 13, *args[3:6], None, *args[7:]),
+                          {"window_left": 3, "softcap": 4.0}, test_utils=OPCHECK_TESTS)
+
+
 def test_opcheck_quantize(device):
     q, k, v = _qkv(device, s=20)
     torch.library.opcheck(torch.ops.leanfa.quantize_fp8.default, (q, k, v, "block", True, None, None, None, None),

@@ -8,11 +8,15 @@ forward is deterministic anyway), ``dropout_p=0.0``; the packed forms
 views of the packed tensor, nothing is copied); ``return_attn_probs=True`` returns
 ``(out, softmax_lse, S_dmask)`` as flash-attn 2 does without dropout: ``softmax_lse`` float32
 ``(B, Hq, Sq)`` (varlen ``(Hq, total_q)``) and ``S_dmask`` an empty ``(0,)`` tensor of ``q``'s
-dtype (flash-attn 2 materializes the probabilities only with dropout).
+dtype (flash-attn 2 materializes the probabilities only with dropout); ``window_size=(left, right)``
+(sliding-window local attention, bottom-right aligned: query ``i`` sees keys
+``[i + Sk - Sq - left, i + Sk - Sq + right]``, -1 unbounded, ``causal`` makes ``right`` 0) and
+``softcap > 0`` (scores ``softcap * tanh(s / softcap)``), on every form; these run on the portable
+kernel. Rows whose window holds no key are 0 with LSE ``-inf``; negative sides other than -1 or a
+negative ``softcap`` raise ``ValueError``.
 
 Anything else raises ``NotImplementedError`` naming the option: ``dropout_p > 0``,
-``window_size != (-1, -1)``, ``softcap != 0``, ``alibi_slopes``, ``block_table``, and
-``flash_attn_with_kvcache``. Gradients are not implemented.
+``alibi_slopes``, ``block_table``, and ``flash_attn_with_kvcache``. Gradients are not implemented.
 """
 
 from __future__ import annotations
@@ -25,10 +29,8 @@ __all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_
            "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache"]
 
 
-def _check_fa2(dropout_p, window_size, softcap, alibi_slopes, block_table=None):
+def _check_fa2(dropout_p, alibi_slopes, block_table=None):
     reject("dropout_p", dropout_p != 0.0, dropout_p)
-    reject("window_size", tuple(window_size) != (-1, -1), f"{tuple(window_size)} (sliding-window attention)")
-    reject("softcap", softcap != 0.0, softcap)
     reject("alibi_slopes", alibi_slopes is not None)
     reject("block_table", block_table is not None, "(paged KV cache)")
 
@@ -57,8 +59,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     with ``return_attn_probs``."""
     from .. import api
 
-    _check_fa2(dropout_p, window_size, softcap, alibi_slopes)
-    res = api.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal, return_lse=bool(return_attn_probs))
+    _check_fa2(dropout_p, alibi_slopes)
+    res = api.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal, return_lse=bool(return_attn_probs),
+                              window_size=window_size, softcap=softcap)
     return _result(res, return_attn_probs, q)
 
 
@@ -69,9 +72,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     ``(out, softmax_lse, S_dmask)`` (``softmax_lse`` ``(Hq, total_q)``) with ``return_attn_probs``."""
     from .. import api
 
-    _check_fa2(dropout_p, window_size, softcap, alibi_slopes, block_table)
+    _check_fa2(dropout_p, alibi_slopes, block_table)
     res = api.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                     softmax_scale=softmax_scale, causal=causal, return_lse=bool(return_attn_probs))
+                                     softmax_scale=softmax_scale, causal=causal, return_lse=bool(return_attn_probs),
+                                     window_size=window_size, softcap=softcap)
     return _result(res, return_attn_probs, q)
 
 

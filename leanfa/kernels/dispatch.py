@@ -6,7 +6,9 @@ shape, supported Triton: :func:`hopper_applies`, which asks :func:`leanfa.kernel
 *and* it has passed its GPU validation (:data:`HOPPER_VALIDATED`) *and* the portable kernel was not
 measured faster for the call (:func:`portable_faster`: FP8 at head dim 64), else the portable kernel.
 ``backend="hopper"`` demands the Hopper kernel (also before validation, for development) and raises
-where it does not apply; ``backend="portable"`` forces the portable kernel.
+where it does not apply; ``backend="portable"`` forces the portable kernel. Calls with features only the
+portable kernel implements (``seqused_q/k``, sliding windows, ``softcap``: :func:`portable_only_reason`) run
+there, with one warning per process and feature where the Hopper kernel would have run them.
 
 On a supported Triton that never ran the GPU suite (:data:`leanfa._versions.GPU_VALIDATED`),
 ``backend="auto"`` runs the first Hopper call of each kernel configuration (:func:`config_key`) in a
@@ -131,13 +133,26 @@ def hopper_applies(problem) -> tuple[bool, str]:
         return False, ("BF16 sink keys (bf16_sink_keys) run in the portable kernel here: the Hopper kernel's "
                        "sink is off (LEANFA_HOPPER_SINK=0)")
     ok, why = hopper.supports(problem)
-    if ok and problem.has_seqused:  # one warning per process, as for the other portable fallbacks
-        why = "seqused_q/seqused_k are not implemented in the Hopper kernel: these calls run on the portable kernel"
+    portable_only = portable_only_reason(problem)
+    if ok and portable_only:  # one warning per process and reason, as for the other portable fallbacks
+        why = portable_only
         if why not in _WARNED:
             _WARNED.add(why)
             warnings.warn(f"leanfa: {why}", UserWarning, stacklevel=2)
         return False, why
     return ok, why
+
+
+def portable_only_reason(problem) -> str:
+    """Why only the portable kernel runs ``problem`` (features the Hopper kernel does not implement), or ``""``."""
+    if problem.has_seqused:
+        return "seqused_q/seqused_k are not implemented in the Hopper kernel: these calls run on the portable kernel"
+    if problem.has_window:
+        return ("sliding-window attention (window_size) is not implemented in the Hopper kernel: these calls run on "
+                "the portable kernel")
+    if problem.softcap > 0:
+        return "softcap is not implemented in the Hopper kernel: these calls run on the portable kernel"
+    return ""
 
 
 def choose(problem, backend: str) -> Choice:

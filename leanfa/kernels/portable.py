@@ -19,6 +19,16 @@ the blocks that cross it; the grid launches the heaviest query blocks first.
 and ``seqused_k[b]`` keys (the causal mask is aligned to those lengths); rows past
 ``seqused_q[b]`` are written as rows that see no key (output 0, LSE -inf). Query tiles wholly
 past ``seqused_q[b]`` visit no key block.
+
+Sliding windows (flash-attn's ``window_size=(left, right)``): query row ``r`` sits at key position
+``pos = r + Sk - Sq`` and sees keys ``pos - left <= j <= pos + right``. The right side reuses the
+causal path with the diagonal moved right by ``window_right`` (the launch sets CAUSAL); the left
+side (HAS_WINDOW_LEFT) starts the key loop at the block holding the tile's first row's lowest
+visible key and masks the blocks until every row of the tile sees the whole block, so keys wholly
+outside the band are never loaded. Rows whose window holds no key are 0 with LSE -inf, as any row
+that sees no key. ``softcap`` (HAS_SOFTCAP): scores ``s`` (``softmax_scale * q.k``, the true K's
+when K was smoothed) become ``softcap * tanh(s / softcap)`` before the softmax. All three switches
+are constexprs, off by default: the kernels without them compile as before.
 """
 
 from __future__ import annotations
@@ -61,6 +71,14 @@ def _upcast(x, DOT_UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _softcap_log2(t, cap_log2, two_over_cap):
+    """``softcap * tanh(x / softcap)`` in the log2 domain: ``t = x * log2(e)``, ``cap_log2 = softcap * log2(e)``,
+    ``two_over_cap = 2 / softcap``. tanh(y) = 1 - 2 / (exp(2y) + 1), with exp(2y) = exp2(t * 2 / softcap): finite
+    for every t (exp2 overflows to inf, giving cap_log2; underflows to 0, giving -cap_log2)."""
+    return cap_log2 - (2.0 * cap_log2) / (tl.math.exp2(t * two_over_cap) + 1.0)
+
+
+@triton.jit
 def _softmax_step(s, c, acc, l_i, m_i, P_SHIFT: tl.constexpr):
     """Online-softmax update for one block of raw scores ``s`` (scaled by ``c`` per row, log2
     domain): returns P = exp2(s c - (m_new - P_SHIFT)), O and l rescaled to the new max, m_new."""
@@ -85,8 +103,13 @@ def _attend_kv_block(
     MASKED: tl.constexpr, CAUSAL: tl.constexpr,
     IS_FP8: tl.constexpr, DOT_UPCAST: tl.constexpr, EXACT_FP8_ROUND: tl.constexpr,
     P_SHIFT: tl.constexpr,
+    lo_offset, cap_shift, cap_log2, two_over_cap,
+    WINDOW_LEFT: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
-    """One KV block of the online softmax; MASKED blocks check key bounds and the causal mask."""
+    """One KV block of the online softmax; MASKED blocks check key bounds and the causal mask
+    (``causal_offset``: row ``r`` sees keys ``<= r + causal_offset``), and with WINDOW_LEFT the window's
+    left side (keys ``>= r + lo_offset``). SOFTCAP caps the scores (``cap_shift``: per row, what K
+    smoothing took out of them, in log2 units) before the softmax."""
     cols = start_n + offs_n
     key_ok = cols < seqlen_k
     kt = _load_tile(k_blk + offs_n[None, :] * stride_ks + offs_dqk[:, None] * stride_kd,
@@ -94,10 +117,15 @@ def _attend_kv_block(
                     MASKED, BLOCK_DQK != HEAD_DIM_QK)
     s = tl.dot(q, _upcast(kt, DOT_UPCAST))
     c = c_row * k_scale
+    if SOFTCAP:  # capped scores in the log2 domain; the softmax then takes them unscaled
+        s = _softcap_log2(s * c[:, None] + cap_shift[:, None], cap_log2, two_over_cap)
+        c = tl.full(c.shape, 1.0, tl.float32)
     if MASKED:
         visible = key_ok[None, :]
         if CAUSAL:
             visible = visible & (cols[None, :] <= offs_m[:, None] + causal_offset)
+        if WINDOW_LEFT:
+            visible = visible & (cols[None, :] >= offs_m[:, None] + lo_offset)
         s = tl.where(visible, s, NEG_INF)
     p, acc, l_i, m_new = _softmax_step(s, c, acc, l_i, m_i, P_SHIFT)
     v = _load_tile(v_blk + offs_n[:, None] * stride_vs + offs_dv[None, :] * stride_vd,
@@ -147,10 +175,11 @@ def _attend_sink_block(
 # sequence lengths stay specialized: without it the FP8 kernel measured 6% slower on the H200
 # (16K causal d128: 600 vs 632 TFLOP/s, docs/perf-notes.md). ``seq_bucket`` is read only by
 # the autotuner's key.
-@triton.jit(do_not_specialize=["num_heads", "group", "seq_bucket"])
+@triton.jit(do_not_specialize=["num_heads", "group", "seq_bucket", "window_left", "window_right"])
 def _attn_fwd(
     Q, K, V, O, LSE, QS, KS, VS, KMEAN, CU_Q, CU_K, SQ, SK, SV, USED_Q, USED_K,
     qk_scale, sm_scale, seqlen_q_dense, seqlen_k_dense, num_heads, group, seq_bucket,
+    window_left, window_right, softcap,
     stride_qb, stride_qs, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -171,6 +200,8 @@ def _attn_fwd(
     SCALE_BLK: tl.constexpr, SINK: tl.constexpr, SINK_SHIFT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_USED_Q: tl.constexpr = False, HAS_USED_K: tl.constexpr = False,
+    HAS_WINDOW_LEFT: tl.constexpr = False, HAS_WINDOW_RIGHT: tl.constexpr = False,
+    HAS_SOFTCAP: tl.constexpr = False,
 ):
     tl.static_assert(SCALE_BLK % BLOCK_N == 0, "a KV tile must lie inside one K scale block")
     P_SHIFT: tl.constexpr = 8.0 if IS_FP8 else 0.0
@@ -217,6 +248,12 @@ def _attn_fwd(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
 
     causal_offset = seqlen_k - seqlen_q  # bottom-right alignment
+    lo_offset = 0
+    if HAS_WINDOW_LEFT:  # the window's left side: row r sees keys >= r + lo_offset
+        lo_offset = causal_offset - window_left
+    if HAS_WINDOW_RIGHT:  # non-causal window's right side: the causal path with the diagonal moved right
+        tl.static_assert(CAUSAL, "the window's right side runs on the causal path")
+        causal_offset = causal_offset + window_right
     n_end = seqlen_k
     n_full = (seqlen_k // BLOCK_N) * BLOCK_N
     if HAS_USED_Q:  # a tile past the used queries visits no key (its rows are written as 0, LSE -inf)
@@ -238,7 +275,43 @@ def _attn_fwd(
     if SINK > 0:  # keys [0, SINK) are attended in 16 bits after the FP8 keys (below)
         n_full = tl.maximum(n_full, SINK)
 
-    for start_n in range(SINK, n_full, BLOCK_N):
+    cap_log2 = 0.0
+    two_over_cap = 0.0
+    cap_shift = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SOFTCAP:
+        tl.static_assert(SINK == 0, "softcap is not applied to BF16 sink keys")
+        cap_log2 = softcap * 1.4426950408889634
+        two_over_cap = 2.0 / softcap
+        if HAS_KMEAN:  # K was stored as K - mean: tanh needs the true scores, q.k = q.(k - mean) + q.mean
+            cap_mean = tl.load(KMEAN + b * stride_kmb + hk * stride_kmh + offs_dqk * stride_kmd,
+                               mask=offs_dqk < HEAD_DIM_QK, other=0.0)
+            cap_shift = tl.sum(q.to(tl.float32) * cap_mean[None, :], 1) * sm_scale
+            if IS_FP8:
+                cap_shift = cap_shift * q_scale
+            cap_shift = cap_shift * 1.4426950408889634
+    n_begin = SINK
+    if HAS_WINDOW_LEFT:
+        # blocks below the tile's first row's lowest key are skipped, those below its last row's lowest
+        # key are masked (this loop), the rest go through the loops below as without a window
+        tl.static_assert(SINK == 0, "sliding windows are not applied to BF16 sink keys")
+        first_lo = tl.maximum(start_m + lo_offset, 0)
+        last_lo = tl.maximum(start_m + BLOCK_M - 1 + lo_offset, 0)
+        n_lo = (first_lo // BLOCK_N) * BLOCK_N
+        n_mid = ((last_lo + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
+        for start_n in range(n_lo, tl.minimum(n_mid, n_end), BLOCK_N):
+            k_scale = tl.load(k_scale_ptr + (start_n // SCALE_BLK) * stride_ksn) if IS_FP8 else 1.0
+            acc, l_i, m_i = _attend_kv_block(
+                acc, l_i, m_i, q, c_row,
+                k_base + tl.cast(start_n, tl.int64) * stride_ks, v_base + tl.cast(start_n, tl.int64) * stride_vs,
+                k_scale, start_n, offs_m, offs_n, offs_dqk, offs_dv, seqlen_k, causal_offset,
+                stride_ks, stride_kd, stride_vs, stride_vd,
+                HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV,
+                True, CAUSAL, IS_FP8, DOT_UPCAST, EXACT_FP8_ROUND, P_SHIFT,
+                lo_offset, cap_shift, cap_log2, two_over_cap, True, HAS_SOFTCAP)
+        n_begin = n_mid
+        n_full = tl.maximum(n_full, n_mid)  # the masked loop below starts past the first one
+
+    for start_n in range(n_begin, n_full, BLOCK_N):
         k_scale = tl.load(k_scale_ptr + (start_n // SCALE_BLK) * stride_ksn) if IS_FP8 else 1.0
         acc, l_i, m_i = _attend_kv_block(
             acc, l_i, m_i, q, c_row,
@@ -246,7 +319,8 @@ def _attn_fwd(
             start_n, offs_m, offs_n, offs_dqk, offs_dv, seqlen_k, causal_offset,
             stride_ks, stride_kd, stride_vs, stride_vd,
             HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV,
-            False, CAUSAL, IS_FP8, DOT_UPCAST, EXACT_FP8_ROUND, P_SHIFT)
+            False, CAUSAL, IS_FP8, DOT_UPCAST, EXACT_FP8_ROUND, P_SHIFT,
+            lo_offset, cap_shift, cap_log2, two_over_cap, False, HAS_SOFTCAP)
     for start_n in range(n_full, n_end, BLOCK_N):
         k_scale = tl.load(k_scale_ptr + (start_n // SCALE_BLK) * stride_ksn) if IS_FP8 else 1.0
         acc, l_i, m_i = _attend_kv_block(
@@ -255,7 +329,8 @@ def _attn_fwd(
             start_n, offs_m, offs_n, offs_dqk, offs_dv, seqlen_k, causal_offset,
             stride_ks, stride_kd, stride_vs, stride_vd,
             HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV,
-            True, CAUSAL, IS_FP8, DOT_UPCAST, EXACT_FP8_ROUND, P_SHIFT)
+            True, CAUSAL, IS_FP8, DOT_UPCAST, EXACT_FP8_ROUND, P_SHIFT,
+            lo_offset, cap_shift, cap_log2, two_over_cap, HAS_WINDOW_LEFT, HAS_SOFTCAP)
     if SINK > 0:
         # BF16 sink keys, last: the FP8 blocks' P was scaled by their own running max (as if
         # the sink were a separate call), and the online softmax merges the two exactly
@@ -298,7 +373,7 @@ def _attn_fwd(
              out.to(O.dtype.element_ty), mask=(offs_m < seqlen_q_slot)[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
     if RETURN_LSE:
         lse = (m_i - P_SHIFT + tl.math.log2(l_i)) * 0.6931471805599453
-        if HAS_KMEAN:  # K was stored as K - mean: add back softmax_scale * q . mean
+        if HAS_KMEAN and not HAS_SOFTCAP:  # K was stored as K - mean: add back softmax_scale * q . mean
             if SINK > 0 and SINK_SHIFT:
                 q_dot_mean = q_shift  # from the 16-bit q: exact (the sink's scores used it too)
             else:
@@ -330,7 +405,8 @@ def _prune_configs(configs, named_args, **kwargs):
 
 _attn_fwd_tuned = triton.autotune(
     configs=_configs(),
-    key=["HEAD_DIM_QK", "HEAD_DIM_V", "IS_FP8", "CAUSAL", "VARLEN", "group", "seq_bucket", "RETURN_LSE", "SINK"],
+    key=["HEAD_DIM_QK", "HEAD_DIM_V", "IS_FP8", "CAUSAL", "VARLEN", "group", "seq_bucket", "RETURN_LSE", "SINK",
+         "HAS_WINDOW_LEFT", "HAS_WINDOW_RIGHT", "HAS_SOFTCAP"],
     prune_configs_by={"early_config_prune": _prune_configs},
 )(_attn_fwd)
 
@@ -370,7 +446,8 @@ def _launch(problem, out, lse):
     # a one-block table serves every token: stride 0 keeps token // 128 in bounds
     qs_strides, ks_strides = broadcast_strides(q_scale), broadcast_strides(k_scale)
     k_mean = p.k_mean
-    has_kmean = k_mean is not None and p.return_lse
+    # the K-mean term: in the LSE, or (softcap) inside the scores, which tanh does not shift
+    has_kmean = k_mean is not None and (p.return_lse or p.softcap > 0)
     km = k_mean if k_mean is not None else q_scale
     km_strides = k_mean.stride() if k_mean is not None else (0, 0, 0)
     cu_q = p.cu_seqlens_q if p.varlen else q_scale
@@ -389,6 +466,14 @@ def _launch(problem, out, lse):
         SINK=p.sink_keys, SINK_SHIFT=sink and k_mean is not None,
         HAS_USED_Q=p.seqused_q is not None, HAS_USED_K=p.seqused_k is not None,
     )
+    # sliding windows and softcap: switched on only where a call has them (the default kernels are unchanged);
+    # a window's right side runs on the causal path with the diagonal moved right by window_right
+    if p.window_left >= 0:
+        args["HAS_WINDOW_LEFT"] = True
+    if p.window_right >= 0 and not p.causal:
+        args.update(CAUSAL=True, HAS_WINDOW_RIGHT=True)
+    if p.softcap > 0:
+        args["HAS_SOFTCAP"] = True
     if interp:
         kernel = _attn_fwd
         args.update(INTERPRETER_TILE)
@@ -407,6 +492,7 @@ def _launch(problem, out, lse):
         p.softmax_scale * LOG2E, p.softmax_scale,
         p.max_seqlen_q if not p.varlen else 0, k.shape[1] if not p.varlen else 0, p.heads,
         p.heads // p.kv_heads, min(triton.next_power_of_2(p.max_seqlen_q), 1 << 15),
+        max(p.window_left, 0), max(p.window_right, 0), float(p.softcap),
         *_strides4(q, p.varlen), *_strides4(k, p.varlen), *_strides4(v, p.varlen), *_strides4(out, p.varlen),
         *lse_strides, *qs_strides, *ks_strides, *p.v_scale.stride(), *km_strides, *sink_strides,
         **args,

@@ -86,7 +86,7 @@ def _attn_types(elem: str, out: str):
              SQ=f"*{'bf16' if elem == 'fp8e4nv' else elem}", SK=f"*{'bf16' if elem == 'fp8e4nv' else elem}",
              SV=f"*{'bf16' if elem == 'fp8e4nv' else elem}",
              seqlen_q_dense="i32", seqlen_k_dense="i32", num_heads="i32", group="i32",
-             seq_bucket="i32")
+             seq_bucket="i32", window_left="i32", window_right="i32", softcap="fp32")
     return t
 
 
@@ -121,6 +121,17 @@ def attention_variants(quick: bool = False, fp8: bool = True):
                    IS_FP8=False, DOT_UPCAST=0, EXACT_FP8_ROUND=False, RETURN_LSE=True, HAS_KMEAN=False,
                    SCALE_BLK=128, SINK=0, SINK_SHIFT=False, BLOCK_M=128, BLOCK_N=128, HAS_USED_Q=True,
                    HAS_USED_K=True), "bf16"
+    # sliding windows and softcap: BF16 causal with a left window and softcap (dense, LSE), and FP8 with both
+    # window sides (the right side on the causal path) and softcap on smoothed K (varlen, LSE)
+    yield dict(HEAD_DIM_QK=128, HEAD_DIM_V=128, BLOCK_DQK=128, BLOCK_DV=128, CAUSAL=True, VARLEN=False,
+               IS_FP8=False, DOT_UPCAST=0, EXACT_FP8_ROUND=False, RETURN_LSE=True, HAS_KMEAN=False,
+               SCALE_BLK=128, SINK=0, SINK_SHIFT=False, BLOCK_M=128, BLOCK_N=128, HAS_WINDOW_LEFT=True,
+               HAS_SOFTCAP=True), "bf16"
+    if fp8:
+        yield dict(HEAD_DIM_QK=128, HEAD_DIM_V=128, BLOCK_DQK=128, BLOCK_DV=128, CAUSAL=True, VARLEN=True,
+                   IS_FP8=True, DOT_UPCAST=0, EXACT_FP8_ROUND=False, RETURN_LSE=True, HAS_KMEAN=True,
+                   SCALE_BLK=128, SINK=0, SINK_SHIFT=False, BLOCK_M=128, BLOCK_N=128, HAS_WINDOW_LEFT=True,
+                   HAS_WINDOW_RIGHT=True, HAS_SOFTCAP=True), "fp8e4nv"
 
 
 def quant_variants(quick: bool = False):
@@ -171,7 +182,9 @@ def compile_all(target=GPUTarget("cuda", 90, 32), limit=None, verbose=True, quic
     for i, (c, elem) in enumerate(attention_variants(quick, fp8)):
         if limit is not None and i >= limit:
             break
-        c = {"HAS_USED_Q": False, "HAS_USED_K": False, **c, **_unit_strides(elem), **({"stride_sqd": 1, "stride_skd": 1, "stride_svd": 1} if c["SINK"] else {})}
+        c = {"HAS_USED_Q": False, "HAS_USED_K": False, "HAS_WINDOW_LEFT": False, "HAS_WINDOW_RIGHT": False,
+             "HAS_SOFTCAP": False, **c, **_unit_strides(elem),
+             **({"stride_sqd": 1, "stride_skd": 1, "stride_svd": 1} if c["SINK"] else {})}
         # the largest tile the autotuner may pick for this head-dim class (portable._configs):
         # 128x128, 3 stages up to d128; 128x64, 2 stages above
         wide = max(c["BLOCK_DQK"], c["BLOCK_DV"]) > 128
@@ -180,7 +193,10 @@ def compile_all(target=GPUTarget("cuda", 90, 32), limit=None, verbose=True, quic
         results.append(_summary(f"attn {elem} d{c['HEAD_DIM_QK']}/{c['HEAD_DIM_V']} causal={c['CAUSAL']} "
                                 f"varlen={c['VARLEN']} lse={c['RETURN_LSE']}"
                                 + (f" sink={c['SINK']}" if c["SINK"] else "")
-                                + (" seqused" if c.get("HAS_USED_Q") else ""), ck, target.arch))
+                                + (" seqused" if c.get("HAS_USED_Q") else "")
+                                + (" window" if c["HAS_WINDOW_LEFT"] else "")
+                                + (" right" if c["HAS_WINDOW_RIGHT"] else "")
+                                + (" softcap" if c["HAS_SOFTCAP"] else ""), ck, target.arch))
     qtypes = {n: "i32" for n in quantize.quantize_blocks.arg_names if n.startswith("stride_")}
     for c, elem in quant_variants(quick) if fp8 else ():
         qtypes.update(X=f"*{elem}", Y="*fp8e4nv", CU="*i32", MEAN="*fp32", SCALE="*fp32", CH_SCALE="*fp32",
