@@ -33,7 +33,10 @@ _UNIT: dict = {}
 def _unit(device: torch.device) -> torch.Tensor:
     """A float32 one ``(1, 1, 1)`` on ``device``, made once per device and never written: a missing descale's
     table is a broadcast view of it, so a call launches no fill kernel for it. Not kept when made while a CUDA
-    graph is being captured (its fill would run only when the graph replays)."""
+    graph is being captured (its fill would run only when the graph replays); neither kept nor used while
+    torch.compile traces or fake tensors are active (a real tensor would enter a fake computation)."""
+    if torch.compiler.is_compiling() or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
+        return torch.ones((1, 1, 1), dtype=torch.float32, device=device)
     t = _UNIT.get(device)
     if t is None:
         t = torch.ones((1, 1, 1), dtype=torch.float32, device=device)
