@@ -221,34 +221,33 @@ def test_drop_ins_pass_window_and_softcap(device):
 
 
 # no launch: the checks run before any kernel
-Q = torch.ones(1, 8, 2, 64, dtype=BF16)
-CU = torch.tensor([0, 8], dtype=I32)
 BAD = [
-    ("left < -1", lambda: leanfa.flash_attn_func(Q, Q, Q, window_size=(-2, 4)), ValueError, "window_size must be"),
-    ("right < -1", lambda: leanfa.flash_attn_func(Q, Q, Q, window_size=(4, -5)), ValueError, "right -5 < -1"),
-    ("varlen left < -1", lambda: leanfa.flash_attn_varlen_func(Q[0], Q[0], Q[0], CU, CU, 8, 8, window_size=(-3, -1)),
+    ("left < -1", lambda Q, CU: leanfa.flash_attn_func(Q, Q, Q, window_size=(-2, 4)), ValueError, "window_size must be"),
+    ("right < -1", lambda Q, CU: leanfa.flash_attn_func(Q, Q, Q, window_size=(4, -5)), ValueError, "right -5 < -1"),
+    ("varlen left < -1", lambda Q, CU: leanfa.flash_attn_varlen_func(Q[0], Q[0], Q[0], CU, CU, 8, 8, window_size=(-3, -1)),
      ValueError, "left -3 < -1"),
-    ("softcap < 0", lambda: leanfa.flash_attn_func(Q, Q, Q, softcap=-1.0), ValueError, "softcap must be"),
-    ("softcap nan", lambda: leanfa.flash_attn_func(Q, Q, Q, softcap=float("nan")), ValueError, "softcap must be"),
-    ("softcap tensor", lambda: leanfa.flash_attn_func(Q, Q, Q, softcap=torch.tensor(1.0)), TypeError, "softcap"),
-    ("window not a pair", lambda: leanfa.flash_attn_func(Q, Q, Q, window_size=4), TypeError, "window_size"),
-    ("window float", lambda: leanfa.flash_attn_func(Q, Q, Q, window_size=(4.0, 0)), TypeError, "window_size left"),
-    ("fa3 window", lambda: fa3.flash_attn_func(Q, Q, Q, window_size=(-7, 0)), ValueError, "window_size must be"),
-    ("fa3 varlen softcap", lambda: fa3.flash_attn_varlen_func(Q[0], Q[0], Q[0], CU, CU, 8, 8, softcap=-2.0),
+    ("softcap < 0", lambda Q, CU: leanfa.flash_attn_func(Q, Q, Q, softcap=-1.0), ValueError, "softcap must be"),
+    ("softcap nan", lambda Q, CU: leanfa.flash_attn_func(Q, Q, Q, softcap=float("nan")), ValueError, "softcap must be"),
+    ("softcap tensor", lambda Q, CU: leanfa.flash_attn_func(Q, Q, Q, softcap=torch.tensor(1.0)), TypeError, "softcap"),
+    ("window not a pair", lambda Q, CU: leanfa.flash_attn_func(Q, Q, Q, window_size=4), TypeError, "window_size"),
+    ("window float", lambda Q, CU: leanfa.flash_attn_func(Q, Q, Q, window_size=(4.0, 0)), TypeError, "window_size left"),
+    ("fa3 window", lambda Q, CU: fa3.flash_attn_func(Q, Q, Q, window_size=(-7, 0)), ValueError, "window_size must be"),
+    ("fa3 varlen softcap", lambda Q, CU: fa3.flash_attn_varlen_func(Q[0], Q[0], Q[0], CU, CU, 8, 8, softcap=-2.0),
      ValueError, "softcap must be"),
-    ("fa2 window", lambda: fa2.flash_attn_func(Q, Q, Q, window_size=(3, -9)), ValueError, "window_size must be"),
-    ("fa2 softcap", lambda: fa2.flash_attn_kvpacked_func(Q, torch.stack([Q, Q], 2), softcap=-0.5), ValueError,
+    ("fa2 window", lambda Q, CU: fa2.flash_attn_func(Q, Q, Q, window_size=(3, -9)), ValueError, "window_size must be"),
+    ("fa2 softcap", lambda Q, CU: fa2.flash_attn_kvpacked_func(Q, torch.stack([Q, Q], 2), softcap=-0.5), ValueError,
      "softcap must be"),
-    ("attention window", lambda: leanfa.attention(Q, Q, Q, window_size=(-4, 0)), ValueError, "window_size must be"),
-    ("sink keys with window", lambda: leanfa.attention(Q, Q, Q, bf16_sink_keys=128, window_size=(64, 0)),
+    ("attention window", lambda Q, CU: leanfa.attention(Q, Q, Q, window_size=(-4, 0)), ValueError, "window_size must be"),
+    ("sink keys with window", lambda Q, CU: leanfa.attention(Q, Q, Q, bf16_sink_keys=128, window_size=(64, 0)),
      ValueError, "bf16_sink_keys cannot be combined"),
 ]
 
 
 @pytest.mark.parametrize("call,exc,msg", [c[1:] for c in BAD], ids=[c[0] for c in BAD])
 def test_bad_window_or_softcap(device, call, exc, msg):
-    with torch.device(device), pytest.raises(exc, match=msg):
-        call()
+    q, cu = torch.ones(1, 8, 2, 64, dtype=BF16, device=device), torch.tensor([0, 8], dtype=I32, device=device)
+    with pytest.raises(exc, match=msg):
+        call(q, cu)
 
 
 def _plain_problem():
