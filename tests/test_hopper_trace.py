@@ -1,16 +1,20 @@
 """The Hopper kernel's SM-clock trace (LEANFA_HOPPER_TRACE, leanfa/kernels/hopper/trace.py).
 
-CPU: the traced kernel compiles for sm90 without spills and reads the clock; without the knob no
-clock read is compiled in. GPU: the traced launch gives bitwise the same output, and every tile
-records one row per key block it visits, in clock order.
+CPU: the traced kernel compiles for sm90 and reads the clock; without the knob no clock read is
+compiled in; on a GPU-validated Triton the traced build has no spills. GPU: the traced launch gives
+bitwise the same output, and every tile records one row per key block it visits, in clock order.
 """
 
+import functools
 import os
 import subprocess
 import sys
 
 import pytest
 import torch
+import triton
+
+from leanfa import _versions
 
 from test_hopper import ON_H100, _compile_available
 
@@ -25,20 +29,36 @@ print(r.ptx.count("%clock"), r.ptx.count("%smid"), r.spill_stores, r.spill_loads
 """
 
 
+@functools.cache
+def _traced_build(flag: str, dtype: str) -> list[int]:
+    """``[%clock reads, %smid reads, spill stores, spill loads, perf warnings]`` of the one-tile-grid build,
+    compiled for sm90 in a subprocess (the CPU test session runs under the interpreter)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", _SNIPPET, flag, dtype], env=env, cwd=root, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return list(map(int, r.stdout.split()[-5:]))
+
+
 @pytest.mark.skipif(not _compile_available(), reason="Gluon/ptxas for sm90 not available")
 @pytest.mark.parametrize("dtype", ["fp8", "bf16"])
 def test_trace_compiles_only_when_asked(dtype):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    counts = {}
-    for flag in ("0", "1"):
-        r = subprocess.run([sys.executable, "-c", _SNIPPET, flag, dtype], env=env, cwd=root, capture_output=True,
-                           text=True, timeout=600)
-        assert r.returncode == 0, r.stderr[-3000:]
-        counts[flag] = list(map(int, r.stdout.split()[-5:]))
-    clocks, smids, st, ld, warnings = counts["1"]
-    assert clocks > 0 and smids > 0 and st == 0 and ld == 0 and warnings == 0
-    assert counts["0"][:2] == [0, 0]
+    clocks, smids, _, _, warnings = _traced_build("1", dtype)
+    assert clocks > 0 and smids > 0 and warnings == 0  # no perf warning (serialized wgmmas) on any Triton
+    assert _traced_build("0", dtype)[:2] == [0, 0]
+
+
+# Spill budgets are those of the GPU-validated Triton (as in scripts/hopper_compile_check.py): triton 3.9.0's
+# traced FP8 build spills 4 B (3.7.1 and 3.8.0: none), which is listed there, not failed.
+@pytest.mark.skipif(not _compile_available(), reason="Gluon/ptxas for sm90 not available")
+@pytest.mark.skipif(not _versions.triton_gpu_validated(),
+                    reason=f"triton {triton.__version__} is not GPU-validated (leanfa/_versions.py): the traced "
+                           "build's zero-spill budget is enforced only on GPU-validated Tritons")
+@pytest.mark.parametrize("dtype", ["fp8", "bf16"])
+def test_traced_build_has_no_spills(dtype):
+    st, ld = _traced_build("1", dtype)[2:4]
+    assert st == 0 and ld == 0
 
 
 @pytest.mark.gpu
