@@ -64,7 +64,7 @@ def profile(ncu, impl, args, out):
         print(f"[{impl}] ncu failed rc={rc}: {(so + se)[-1500:]}")
         return
     rc, details, se = run([ncu, "--import", rep + ".ncu-rep", "--page", "details", "--csv"])
-    with gzip.open(rep + ".details.csv.gz", "wt") as f:  # (compressed: the results live in the repository)
+    with gzip.open(rep + ".details.csv.gz", "wt") as f:  # raw profile data: keep --out outside git
         f.write(details if rc == 0 else se)
     rc, source, se = run([ncu, "--import", rep + ".ncu-rep", "--page", "source", "--csv", "--print-source", "sass"])
     with gzip.open(rep + ".source.csv.gz", "wt") as f:
