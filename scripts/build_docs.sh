@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # API reference from the docstrings, with pdoc (pip install -e ".[docs]"): writes docs/api/.
-# Usage: scripts/build_docs.sh [OUTPUT_DIR]     (default docs/api)
+# Usage: scripts/build_docs.sh [OUTPUT_DIR]     (default docs/api; $PYTHON picks the interpreter, default python)
 # Fails on any warning pdoc prints (tests/test_readme.py runs this).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,7 +11,7 @@ modules=(leanfa leanfa.api leanfa.quant leanfa.scales leanfa.reference leanfa.op
          leanfa._versions)
 log="$(mktemp)"
 trap 'rm -f "$log"' EXIT
-TRITON_INTERPRET="${TRITON_INTERPRET:-1}" python -m pdoc \
+TRITON_INTERPRET="${TRITON_INTERPRET:-1}" "${PYTHON:-python}" -m pdoc \
     --docformat restructuredtext --no-search -o "$out" "${modules[@]}" 2>"$log" || { cat "$log" >&2; exit 1; }
 if [ -s "$log" ]; then
     echo "pdoc printed warnings:" >&2

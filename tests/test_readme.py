@@ -195,7 +195,7 @@ def test_api_docs_build_without_warnings(tmp_path):
     if shutil.which("bash") is None:
         pytest.skip("needs bash")
     r = subprocess.run(["bash", str(ROOT / "scripts/build_docs.sh"), str(tmp_path / "api")],
-                       capture_output=True, text=True, cwd=ROOT)
+                       capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHON": sys.executable})
     assert r.returncode == 0, r.stderr
     assert r.stderr == "", r.stderr
     for page in ("leanfa.html", "leanfa/ops.html", "leanfa/flash_attn_interface.html"):
