@@ -64,3 +64,18 @@ class FakeCompiled:
         def runner(*args, stream=None):
             self.calls.append(((grid[0], grid[1], grid[2]), args))
         return runner
+
+
+def hopper_accepts_everything(monkeypatch):
+    """The dispatcher sees a Hopper kernel that supports every call (so a test sees only the dispatcher's own
+    routing), with its once-per-process warnings reset."""
+    from leanfa.kernels import dispatch
+
+    class AcceptingHopper:
+        @staticmethod
+        def supports(problem):
+            return True, ""
+
+    monkeypatch.setattr(dispatch, "_hopper", lambda: AcceptingHopper)
+    monkeypatch.setattr(dispatch, "_WARNED", set())
+    return dispatch

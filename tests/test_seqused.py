@@ -19,7 +19,7 @@ from leanfa import flash_attn_interface as fa3
 from leanfa.problem import Problem
 from leanfa.reference import attention_ref
 
-from helpers import TOL, cu_seqlens, rel_l2
+from helpers import TOL, cu_seqlens, hopper_accepts_everything, rel_l2
 
 BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
 I32 = torch.int32
@@ -141,15 +141,7 @@ def test_fa3_drop_in_seqused(device):
 def test_hopper_dispatch_refuses_seqused_with_one_warning(monkeypatch):
     """Where the Hopper kernel would run a call, a call with seqused runs on the portable kernel instead,
     with one warning per process; without seqused the Hopper verdict stands."""
-    from leanfa.kernels import dispatch
-
-    class FakeHopper:
-        @staticmethod
-        def supports(problem):
-            return True, ""
-
-    monkeypatch.setattr(dispatch, "_hopper", lambda: FakeHopper)
-    monkeypatch.setattr(dispatch, "_WARNED", set())
+    dispatch = hopper_accepts_everything(monkeypatch)
     q = torch.zeros(1, 8, 2, 64, dtype=BF16)
     used = torch.tensor([5], dtype=I32)
     plain = Problem(q=q, k=q, v=q, batch=1, heads=2, kv_heads=2, head_dim_qk=64, head_dim_v=64,

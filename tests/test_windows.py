@@ -21,7 +21,7 @@ from leanfa.compat import flash_attn as fa2
 from leanfa.problem import Problem
 from leanfa.reference import attention_ref
 
-from helpers import TOL, cu_seqlens, rel_l2
+from helpers import TOL, cu_seqlens, hopper_accepts_everything, rel_l2
 
 BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
 I32 = torch.int32
@@ -266,15 +266,7 @@ def _plain_problem():
 def test_hopper_dispatch_refuses_with_one_warning(monkeypatch, change, reason):
     """Where the Hopper kernel would run a call, a windowed or soft-capped call runs on the portable kernel
     with one warning per process; backend="hopper" raises with the reason."""
-    from leanfa.kernels import dispatch
-
-    class FakeHopper:
-        @staticmethod
-        def supports(problem):
-            return True, ""
-
-    monkeypatch.setattr(dispatch, "_hopper", lambda: FakeHopper)
-    monkeypatch.setattr(dispatch, "_WARNED", set())
+    dispatch = hopper_accepts_everything(monkeypatch)
     plain = _plain_problem()
     assert dispatch.hopper_applies(plain) == (True, "")
     problem = dataclasses.replace(plain, **change)
