@@ -42,6 +42,7 @@ from .kernels.fp8 import E4M3_MAX
 from .kernels.launcher import DirectLaunch
 from .kernels.quantize import (FINISH_CHANNELS, FINISH_ROWS, FUSED_MAX_DIM, FUSED_WARPS, STATS_WARPS, channel_stats,
                                finish_kv_stats, kv_stats, quantize_blocks, quantize_qkv)
+from .kernels.sequences import block_slots
 from .problem import FP8_DTYPE, V_TOKEN_ALIGN
 from .scales import SCALE_BLOCK, broadcast_strides, num_scale_blocks
 
@@ -208,11 +209,6 @@ def _quantize_v(v: torch.Tensor, seqs: _Seqs, granularity: str):
     return y, descale
 
 
-def packed_slots(tokens: int, batch: int) -> int:
-    """Block slots that cover every ``SCALE_BLOCK``-token block of a packed batch (``sequences.packed_block``)."""
-    return tokens // SCALE_BLOCK + batch
-
-
 def packed_grid(longest_blocks: int, batch: int, slots: int) -> bool:
     """Whether the fused quantizer runs a packed batch one program per block slot (``sequences.packed_block``)
     rather than one per (sequence, block of the longest sequence): when more than half of the latter would
@@ -243,16 +239,18 @@ def _quantize_block_fused(q, k, v, sq: _Seqs, sk: _Seqs, smooth_k: bool):
     q8 = torch.empty(q.shape, dtype=FP8_DTYPE, device=dev)
     k8 = torch.empty(k.shape, dtype=FP8_DTYPE, device=dev)
     v8 = _transposed_fp8_like(v, sk)
-    # a packed batch launches no program for the blocks past a short sequence's end: their entries stay 1
-    scales = torch.ones if sq.varlen else torch.empty
+    slots_q, slots_k = (block_slots(t.shape[0], s.batch, SCALE_BLOCK) if s.varlen else 0
+                        for t, s in ((q, sq), (k, sk)))
+    packed = sq.varlen and packed_grid(max(nblk_q, nblk_k), sq.batch, max(slots_q, slots_k))
+    # the packed grid launches no program for the blocks past a short sequence's end: their entries stay 1 (the
+    # other grid's programs write them)
+    scales = torch.ones if packed else torch.empty
     q_descale = scales((sq.batch, sq.heads, nblk_q), **f32)
     k_descale = scales((sk.batch, sk.heads, nblk_k), **f32)
     k_mean = torch.empty((sk.batch, sk.heads, dqk), **f32) if smooth_k else None
     v_descale = torch.empty((sk.batch, sk.heads, dv), **f32)
     bd_qk, bd_v = triton.next_power_of_2(dqk), triton.next_power_of_2(dv)
     cu_k = sk.cu_arg(vamax)
-    slots_q, slots_k = (packed_slots(t.shape[0], s.batch) if s.varlen else 0 for t, s in ((q, sq), (k, sk)))
-    packed = sq.varlen and packed_grid(max(nblk_q, nblk_k), sq.batch, max(slots_q, slots_k))
     if n_kv:
         _DIRECT_KV_STATS[(slots_k, sk.heads) if packed else (nblk_k, n_kv)](
             k, v, cu_k, ksum, vamax, sk.seqlen_dense, sk.heads, sk.batch, nblk_k,

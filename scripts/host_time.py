@@ -23,14 +23,13 @@ import argparse
 import cProfile
 import pstats
 import statistics
-import time
 
 import torch
 from triton.testing import do_bench
 
 import leanfa
 from leanfa.api import _build_problem
-from leanfa.bench import fa3
+from leanfa.bench import fa3, timing
 from leanfa.kernels import hopper
 from leanfa.kernels.hopper.varlen_v import align_varlen_v
 
@@ -40,15 +39,7 @@ def host_ms(fn, calls: int = 40, repeats: int = 7) -> float:
     of ``repeats`` runs of ``calls`` calls (single runs swing by 2x on a busy host)."""
     for _ in range(10):
         fn()
-    runs = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        runs.append((time.perf_counter() - t0) * 1e3 / calls)
-    torch.cuda.synchronize()
-    return statistics.median(runs)
+    return statistics.median(timing.host_ms([fn], calls) for _ in range(repeats))
 
 
 def launches(fn) -> list[tuple[str, float]]:

@@ -99,10 +99,10 @@ def time_calls(fns, *, warmup_ms: float = 100.0, rep_ms: float = 300.0, min_reps
         if sampler is not None:
             sampler.stop()
     times = [s.elapsed_time(e) for s, e in zip(starts, ends)]
-    return summarize(times, len(fns), _host_ms(fns, max(3, min(n_rep, int(50.0 / est_ms)))))
+    return summarize(times, len(fns), host_ms(fns, max(3, min(n_rep, int(50.0 / est_ms)))))
 
 
-def _host_ms(fns, n: int) -> float:
+def host_ms(fns, n: int) -> float:
     """CPU milliseconds per call of ``n`` calls enqueued back to back (synchronized before and after only)."""
     import time
 

@@ -17,12 +17,19 @@ def sequence_span(CU, b, seqlen_dense, VARLEN: tl.constexpr):
     return start, seqlen
 
 
+def block_slots(tokens: int, batch: int, block: int) -> int:
+    """The most ``block``-token blocks ``batch`` packed sequences of ``tokens`` tokens in all can have (each
+    sequence's last block may be partial): the grid that :func:`packed_block` maps, and the Hopper varlen tile
+    table's capacity."""
+    return tokens // block + batch
+
+
 @triton.jit
 def packed_block(i, CU, batch, BLOCK_S: tl.constexpr, BLOCK_B: tl.constexpr):
     """(sequence, block) of the ``i``-th ``BLOCK_S``-token block of a packed batch whose blocks are counted
     sequence after sequence (sequence ``b`` has ``ceil(len_b / BLOCK_S)``, an empty one none), by a running sum
     of the block counts over ``BLOCK_B`` sequences per step. The sequence is ``batch`` when ``i`` lies past
-    the last block. A grid of ``total // BLOCK_S + batch`` such programs covers every block of the batch."""
+    the last block. A grid of :func:`block_slots` programs covers every block of the batch."""
     b = i * 0
     before = i * 0  # blocks of the sequences before b
     counted = i * 0  # blocks of the sequences of the steps done

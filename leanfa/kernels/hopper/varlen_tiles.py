@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from ..launcher import DirectLaunch
+from ..sequences import block_slots
 
 #: a pair is packed as ``b << PAIR_SHIFT | m`` in one int32 (the table kernel packs, ``schedule.varlen_tile_coords``
 #: unpacks)
@@ -31,7 +32,7 @@ MAX_SEQUENCES = 1 << (31 - PAIR_SHIFT.value)
 
 def capacity(total_q: int, batch: int, block_m: int) -> int:
     """The most (sequence, query tile) pairs ``batch`` sequences of ``total_q`` tokens in all can have."""
-    return total_q // block_m + batch
+    return block_slots(total_q, batch, block_m)
 
 
 def table_problem(total_q: int, batch: int, block_m: int) -> str | None:
