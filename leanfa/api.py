@@ -91,13 +91,39 @@ def _check_k_mean(k_mean, batch: int, kv_heads: int, head_dim: int, device) -> N
         raise ValueError(f"k_mean is on {k_mean.device} but q is on {device}")
 
 
-def _unpack_quantized(q, k, v, q_descale, k_descale, v_descale, k_mean):
-    """Allow ``flash_attn_func(quantize_fp8(q, k, v), causal=True)``."""
+def _unpack_quantized(q, k, v, q_descale, k_descale, v_descale, k_mean, cu_seqlens_v=None):
+    """Allow ``flash_attn_func(quantize_fp8(q, k, v), causal=True)``: ``(q, k, v, q_descale, k_descale,
+    v_descale, k_mean, cu_seqlens_v)``."""
     if isinstance(q, FP8QKV):
-        if k is not None or v is not None or any(d is not None for d in (q_descale, k_descale, v_descale)):
+        if (k is not None or v is not None or cu_seqlens_v is not None
+                or any(d is not None for d in (q_descale, k_descale, v_descale))):
             raise ValueError("when q is an FP8QKV (from quantize_fp8), pass k=None, v=None and no descales")
-        return q.q, q.k, q.v, q.q_descale, q.k_descale, q.v_descale, q.k_mean
-    return q, k, v, q_descale, k_descale, v_descale, k_mean
+        return q.q, q.k, q.v, q.q_descale, q.k_descale, q.v_descale, q.k_mean, q.cu_seqlens_v
+    return q, k, v, q_descale, k_descale, v_descale, k_mean, cu_seqlens_v
+
+
+def _check_v_tokens(q, k, v, batch: int, cu_seqlens_v) -> None:
+    """A packed V has K's tokens, or (``cu_seqlens_v`` given: an FP8 V in :func:`quantize_fp8`'s aligned
+    layout) :func:`.kernels.varlen_v.repacked_tokens` of them, with ``cu_seqlens_v`` int32 ``(batch + 1)``."""
+    from .kernels.varlen_v import repacked_tokens
+
+    room = repacked_tokens(k.shape[0], batch)
+    if cu_seqlens_v is None:
+        if k.shape[0] != v.shape[0]:
+            hint = (" (a V from quantize_fp8 of a packed batch: pass its cu_seqlens_v too, e.g. "
+                    "**quantized.descales(), or the FP8QKV itself)") if v.shape[0] == room else ""
+            raise ValueError(f"k and v must have the same number of tokens, got {k.shape[0]} and {v.shape[0]}{hint}")
+        return
+    if q.dtype != FP8_DTYPE:
+        raise ValueError("cu_seqlens_v describes quantize_fp8's FP8 V; this call's inputs are not FP8")
+    if not isinstance(cu_seqlens_v, torch.Tensor) or cu_seqlens_v.dtype != torch.int32 or cu_seqlens_v.dim() != 1:
+        raise TypeError("cu_seqlens_v must be a 1-D int32 tensor")
+    if cu_seqlens_v.numel() != batch + 1 or cu_seqlens_v.device != q.device:
+        raise ValueError(f"cu_seqlens_v must have batch + 1 = {batch + 1} entries on {q.device}, got "
+                         f"{cu_seqlens_v.numel()} on {cu_seqlens_v.device}")
+    if v.shape[0] != room:
+        raise ValueError(f"a V with cu_seqlens_v has quantize_fp8's {room} token columns for {k.shape[0]} keys in "
+                         f"{batch} sequences, got {v.shape[0]}")
 
 
 def _normalize_window(causal: bool, left: int, right: int, max_seqlen_q: int, max_seqlen_k: int):
@@ -119,7 +145,7 @@ def _normalize_window(causal: bool, left: int, right: int, max_seqlen_q: int, ma
 def _build_problem(q, k, v, *, varlen, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                    softmax_scale, causal, q_descale, k_descale, v_descale, k_mean,
                    return_lse, out_dtype, seqused_q=None, seqused_k=None, window_size=(-1, -1),
-                   softcap=0.0) -> Problem:
+                   softcap=0.0, cu_seqlens_v=None) -> Problem:
     _check_inputs(q, k, v, 3 if varlen else 4)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
@@ -130,8 +156,6 @@ def _build_problem(q, k, v, *, varlen, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     heads, kv_heads = q.shape[-2], k.shape[-2]
     dqk, dv = q.shape[-1], v.shape[-1]
     if varlen:
-        if k.shape[0] != v.shape[0]:
-            raise ValueError(f"k and v must have the same number of tokens, got {k.shape[0]} and {v.shape[0]}")
         _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q, q.device)
         _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", max_seqlen_k, q.device)
         if cu_seqlens_q.numel() != cu_seqlens_k.numel():
@@ -140,7 +164,10 @@ def _build_problem(q, k, v, *, varlen, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                 f"{cu_seqlens_q.numel()} and {cu_seqlens_k.numel()}"
             )
         batch = cu_seqlens_q.numel() - 1
+        _check_v_tokens(q, k, v, batch, cu_seqlens_v)
     else:
+        if cu_seqlens_v is not None:
+            raise ValueError("cu_seqlens_v is for packed (varlen) calls: pass a packed FP8QKV to flash_attn_varlen_func")
         batch, max_seqlen_q = q.shape[0], q.shape[1]
         max_seqlen_k = k.shape[1]
         if k.shape[0] != batch or v.shape[0] != batch:
@@ -169,6 +196,7 @@ def _build_problem(q, k, v, *, varlen, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, k_mean=k_mean,
         out_dtype=_resolve_out_dtype(q.dtype, out_dtype), return_lse=return_lse,
         seqused_q=seqused_q, seqused_k=seqused_k, window_left=left, window_right=right, softcap=softcap,
+        cu_seqlens_v=cu_seqlens_v if varlen else None,
     )
 
 
@@ -244,10 +272,10 @@ def flash_attn_func(
     Returns:
         ``out`` of shape ``(B, Sq, Hq, Dv)``, or ``(out, lse)`` when ``return_lse``.
     """
-    q, k, v, q_descale, k_descale, v_descale, k_mean = _unpack_quantized(
+    q, k, v, q_descale, k_descale, v_descale, k_mean, cu_seqlens_v = _unpack_quantized(
         q, k, v, q_descale, k_descale, v_descale, k_mean)
     problem = _build_problem(
-        q, k, v, varlen=False, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+        q, k, v, varlen=False, cu_seqlens_v=cu_seqlens_v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
         max_seqlen_k=None, softmax_scale=softmax_scale, causal=causal, q_descale=q_descale,
         k_descale=k_descale, v_descale=v_descale, k_mean=k_mean, return_lse=return_lse,
         out_dtype=out_dtype, seqused_q=seqused_q, seqused_k=seqused_k, window_size=window_size, softcap=softcap)
@@ -276,6 +304,7 @@ def flash_attn_varlen_func(
     seqused_k: torch.Tensor | None = None,
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
+    cu_seqlens_v: torch.Tensor | None = None,
 ):
     """Attention forward on packed ``(total_tokens, heads, head_dim)`` tensors.
 
@@ -288,15 +317,17 @@ def flash_attn_varlen_func(
     ``(B, H, ceil(max_seqlen/128))``, blocks counted from each sequence's start. The LSE is
     ``(Hq, total_q)``. Other arguments as
     :func:`flash_attn_func`; ``q`` may be an :class:`FP8QKV` from ``quantize_fp8(...,
-    cu_seqlens_q=..., cu_seqlens_k=...)`` (then ``k`` and ``v`` are ``None``).
+    cu_seqlens_q=..., cu_seqlens_k=...)`` (then ``k`` and ``v`` are ``None``). Its FP8 V is in the aligned
+    layout the Hopper kernel reads (each sequence from a multiple of 16 tokens: no copy per call); passing its
+    tensors one by one, give ``cu_seqlens_v`` too (``**quantized.descales()`` does).
 
     ``cu_seqlens`` values are validated on CPU tensors only (a check on GPU values would
     synchronize); on the GPU the caller guarantees them.
     """
-    q, k, v, q_descale, k_descale, v_descale, k_mean = _unpack_quantized(
-        q, k, v, q_descale, k_descale, v_descale, k_mean)
+    q, k, v, q_descale, k_descale, v_descale, k_mean, cu_seqlens_v = _unpack_quantized(
+        q, k, v, q_descale, k_descale, v_descale, k_mean, cu_seqlens_v)
     problem = _build_problem(
-        q, k, v, varlen=True, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        q, k, v, varlen=True, cu_seqlens_v=cu_seqlens_v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
         causal=causal, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
         k_mean=k_mean, return_lse=return_lse, out_dtype=out_dtype, seqused_q=seqused_q,
@@ -317,8 +348,9 @@ def _attention_fp8_in_kernel_sink(q, k, v, sink_keys, causal, softmax_scale, ret
     cu = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
               max_seqlen_k=max_seqlen_k)
     quant = ops.quantize_fp8(q, k, v, granularity=granularity, smooth_k=smooth_k, **cu)
-    qq, kk, vv, qd, kd, vd, km = _unpack_quantized(quant, None, None, None, None, None, None)
-    problem = _build_problem(qq, kk, vv, varlen=cu_seqlens_q is not None, **cu, softmax_scale=softmax_scale,
+    qq, kk, vv, qd, kd, vd, km, cu_v = _unpack_quantized(quant, None, None, None, None, None, None)
+    problem = _build_problem(qq, kk, vv, varlen=cu_seqlens_q is not None, **cu, cu_seqlens_v=cu_v,
+                             softmax_scale=softmax_scale,
                              causal=causal, q_descale=qd, k_descale=kd, v_descale=vd, k_mean=km,
                              return_lse=return_lse, out_dtype=q.dtype)
     problem = dataclasses.replace(problem, sink_keys=sink_keys, sink_q=q, sink_k=k, sink_v=v)

@@ -61,7 +61,7 @@ def _dispatch_mode():
 
 def _problem(q, k, v, cu_q, cu_k, max_q, max_k, q_scale, k_scale, v_scale, k_mean,
              softmax_scale, causal, return_lse, out_dtype, sink_q=None, sink_k=None, sink_v=None, sink_keys=0,
-             seqused_q=None, seqused_k=None, window_left=-1, window_right=-1, softcap=0.0):
+             seqused_q=None, seqused_k=None, window_left=-1, window_right=-1, softcap=0.0, cu_v=None):
     varlen = cu_q is not None
     if varlen:
         batch = cu_q.numel() - 1
@@ -74,7 +74,7 @@ def _problem(q, k, v, cu_q, cu_k, max_q, max_k, q_scale, k_scale, v_scale, k_mea
         q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, k_mean=k_mean, out_dtype=out_dtype,
         return_lse=return_lse, sink_keys=sink_keys, sink_q=sink_q, sink_k=sink_k, sink_v=sink_v,
         seqused_q=seqused_q, seqused_k=seqused_k, window_left=window_left, window_right=window_right,
-        softcap=softcap)
+        softcap=softcap, cu_seqlens_v=cu_v)
 
 
 def _execute(problem, backend: str):
@@ -159,13 +159,16 @@ def varlen_fwd(
     window_left: int = -1,
     window_right: int = -1,
     softcap: float = 0.0,
+    cu_seqlens_v: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed varlen forward on ``(total, H, D)`` tensors; returns ``(out, lse)`` with ``lse``
     ``(Hq, total_q)`` (empty unless ``return_lse``). Sink, seqused, window and softcap arguments as in
-    :func:`fwd` (the first ``sink_keys`` keys of each sequence)."""
+    :func:`fwd` (the first ``sink_keys`` keys of each sequence). ``cu_seqlens_v``: an FP8 V in
+    :func:`leanfa.quantize_fp8`'s aligned layout, sequence ``b`` from token ``cu_seqlens_v[b]``."""
     problem = _problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                        q_scale, k_scale, v_scale, k_mean, softmax_scale, causal, return_lse, out_dtype,
-                       sink_q, sink_k, sink_v, sink_keys, seqused_q, seqused_k, window_left, window_right, softcap)
+                       sink_q, sink_k, sink_v, sink_keys, seqused_q, seqused_k, window_left, window_right, softcap,
+                       cu_seqlens_v)
     return _execute(problem, backend)
 
 
@@ -173,7 +176,7 @@ def varlen_fwd(
 def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q_scale,
                      k_scale, v_scale, k_mean, softmax_scale, causal, return_lse, out_dtype, backend,
                      sink_q=None, sink_k=None, sink_v=None, sink_keys=0, seqused_q=None, seqused_k=None,
-                     window_left=-1, window_right=-1, softcap=0.0):
+                     window_left=-1, window_right=-1, softcap=0.0, cu_seqlens_v=None):
     total, hq, _ = q.shape
     out = q.new_empty((total, hq, v.shape[-1]), dtype=out_dtype)
     lse = q.new_empty((hq, total) if return_lse else (0,), dtype=torch.float32)
@@ -184,7 +187,7 @@ def call(problem, backend: str):
     """Run a validated :class:`leanfa.api.Problem` through the custom op; ``(out, lse or None)``."""
     p = problem
     if _plain_eager(p.q, p.k, p.v, p.q_scale, p.k_scale, p.v_scale, p.k_mean, p.cu_seqlens_q, p.cu_seqlens_k,
-                    p.sink_q, p.sink_k, p.sink_v, p.seqused_q, p.seqused_k):
+                    p.sink_q, p.sink_k, p.sink_v, p.seqused_q, p.seqused_k, p.cu_seqlens_v):
         out, lse = _execute(p, backend)
         return out, (lse if p.return_lse else None)
     scalars = (p.softmax_scale, p.causal, p.return_lse, p.out_dtype, backend,
@@ -193,7 +196,7 @@ def call(problem, backend: str):
     if p.varlen:
         out, lse = torch.ops.leanfa.varlen_fwd(
             p.q, p.k, p.v, p.cu_seqlens_q, p.cu_seqlens_k, p.max_seqlen_q, p.max_seqlen_k,
-            p.q_scale, p.k_scale, p.v_scale, p.k_mean, *scalars)
+            p.q_scale, p.k_scale, p.v_scale, p.k_mean, *scalars, p.cu_seqlens_v)
     else:
         out, lse = torch.ops.leanfa.fwd(p.q, p.k, p.v, p.q_scale, p.k_scale, p.v_scale, p.k_mean, *scalars)
     return out, (lse if p.return_lse else None)
@@ -210,9 +213,11 @@ def quantize_fp8_op(
     cu_seqlens_k: Optional[torch.Tensor],
     max_seqlen_q: Optional[int],
     max_seqlen_k: Optional[int],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor]:
     """:func:`leanfa.quantize_fp8` as an op: ``(q8, k8, v8, q_descale, k_descale, v_descale,
-    k_mean)``; ``k_mean`` has zero elements when ``smooth_k`` is False."""
+    k_mean, cu_seqlens_v)``; ``k_mean`` has zero elements when ``smooth_k`` is False, ``cu_seqlens_v``
+    when the inputs are dense."""
     return _quantize_fp8_impl(q, k, v, granularity, smooth_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
 
 
@@ -222,12 +227,14 @@ def _quantize_fp8_impl(q, k, v, granularity, smooth_k, cu_seqlens_q, cu_seqlens_
     # every caller checked the arguments (quant._check) before this op
     r = quantize_checked(q, k, v, granularity, smooth_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     k_mean = r.k_mean if r.k_mean is not None else q.new_empty((0,), dtype=torch.float32)
+    cu_v = r.cu_seqlens_v if r.cu_seqlens_v is not None else q.new_empty((0,), dtype=torch.int32)
     # outputs must not alias each other: a 0-d "tensor" descale is a fresh tensor already
-    return r.q, r.k, r.v, r.q_descale, r.k_descale, r.v_descale, k_mean
+    return r.q, r.k, r.v, r.q_descale, r.k_descale, r.v_descale, k_mean, cu_v
 
 
 @quantize_fp8_op.register_fake
 def _quantize_fp8_fake(q, k, v, granularity, smooth_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    from .kernels.varlen_v import repacked_tokens
     from .scales import num_scale_blocks
 
     varlen = cu_seqlens_q is not None
@@ -238,11 +245,13 @@ def _quantize_fp8_fake(q, k, v, granularity, smooth_k, cu_seqlens_q, cu_seqlens_
     f32 = dict(dtype=torch.float32)
     q8 = torch.empty_like(q, dtype=FP8_DTYPE, memory_format=torch.contiguous_format)
     k8 = torch.empty_like(k, dtype=FP8_DTYPE, memory_format=torch.contiguous_format)
-    tokens = v.shape[0] if varlen else v.shape[1]
-    padded = (tokens + V_TOKEN_ALIGN - 1) // V_TOKEN_ALIGN * V_TOKEN_ALIGN
     if varlen:
-        v8 = v.new_empty((hkv, dv, padded), dtype=FP8_DTYPE).permute(2, 0, 1)[:tokens]
+        v8 = v.new_empty((hkv, dv, repacked_tokens(v.shape[0], batch)), dtype=FP8_DTYPE).permute(2, 0, 1)
+        cu_v = q.new_empty((batch + 1,), dtype=torch.int32)
     else:
+        tokens = v.shape[1]
+        padded = (tokens + V_TOKEN_ALIGN - 1) // V_TOKEN_ALIGN * V_TOKEN_ALIGN
+        cu_v = q.new_empty((0,), dtype=torch.int32)
         v8 = v.new_empty((batch, hkv, dv, padded), dtype=FP8_DTYPE).permute(0, 3, 1, 2)[:, :tokens]
     if granularity == "block":
         qd = q.new_empty((batch, hq, num_scale_blocks(sq)), **f32)
@@ -253,7 +262,7 @@ def _quantize_fp8_fake(q, k, v, granularity, smooth_k, cu_seqlens_q, cu_seqlens_
         qd, kd = q.new_empty((), **f32), q.new_empty((), **f32)
     vd = q.new_empty((), **f32) if granularity == "tensor" else q.new_empty((batch, hkv, dv), **f32)
     k_mean = q.new_empty((batch, hkv, dqk) if smooth_k else (0,), **f32)
-    return q8, k8, v8, qd, kd, vd, k_mean
+    return q8, k8, v8, qd, kd, vd, k_mean, cu_v
 
 
 def quantize_fp8(q, k, v, granularity="block", smooth_k=True, *, cu_seqlens_q=None, cu_seqlens_k=None,
@@ -264,8 +273,9 @@ def quantize_fp8(q, k, v, granularity="block", smooth_k=True, *, cu_seqlens_q=No
 
     args = (q, k, v, granularity, smooth_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if _plain_eager(q, k, v, cu_seqlens_q, cu_seqlens_k):
-        q8, k8, v8, qd, kd, vd, k_mean = _quantize_fp8_impl(*args)
+        q8, k8, v8, qd, kd, vd, k_mean, cu_v = _quantize_fp8_impl(*args)
     else:
-        q8, k8, v8, qd, kd, vd, k_mean = torch.ops.leanfa.quantize_fp8(*args)
+        q8, k8, v8, qd, kd, vd, k_mean, cu_v = torch.ops.leanfa.quantize_fp8(*args)
     return FP8QKV(q=q8, k=k8, v=v8, q_descale=qd, k_descale=kd, v_descale=vd,
-                  k_mean=k_mean if smooth_k else None, granularity=granularity)
+                  k_mean=k_mean if smooth_k else None, granularity=granularity,
+                  cu_seqlens_v=cu_v if cu_seqlens_q is not None else None)

@@ -60,6 +60,10 @@ class Problem:
     #: flash-attn's ``softcap``: scores ``s = softmax_scale * q.k`` become ``softcap * tanh(s / softcap)``
     #: before the softmax (0: off)
     softcap: float = 0.0
+    #: packed FP8 calls whose V is :func:`leanfa.quantize_fp8`'s aligned layout: int32 ``(batch + 1)``, sequence
+    #: ``b``'s keys from token ``cu_seqlens_v[b]`` of ``v`` (a multiple of :data:`V_TOKEN_ALIGN`); None: V's
+    #: tokens are K's (``cu_seqlens_k``)
+    cu_seqlens_v: torch.Tensor | None = None
 
     @property
     def varlen(self) -> bool:

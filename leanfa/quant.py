@@ -8,7 +8,9 @@
   (``FP8QKV.k_mean``) so the kernels can still return the exact LSE.
 * V: one scale per channel of each head (``"block"``/``"head"``) or per tensor, and V is
   written *transposed* (``(B, Hkv, Dv, S)`` storage, returned as a ``(B, S, Hkv, Dv)`` view with
-  ``stride(1) == 1``) — the K-major operand FP8 matrix instructions need for P·V.
+  ``stride(1) == 1``) — the K-major operand FP8 matrix instructions need for P·V. A packed
+  batch's V is written in the layout the Hopper kernel's TMA loads read (every sequence from a
+  multiple of 16 tokens, ``FP8QKV.cu_seqlens_v``), so a varlen FP8 call copies nothing.
 * Conversion saturates: values beyond ±448 clamp, never become NaN.
 * Rotation (``rotate=True``, opt-in, off by default): Q and K are multiplied by the same
   random-sign Hadamard matrix ``R`` (``D x D``, orthogonal) on the head dim before quantizing,
@@ -43,6 +45,7 @@ from .kernels.launcher import DirectLaunch
 from .kernels.quantize import (FINISH_CHANNELS, FINISH_ROWS, FUSED_MAX_DIM, FUSED_WARPS, STATS_WARPS, channel_stats,
                                finish_kv_stats, kv_stats, quantize_blocks, quantize_qkv)
 from .kernels.sequences import block_slots
+from .kernels.varlen_v import ALIGNED_V_TAIL, align_varlen_v, repacked_tokens
 from .problem import FP8_DTYPE, V_TOKEN_ALIGN
 from .scales import SCALE_BLOCK, broadcast_strides, num_scale_blocks
 
@@ -53,8 +56,11 @@ GRANULARITIES = ("block", "head", "tensor")
 class FP8QKV:
     """Quantized Q/K/V and their float32 descales; pass it straight to ``flash_attn_func``.
 
-    ``q``/``k``: ``(B, S, H, D)`` (or packed ``(total, H, D)``) float8_e4m3fn. ``v``: same
-    logical shape, stored transposed. Descales: per-block ``(B, H, ceil(S/128))``, per-head
+    ``q``/``k``: ``(B, S, H, D)`` (or packed ``(total, H, D)``) float8_e4m3fn. ``v``: dense, the same
+    logical shape, stored transposed. Packed: ``(room, Hkv, Dv)``, stored transposed (tokens innermost), in
+    the layout the Hopper kernel's TMA loads read: sequence ``b`` from token ``cu_seqlens_v[b]`` (a multiple of
+    16), zeros up to the next multiple of 16 and after the last sequence (``packed_v()`` gives the
+    ``(total, Hkv, Dv)`` tensor without the gaps). Descales: per-block ``(B, H, ceil(S/128))``, per-head
     ``(B, H)`` or a 0-d tensor (in a packed batch, the blocks past a shorter sequence's end hold 1);
     ``v_descale`` ``(B, Hkv, Dv)`` or 0-d. ``k_mean``:
     ``(B, Hkv, Dqk)`` float32 mean subtracted from K (in the rotated space when ``rotation``
@@ -72,11 +78,23 @@ class FP8QKV:
     #: ``(D, D)`` float32 orthogonal matrix applied to Q and K (and so to ``k_mean``) before
     #: quantizing, or None. Scores are unchanged; dequantized ``q``/``k`` are ``Q R``/``K R``.
     rotation: torch.Tensor | None = None
+    #: packed batches: int32 ``(B + 1)``, where each sequence starts in ``v`` (multiples of 16); dense: None
+    cu_seqlens_v: torch.Tensor | None = None
 
     def descales(self) -> dict:
-        """Keyword arguments for ``flash_attn_func(q, k, v, **quantized.descales())``."""
-        return dict(q_descale=self.q_descale, k_descale=self.k_descale, v_descale=self.v_descale,
-                    k_mean=self.k_mean)
+        """Keyword arguments for ``flash_attn_func(q, k, v, **quantized.descales())`` (packed:
+        ``flash_attn_varlen_func``, which also takes ``cu_seqlens_v``)."""
+        kw = dict(q_descale=self.q_descale, k_descale=self.k_descale, v_descale=self.v_descale, k_mean=self.k_mean)
+        if self.cu_seqlens_v is not None:
+            kw["cu_seqlens_v"] = self.cu_seqlens_v
+        return kw
+
+    def packed_v(self, cu_seqlens_k: torch.Tensor) -> torch.Tensor:
+        """The quantized V as ``(total, Hkv, Dv)`` token-major, without the aligned layout's gaps (a copy; dense:
+        ``v`` itself). ``cu_seqlens_k``: the batch's key offsets, as given to :func:`quantize_fp8`."""
+        if self.cu_seqlens_v is None:
+            return self.v
+        return unaligned_v(self.v, cu_seqlens_k, self.cu_seqlens_v, self.k.shape[0])
 
 
 def _strides(t: torch.Tensor, varlen: bool):
@@ -194,6 +212,25 @@ def _transposed_fp8_like(v: torch.Tensor, seqs: _Seqs) -> torch.Tensor:
     return store.permute(0, 3, 1, 2)[:, :tokens]
 
 
+def _aligned_fp8_like(v: torch.Tensor, seqs: _Seqs) -> tuple[torch.Tensor, torch.Tensor]:
+    """For a packed ``v`` (total, Hkv, Dv): an e4m3 ``(room, Hkv, Dv)`` view of ``(Hkv, Dv, room)`` storage, the
+    aligned layout (:mod:`.kernels.varlen_v`), and the int32 ``cu_seqlens_v`` it will hold; the fused quantizer
+    fills both (an empty batch: the starts are zeros here)."""
+    room = repacked_tokens(v.shape[0], seqs.batch)
+    store = torch.empty((seqs.heads, v.shape[-1], room), dtype=FP8_DTYPE, device=v.device)
+    make = torch.empty if seqs.batch else torch.zeros
+    return store.permute(2, 0, 1), make(seqs.batch + 1, dtype=torch.int32, device=v.device)
+
+
+def unaligned_v(v: torch.Tensor, cu_seqlens_k: torch.Tensor, cu_seqlens_v: torch.Tensor, total: int) -> torch.Tensor:
+    """A packed V in the aligned layout (sequence ``b`` from token ``cu_seqlens_v[b]``) as ``(total, H, Dv)``
+    without the gaps, token-major (``total``: the batch's key tokens): one gather on the device, no host sync."""
+    lengths = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int64)
+    shift = (cu_seqlens_v[:-1] - cu_seqlens_k[:-1]).to(torch.int64)
+    pos = torch.arange(total, device=v.device) + torch.repeat_interleave(shift, lengths, output_size=total)
+    return v.view(torch.uint8)[pos].view(v.dtype)
+
+
 def _quantize_v(v: torch.Tensor, seqs: _Seqs, granularity: str):
     """V with per-channel (or per-tensor) scales, written transposed."""
     _, amax = _channel_stats_launch(v, seqs, want_sum=False, want_amax=True)
@@ -206,7 +243,10 @@ def _quantize_v(v: torch.Tensor, seqs: _Seqs, granularity: str):
         ch = descale
     y = _transposed_fp8_like(v, seqs)
     _quantize_launch(v, y, seqs, ch_scale=ch)
-    return y, descale
+    if not seqs.varlen:
+        return y, descale, None
+    y, cu_v = align_varlen_v(y, seqs.cu, seqs.max_seqlen)  # (this path is not fused: one more pass)
+    return y, descale, cu_v
 
 
 def packed_grid(longest_blocks: int, batch: int, slots: int) -> bool:
@@ -238,7 +278,7 @@ def _quantize_block_fused(q, k, v, sq: _Seqs, sk: _Seqs, smooth_k: bool):
     vamax = torch.empty((n_kv, nblk_k, dv), **f32)
     q8 = torch.empty(q.shape, dtype=FP8_DTYPE, device=dev)
     k8 = torch.empty(k.shape, dtype=FP8_DTYPE, device=dev)
-    v8 = _transposed_fp8_like(v, sk)
+    v8, cu_v = _aligned_fp8_like(v, sk) if sk.varlen else (_transposed_fp8_like(v, sk), None)
     slots_q, slots_k = (block_slots(t.shape[0], s.batch, SCALE_BLOCK) if s.varlen else 0
                         for t, s in ((q, sq), (k, sk)))
     packed = sq.varlen and packed_grid(max(nblk_q, nblk_k), sq.batch, max(slots_q, slots_k))
@@ -257,22 +297,25 @@ def _quantize_block_fused(q, k, v, sq: _Seqs, sk: _Seqs, smooth_k: bool):
             *_strides(k, sk.varlen), *_strides(v, sk.varlen),
             DQK=dqk, BLOCK_DQK=bd_qk, DV=dv, BLOCK_DV=bd_v, BLOCK_S=SCALE_BLOCK, VARLEN=sk.varlen,
             WANT_KSUM=smooth_k, PACKED=packed, num_warps=STATS_WARPS)
+        v8_bytes = v8.view(torch.uint8)
         _DIRECT_FINISH_KV_STATS[(n_kv, triton.cdiv(max(dqk, dv), FINISH_CHANNELS))](
             ksum, vamax, cu_k, k_mean if k_mean is not None else v_descale, v_descale,
-            sk.seqlen_dense, sk.heads, nblk_k, DQK=dqk, DV=dv, BLOCK_C=FINISH_CHANNELS, ROWS=FINISH_ROWS,
-            BLOCK_S=SCALE_BLOCK, VARLEN=sk.varlen, WANT_KSUM=smooth_k)
+            cu_v if cu_v is not None else cu_k, v8_bytes, sk.seqlen_dense, sk.heads, nblk_k, sk.batch,
+            v8.shape[0], v8_bytes.stride(1), v8_bytes.stride(2),
+            DQK=dqk, DV=dv, BLOCK_C=FINISH_CHANNELS, ROWS=FINISH_ROWS, BLOCK_S=SCALE_BLOCK, VARLEN=sk.varlen,
+            WANT_KSUM=smooth_k, ALIGN_V=V_TOKEN_ALIGN if sk.varlen else 0, TAIL=ALIGNED_V_TAIL)
     programs = sq.batch * sq.heads + 2 * n_kv
     if programs:
         _DIRECT_QUANTIZE_QKV[(max(slots_q, slots_k), sq.heads + 2 * sk.heads) if packed
                              else (max(nblk_q, nblk_k), programs)](
-            q, k, v, q8, k8, v8, sq.cu_arg(vamax), cu_k, q_descale, k_descale,
+            q, k, v, q8, k8, v8, sq.cu_arg(vamax), cu_k, cu_v if cu_v is not None else cu_k, q_descale, k_descale,
             k_mean if k_mean is not None else v_descale, v_descale,
             sq.seqlen_dense, sk.seqlen_dense, sq.batch, sq.heads, sk.heads, nblk_q, nblk_k,
             *_strides(q, sq.varlen), *_strides(k, sk.varlen), *_strides(v, sk.varlen),
             *_strides(q8, sq.varlen), *_strides(k8, sk.varlen), *_strides(v8, sk.varlen),
             DQK=dqk, BLOCK_DQK=bd_qk, DV=dv, BLOCK_DV=bd_v, BLOCK_S=SCALE_BLOCK, V_PAD=V_TOKEN_ALIGN,
             VARLEN=sq.varlen, SMOOTH_K=smooth_k, EXACT_ROUND=dev.type == "cpu", PACKED=packed, num_warps=FUSED_WARPS)
-    return q8, q_descale, k8, k_descale, k_mean, v8, v_descale
+    return q8, q_descale, k8, k_descale, k_mean, v8, v_descale, cu_v
 
 
 def _check(q, k, v, granularity, cu_q, cu_k, max_q, max_k):
@@ -373,11 +416,11 @@ def quantize_checked(q, k, v, granularity, smooth_k, cu_seqlens_q, cu_seqlens_k,
     sk = _Seqs(k, cu_seqlens_k, max_seqlen_k)
     sv = _Seqs(v, cu_seqlens_k, max_seqlen_k)
     if granularity == "block" and max(q.shape[-1], v.shape[-1]) <= FUSED_MAX_DIM:
-        q8, q_descale, k8, k_descale, k_mean, v8, v_descale = _quantize_block_fused(q, k, v, sq, sk, smooth_k)
+        q8, q_descale, k8, k_descale, k_mean, v8, v_descale, cu_v = _quantize_block_fused(q, k, v, sq, sk, smooth_k)
     else:
         k_mean = _channel_stats_launch(k, sk, want_sum=True, want_amax=False)[0] if smooth_k else None
         q8, q_descale = _quantize_qk(q, sq, granularity, None)
         k8, k_descale = _quantize_qk(k, sk, granularity, k_mean)
-        v8, v_descale = _quantize_v(v, sv, granularity)
+        v8, v_descale, cu_v = _quantize_v(v, sv, granularity)
     return FP8QKV(q=q8, k=k8, v=v8, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
-                  k_mean=k_mean, granularity=granularity, rotation=rotation)
+                  k_mean=k_mean, granularity=granularity, rotation=rotation, cu_seqlens_v=cu_v)

@@ -89,24 +89,27 @@ def attention_ref(
     chunk_size: int = 2048,
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
+    cu_seqlens_v: torch.Tensor | None = None,
 ):
     """Float64 attention. Dense: q (B,Sq,Hq,D) -> out (B,Sq,Hq,Dv), lse (B,Hq,Sq).
     ``window_size=(left, right)``: query ``i`` at key position ``p = i + Sk - Sq`` sees keys
     ``p - left <= j <= p + right`` (-1: unbounded; ``causal`` bounds the right side at ``p``);
     ``softcap > 0`` caps the scaled scores to ``softcap * tanh(s / softcap)`` before the softmax.
     Varlen (``cu_seqlens_*`` given): q (total_q,Hq,D) -> out (total_q,Hq,Dv), lse (Hq,total_q).
-    ``q`` may be an :class:`leanfa.FP8QKV` (then k, v and descales come from it)."""
+    ``q`` may be an :class:`leanfa.FP8QKV` (then k, v and descales come from it). ``cu_seqlens_v``: a packed V
+    in :func:`leanfa.quantize_fp8`'s aligned layout (sequence ``b``'s keys from token ``cu_seqlens_v[b]``)."""
     from .quant import FP8QKV
 
     if isinstance(q, FP8QKV):
-        q, k, v, q_descale, k_descale, v_descale, k_mean = (
-            q.q, q.k, q.v, q.q_descale, q.k_descale, q.v_descale, q.k_mean)
+        q, k, v, q_descale, k_descale, v_descale, k_mean, cu_seqlens_v = (
+            q.q, q.k, q.v, q.q_descale, q.k_descale, q.v_descale, q.k_mean, q.cu_seqlens_v)
     varlen = cu_seqlens_q is not None
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     hq, hkv, dv = q.shape[-2], k.shape[-2], v.shape[-1]
     if varlen:
         cq = [int(x) for x in cu_seqlens_q.tolist()]
         ck = [int(x) for x in cu_seqlens_k.tolist()]
+        cv = ck if cu_seqlens_v is None else [int(x) for x in cu_seqlens_v.tolist()]
         batch = len(cq) - 1
         spans = [((cq[b], cq[b + 1]), (ck[b], ck[b + 1])) for b in range(batch)]
         max_q = max(1, max(b - a for a, b in zip(cq, cq[1:])))
@@ -125,7 +128,7 @@ def attention_ref(
     for b in range(batch):
         if varlen:
             (qa, qb), (ka, kb) = spans[b]
-            qs, ks, vs = q[qa:qb], k[ka:kb], v[ka:kb]
+            qs, ks, vs = q[qa:qb], k[ka:kb], v[cv[b]:cv[b] + kb - ka]
         else:
             qs, ks, vs = q[b], k[b], v[b]
         o, l = _one_sequence(qs, ks, vs, causal=causal, scale=scale, q_tab=q_tab[b], k_tab=k_tab[b],

@@ -10,7 +10,7 @@ host-bound: the GPU waits for the CPU. Parts: ``quantize_fp8``, the Hopper plan 
 (``hopper.plan``: checks, descriptors, arguments), the kernel launch alone (a plan built once),
 ``flash_attn_func`` on pre-quantized inputs, ``attention(precision="fp8")``, BF16
 ``flash_attn_func``, and ``flash_attn_varlen_func`` (FP8 pre-quantized and BF16) on the same tokens packed as b
-sequences, and the varlen FP8 call's V re-pack alone (``align_varlen_v``). FlashAttention-3's ``flash_attn_func`` and ``flash_attn_varlen_func`` (BF16, and FP8 on inputs quantized
+sequences, and the V re-pack a varlen FP8 call makes of a token-major (FA3-style) FP8 V (``align_varlen_v``; quantize_fp8's V needs none). FlashAttention-3's ``flash_attn_func`` and ``flash_attn_varlen_func`` (BF16, and FP8 on inputs quantized
 beforehand with per-head descales) are measured the same way when its module is importable. ``--launches``: every
 GPU launch of one call of each end-to-end path (name and GPU microseconds, from the CUDA profiler). ``--profile``: the functions by cumulative
 time of 200 calls of BF16 ``flash_attn_func`` and of the varlen calls (BF16, FP8, FP8 end to end) under cProfile, at
@@ -31,7 +31,7 @@ import leanfa
 from leanfa.api import _build_problem
 from leanfa.bench import fa3, timing
 from leanfa.kernels import hopper
-from leanfa.kernels.hopper.varlen_v import align_varlen_v
+from leanfa.kernels.varlen_v import align_varlen_v
 
 
 def host_ms(fn, calls: int = 40, repeats: int = 7) -> float:
@@ -93,6 +93,7 @@ def main():
         cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device="cuda")
         flat = [t.reshape(b * s, 16, 128) for t in (q, k, v)]
         qv = leanfa.quantize_fp8(*flat, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=s, max_seqlen_k=s)
+        v_token_major = qv.packed_v(cu)  # (an FP8 V as FA3 takes it: the layout the plan re-packs)
         parts = {
             "quantize_fp8": lambda: leanfa.quantize_fp8(q, k, v),
             "hopper.plan (no launch)": lambda: hopper.plan(problem),
@@ -105,7 +106,7 @@ def main():
             "varlen bf16": lambda: leanfa.flash_attn_varlen_func(*flat, cu, cu, s, s, causal=True),
             "varlen fp8 end to end": lambda: leanfa.attention(*flat, causal=True, precision="fp8", cu_seqlens_q=cu,
                                                               cu_seqlens_k=cu, max_seqlen_q=s, max_seqlen_k=s),
-            "varlen V re-pack (FP8)": lambda: align_varlen_v(qv.v, cu, s),
+            "varlen V re-pack (FP8)": lambda: align_varlen_v(v_token_major, cu, s),
         }
         parts.update(fa3_parts(q, k, v, flat, cu, s))
         for name, fn in parts.items():

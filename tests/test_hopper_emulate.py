@@ -436,7 +436,7 @@ def test_v3_varlen(lens, causal, fp8, mode, monkeypatch):
                        out_dtype=None, **kw)
     out, lse, _ = emulate(p)
     ref, ref_lse = attention_ref(p.q, p.k, p.v, causal=causal, return_lse=True, cu_seqlens_q=cu_q,
-                                 cu_seqlens_k=cu_k, **{n: getattr(p, n) for n in ("k_mean",)},
+                                 cu_seqlens_k=cu_k, **{n: getattr(p, n) for n in ("k_mean", "cu_seqlens_v")},
                                  q_descale=p.q_scale if fp8 else None, k_descale=p.k_scale if fp8 else None,
                                  v_descale=p.v_scale if fp8 else None)
     assert not torch.isnan(out).any(), "NaN (or never written) in out"
@@ -454,16 +454,21 @@ def test_v3_varlen(lens, causal, fp8, mode, monkeypatch):
 
 
 def test_v3_fp8_varlen_unaligned_is_flagged(monkeypatch):
-    """What crashed the H200 in run 15: FP8 varlen with a sequence starting at an unaligned token.
-    Without the plan's re-packed V (launch.align_varlen_v) the emulator refuses the TMA box."""
+    """What crashed the H200 in run 15: FP8 varlen with a sequence starting at an unaligned token (a packed
+    FP8 V stored transposed without quantize_fp8's aligned starts). Without the plan's re-packed V
+    (launch.align_varlen_v) the emulator refuses the TMA box."""
     from leanfa.api import _build_problem
 
     cu = torch.tensor([0, 5, 300], dtype=torch.int32)
     q, k, v = (torch.randn(300, 2, 128).to(torch.bfloat16) for _ in range(3))
     kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=295, max_seqlen_k=295)
     qq = leanfa.quantize_fp8(q, k[:, :1], v[:, :1], **kw)
-    p = _build_problem(qq.q, qq.k, qq.v, varlen=True, **kw, softmax_scale=None, causal=True, return_lse=False,
-                       out_dtype=None, **qq.descales())
+    rows = torch.zeros(1, 128, 304, dtype=torch.uint8)  # tokens innermost, no gaps, rows of 16-byte multiples
+    rows[..., :300] = qq.packed_v(cu).view(torch.uint8).permute(1, 2, 0)
+    v_packed = rows.view(qq.v.dtype).permute(2, 0, 1)[:300]
+    desc = {n: d for n, d in qq.descales().items() if n != "cu_seqlens_v"}
+    p = _build_problem(qq.q, qq.k, v_packed, varlen=True, **kw, softmax_scale=None, causal=True, return_lse=False,
+                       out_dtype=None, **desc)
     out, _, _ = emulate(p)  # re-packed: runs
     assert not torch.isnan(out).any()
     monkeypatch.setattr(L, "align_varlen_v", lambda v, cu_k, *_: (v, cu_k))  # V as packed, K's starts

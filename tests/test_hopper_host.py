@@ -128,13 +128,14 @@ def _varlen_problem(lens, H, Hkv, d, fp8, seed, causal=True, lse=False):
 def _fresh_varlen_plan(p, out, lse):
     return L.make_plan(p.q, p.k, p.v, out, lse, p.q_scale, p.k_scale, p.v_scale, p.k_mean, causal=p.causal,
                        softmax_scale=p.softmax_scale, return_lse=p.return_lse, cu_seqlens_q=p.cu_seqlens_q,
-                       cu_seqlens_k=p.cu_seqlens_k, max_seqlen_q=p.max_seqlen_q, max_seqlen_k=p.max_seqlen_k)
+                       cu_seqlens_k=p.cu_seqlens_k, max_seqlen_q=p.max_seqlen_q, max_seqlen_k=p.max_seqlen_k,
+                       cu_seqlens_v=p.cu_seqlens_v)
 
 
 @pytest.mark.parametrize("fp8", [True, False])
 @pytest.mark.parametrize("lse", [False, True])
 def test_prepared_inputs_cached_only_when_enabled(fp8, lse, monkeypatch):
-    """Varlen calls (packed tensors viewed as a batch of one; FP8: V re-packed every call) keep a template by
+    """Varlen calls (packed tensors viewed as a batch of one; FP8: quantize_fp8's aligned V) keep a template by
     default (PREPARED_VALIDATED, H200 run 53) or with LEANFA_HOPPER_PLAN_CACHE=2, not with =1: a bound plan
     equals make_plan's for fresh inputs of the same signature, its re-packed V made from this call's V."""
     assert hopper.plan_cache.PREPARED_VALIDATED

@@ -87,7 +87,44 @@ def test_varlen_means_are_per_sequence(device):
     assert qt.q_descale.shape == (4, 2, 2)
     assert torch.allclose(qt.k_mean[1].cpu(), k[3:133].mean(0).cpu(), atol=1e-4)
     assert torch.allclose(qt.k_mean[0].cpu(), k[0:3].mean(0).cpu(), atol=1e-4)
-    assert qt.v.shape == k.shape and qt.v.stride(0) == 1
+    # V in the aligned layout (kernels/varlen_v.py): sequences from 0, 16, 160, 160, 176 of 208 token columns
+    assert qt.v.shape == (208, 2, 64) and qt.v.stride(0) == 1
+    assert qt.cu_seqlens_v.tolist() == [0, 16, 160, 160, 176]
+    assert qt.packed_v(cu).shape == k.shape
+
+
+@pytest.mark.parametrize("packed", [False, True])  # (the fused quantizer's two grids, quant.packed_grid)
+@pytest.mark.parametrize("dim", [128, 256])  # the fused quantizer, and the per-tensor kernels plus the re-pack
+def test_packed_v_in_the_aligned_layout(device, monkeypatch, dim, packed):
+    """A packed batch's V: each sequence from a multiple of 16 tokens (the running sum of the rounded lengths),
+    its values those of the same V quantized alone per sequence, zeros up to its rounded end and for the
+    ALIGNED_V_TAIL tokens after the last sequence (the kernel's last boxes read them: every byte there must be
+    finite), on buffers that start as NaN."""
+    from leanfa import quant
+    from leanfa.kernels.varlen_v import ALIGNED_V_TAIL, repacked_tokens
+
+    poison_empty(monkeypatch)
+    monkeypatch.setattr(quant, "packed_grid", lambda *a: packed)
+    lens = [5, 0, 129, 1, 16, 40]
+    cu = cu_seqlens(lens, device)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(sum(lens), 2, dim, generator=g).to(torch.bfloat16).to(device) for _ in range(3))
+    qt = leanfa.quantize_fp8(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens), max_seqlen_k=max(lens))
+    rounded = [-(-n // 16) * 16 for n in lens]
+    starts = [sum(rounded[:b]) for b in range(len(lens) + 1)]
+    assert qt.cu_seqlens_v.tolist() == starts
+    room = repacked_tokens(sum(lens), len(lens))
+    assert qt.v.shape == (room, 2, dim) and qt.v.stride(0) == 1
+    raw = qt.v.view(torch.uint8).cpu()
+    for b, n in enumerate(lens):
+        alone = leanfa.quantize_fp8(*(t[cu[b]:cu[b + 1]].unsqueeze(0) for t in (q, k, v))) if n else None
+        seq = raw[starts[b]:starts[b] + n]
+        if n:
+            assert torch.equal(seq, alone.v[0].view(torch.uint8).cpu()), f"sequence {b}"
+        assert (raw[starts[b] + n:starts[b + 1]] == 0).all(), f"the gap after sequence {b}"
+    assert (raw[starts[-1]:starts[-1] + ALIGNED_V_TAIL] == 0).all(), "the tail after the last sequence"
+    assert torch.equal(qt.packed_v(cu).view(torch.uint8), torch.cat(
+        [raw[starts[b]:starts[b] + n] for b, n in enumerate(lens)]).to(device))
 
 
 def test_bad_granularity():
@@ -128,11 +165,19 @@ def test_fused_block_path_matches_per_tensor_kernels(device, monkeypatch, varlen
     k_mean = quant._channel_stats_launch(k, sk, want_sum=True, want_amax=False)[0] if smooth_k else None
     q8, qd = quant._quantize_qk(q, sq, "block", None)
     k8, kd = quant._quantize_qk(k, sk, "block", k_mean)
-    v8, vd = quant._quantize_v(v, quant._Seqs(v, kw.get("cu_seqlens_k"), kw.get("max_seqlen_k")), "block")
+    v8 = quant._quantize_v(v, quant._Seqs(v, kw.get("cu_seqlens_k"), kw.get("max_seqlen_k")), "block")
 
+    if varlen:  # (V8: the per-tensor kernels' V re-packed into the aligned layout; its tail is all zeros)
+        v8, vd, cu_v = v8
+        assert torch.equal(fused.cu_seqlens_v, cu_v)
+        v8, fused_v = (t.view(torch.uint8) for t in (v8, fused.v))
+        end = int(cu_v[-1])
+        assert torch.equal(fused_v[:end], v8[:end])
+    else:
+        v8, vd, _ = v8
+        assert torch.equal(fused.v.view(torch.uint8), v8.view(torch.uint8))
     assert fused.v.stride() == v8.stride() and fused.q_descale.shape == qd.shape
     assert torch.equal(fused.q.view(torch.uint8), q8.view(torch.uint8))
-    assert torch.equal(fused.v.view(torch.uint8), v8.view(torch.uint8))
     assert torch.equal(fused.v_descale, vd)
     assert torch.equal(fused.q_descale, qd)  # (blocks past a sequence's end: 1 in both)
     if smooth_k:

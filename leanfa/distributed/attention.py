@@ -85,6 +85,7 @@ class _ShardFP8:
         cu = cu.to(q.device)
         k_centred = k.float() - self.k_mean.unsqueeze(1)
         longest = max(sizes)
+        self.cu = cu
         self.quant = leanfa.quantize_fp8(q.reshape(b * n, *q.shape[2:]), k_centred.reshape(b * n, *k.shape[2:]),
                                          v.reshape(b * n, *v.shape[2:]), "block", False, cu_seqlens_q=cu,
                                          cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest)
@@ -95,8 +96,8 @@ class _ShardFP8:
         return k.float().sum(dim=1)
 
     def payload(self):
-        qt = self.quant
-        return [qt.k, qt.k_descale, qt.v, qt.v_descale]
+        qt = self.quant  # (V token-major without the aligned layout's gaps: a half is a token range of it)
+        return [qt.k, qt.k_descale, qt.packed_v(self.cu), qt.v_descale]
 
     def chunk_tokens(self, rank, i):
         return shard_sizes(self.total, self.world, rank)[i]
@@ -188,6 +189,7 @@ class _VarlenFP8:
         cu = torch.tensor(cu, dtype=torch.int32).to(q.device)
         k_centred = k.float() - self.k_mean[_sequence_ids(runs, rank, q.device)]
         longest = max(halves[0] + halves[1], default=0)
+        self.cu = cu
         self.quant = leanfa.quantize_fp8(q, k_centred, v, "block", False, cu_seqlens_q=cu, cu_seqlens_k=cu,
                                          max_seqlen_q=longest, max_seqlen_k=longest)
 
@@ -199,8 +201,8 @@ class _VarlenFP8:
         return torch.zeros((nseq, *k.shape[1:]), dtype=torch.float32, device=k.device).index_add_(0, ids, k.float())
 
     def payload(self):
-        qt = self.quant
-        return [qt.k, qt.k_descale, qt.v, qt.v_descale]
+        qt = self.quant  # (V token-major without the aligned layout's gaps: a half is a token range of it)
+        return [qt.k, qt.k_descale, qt.packed_v(self.cu), qt.v_descale]
 
     def chunk_tokens(self, rank, i):
         return self.runs.tokens(rank, i)

@@ -177,7 +177,7 @@ def _attend_sink_block(
 # the autotuner's key.
 @triton.jit(do_not_specialize=["num_heads", "group", "seq_bucket", "window_left", "window_right"])
 def _attn_fwd(
-    Q, K, V, O, LSE, QS, KS, VS, KMEAN, CU_Q, CU_K, SQ, SK, SV, USED_Q, USED_K,
+    Q, K, V, O, LSE, QS, KS, VS, KMEAN, CU_Q, CU_K, CU_V, SQ, SK, SV, USED_Q, USED_K,
     qk_scale, sm_scale, seqlen_q_dense, seqlen_k_dense, num_heads, group, seq_bucket,
     window_left, window_right, softcap,
     stride_qb, stride_qs, stride_qh, stride_qd,
@@ -212,6 +212,7 @@ def _attn_fwd(
     hk = h // group
     q_start, seqlen_q_slot = sequence_span(CU_Q, b, seqlen_q_dense, VARLEN)
     k_start, seqlen_k = sequence_span(CU_K, b, seqlen_k_dense, VARLEN)
+    v_start, _ = sequence_span(CU_V, b, seqlen_k_dense, VARLEN)  # (packed FP8 V: CU_V may be quantize_fp8's)
     start_m = pid_m * BLOCK_M
     if start_m >= seqlen_q_slot:
         return
@@ -232,7 +233,7 @@ def _attn_fwd(
     # 64-bit base offsets: B * S * H * D can exceed 2^31 at long context
     q_base = Q + b.to(tl.int64) * stride_qb + (q_start + start_m).to(tl.int64) * stride_qs + h.to(tl.int64) * stride_qh
     k_base = K + b.to(tl.int64) * stride_kb + k_start.to(tl.int64) * stride_ks + hk.to(tl.int64) * stride_kh
-    v_base = V + b.to(tl.int64) * stride_vb + k_start.to(tl.int64) * stride_vs + hk.to(tl.int64) * stride_vh
+    v_base = V + b.to(tl.int64) * stride_vb + v_start.to(tl.int64) * stride_vs + hk.to(tl.int64) * stride_vh
     q = _load_tile(q_base + tl.arange(0, BLOCK_M)[:, None] * stride_qs + offs_dqk[None, :] * stride_qd,
                    row_ok[:, None], offs_dqk[None, :] < HEAD_DIM_QK, True, BLOCK_DQK != HEAD_DIM_QK)
     q = _upcast(q, DOT_UPCAST)
@@ -452,6 +453,7 @@ def _launch(problem, out, lse):
     km_strides = k_mean.stride() if k_mean is not None else (0, 0, 0)
     cu_q = p.cu_seqlens_q if p.varlen else q_scale
     cu_k = p.cu_seqlens_k if p.varlen else q_scale
+    cu_v = p.cu_seqlens_v if p.cu_seqlens_v is not None else cu_k  # where each sequence's V starts
     sink = p.sink_keys > 0
     sq, sk, sv = (p.sink_q, p.sink_k, p.sink_v) if sink else (q, k, v)
     sink_strides = [*_strides4(sq, p.varlen), *_strides4(sk, p.varlen), *_strides4(sv, p.varlen)] if sink else [0] * 12
@@ -487,7 +489,7 @@ def _launch(problem, out, lse):
         return (p.batch * p.heads, triton.cdiv(p.max_seqlen_q, meta["BLOCK_M"]))
 
     kernel[grid](
-        q, k, v, out, lse if lse is not None else out, q_scale, k_scale, p.v_scale, km, cu_q, cu_k, sq, sk, sv,
+        q, k, v, out, lse if lse is not None else out, q_scale, k_scale, p.v_scale, km, cu_q, cu_k, cu_v, sq, sk, sv,
         p.seqused_q if p.seqused_q is not None else cu_q, p.seqused_k if p.seqused_k is not None else cu_k,
         p.softmax_scale * LOG2E, p.softmax_scale,
         p.max_seqlen_q if not p.varlen else 0, k.shape[1] if not p.varlen else 0, p.heads,

@@ -25,7 +25,9 @@ They make up two families of kernels:
   The passes are memory-bound: the statistics pass launches one program per block (not a
   loop over a long chunk) so many loads are in flight per SM; the quantize pass keeps a Q tile
   in bf16 until its scale is known (fewer registers, so more blocks per SM) and stores V's
-  transposed tile 16 bytes at a time along tokens (dense inputs).
+  transposed tile 16 bytes at a time along tokens (each sequence's rows start on a multiple of 16 tokens:
+  dense rows are padded, packed varlen V takes the aligned layout the Hopper kernel's TMA loads read,
+  :mod:`.varlen_v`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import triton.language as tl
 
 from .fp8 import E4M3_MAX_C, to_e4m3
 from .sequences import packed_block, sequence_span
+from .varlen_v import aligned_start
 
 # Launch parameters of the fused kernels, shared by the host (leanfa.quant) and the AOT
 # compile (leanfa.kernels.triton_aot).
@@ -257,11 +260,11 @@ def kv_stats(
     tl.store(VAMAX + slot * DV + offs_v, tl.max(tl.abs(v.to(tl.float32)), 0), mask=offs_v < DV)
 
 
-@triton.jit(do_not_specialize=["seqlen_dense", "num_heads", "nblk"])
+@triton.jit(do_not_specialize=["seqlen_dense", "num_heads", "nblk", "batch", "room"])
 def finish_kv_stats(
-    KSUM, VAMAX, CU, KMEAN, VS, seqlen_dense, num_heads, nblk,
+    KSUM, VAMAX, CU, KMEAN, VS, CU_V, V8, seqlen_dense, num_heads, nblk, batch, room, stride_v8h, stride_v8d,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_C: tl.constexpr, ROWS: tl.constexpr, BLOCK_S: tl.constexpr,
-    VARLEN: tl.constexpr, WANT_KSUM: tl.constexpr,
+    VARLEN: tl.constexpr, WANT_KSUM: tl.constexpr, ALIGN_V: tl.constexpr, TAIL: tl.constexpr,
 ):
     """Per (batch * KV head, group of BLOCK_C channels): reduce :func:`kv_stats`' partials over
     the sequence's own ``ceil(seqlen / BLOCK_S)`` blocks (``nblk`` slots per head) into
@@ -270,6 +273,12 @@ def finish_kv_stats(
 
     The K sum runs in a fixed order (ROWS slots accumulated elementwise per step, then one tree
     sum), so it is deterministic; no atomics.
+
+    ``ALIGN_V`` (packed varlen; 0 otherwise): V8 is the aligned layout (:mod:`.varlen_v`), rows ``(Hkv, DV)`` of
+    ``room`` tokens where sequence ``b`` starts at ``CU_V[b]``, the lengths before it each rounded up to ALIGN_V.
+    Head 0's first channel group writes ``CU_V[b]`` (the last sequence's also ``CU_V[batch]``), and the last
+    sequence's programs zero their rows' ``TAIL`` tokens after ``CU_V[batch]``: the most any 128-key box of the
+    kernel reads past the last sequence (its rows' other entries are written by :func:`quantize_qkv`).
     """
     pid = tl.program_id(0)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -290,11 +299,28 @@ def finish_kv_stats(
         tl.store(KMEAN + pid * DQK + offs_c, mean, mask=offs_c < DQK)
     amax = tl.max(vamax, 0)
     tl.store(VS + pid * DV + offs_c, tl.where(amax > 0.0, amax / E4M3_MAX_C, 1.0), mask=offs_c < DV)
+    if ALIGN_V:
+        b = pid // num_heads
+        h = pid % num_heads
+        first = (h == 0) & (tl.program_id(1) == 0)
+        last = b == batch - 1
+        if first | last:
+            dest = tl.multiple_of(aligned_start(CU, b, ALIGN_V, PACKED_STEP), ALIGN_V)
+            end = dest + tl.cdiv(seqlen, ALIGN_V) * ALIGN_V
+            if first:
+                tl.store(CU_V + b, dest)
+                if last:
+                    tl.store(CU_V + batch, end)
+            if last:
+                t = end + tl.arange(0, TAIL)
+                row = V8 + h.to(tl.int64) * stride_v8h + offs_c.to(tl.int64)[:, None] * stride_v8d
+                tl.store(row + t[None, :], tl.zeros([BLOCK_C, TAIL], tl.uint8),
+                         mask=(offs_c[:, None] < DV) & (t[None, :] < room))
 
 
 @triton.jit(do_not_specialize=["seqlen_q_dense", "seqlen_k_dense", "batch", "heads_q", "heads_kv", "nblk_q", "nblk_k"])
 def quantize_qkv(
-    Q, K, V, Q8, K8, V8, CU_Q, CU_K, QS, KS, KMEAN, VS,
+    Q, K, V, Q8, K8, V8, CU_Q, CU_K, CU_V, QS, KS, KMEAN, VS,
     seqlen_q_dense, seqlen_k_dense, batch, heads_q, heads_kv, nblk_q, nblk_k,
     stride_qb, stride_qs, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
@@ -315,10 +341,10 @@ def quantize_qkv(
     program is launched for a block past a short sequence's end (their scale entries are left as the
     caller made them: ones).
 
-    Dense V8 rows are padded to a multiple of V_PAD tokens: a V block's store may run into the
-    padding (zeros), which makes its predicate constant over V_PAD tokens, so the transposed
-    store is vectorized (16-byte stores along tokens, not one byte per thread). Packed varlen
-    sequences share V8 rows, so there the store stops at the sequence's end.
+    V8's rows give each sequence a multiple of V_PAD tokens (dense: the padded rows; packed varlen: the aligned
+    layout of :mod:`.varlen_v`, sequence ``b`` from token ``CU_V[b]``): a V block's store may run into that
+    padding (zeros), which makes its predicate constant over V_PAD tokens, so the transposed store is
+    vectorized (16-byte stores along tokens, not one byte per thread).
     """
     # (the Q, K and V branches name their values apart: Triton requires a name assigned in
     # both arms of an `if` to have one type, and the head dims differ)
@@ -369,13 +395,14 @@ def quantize_qkv(
         else:  # V
             offs_dv = tl.arange(0, BLOCK_DV)
             ch = tl.load(VS + kv * DV + offs_dv, mask=offs_dv < DV, other=1.0)
-            if VARLEN:
-                store_len = seqlen
+            store_len = tl.cdiv(seqlen, V_PAD) * V_PAD
+            if VARLEN:  # sequence b's V8 rows start at CU_V[b] (finish_kv_stats), a multiple of V_PAD
+                dest = tl.multiple_of(tl.load(CU_V + b), V_PAD)
             else:
-                store_len = tl.cdiv(seqlen, V_PAD) * V_PAD
+                dest = start
             if s0 < seqlen:
                 quantize_tile(_head_base(V, b, h, start + s0, stride_vb, stride_vs, stride_vh),
-                              _head_base(V8, b, h, start + s0, stride_v8b, stride_v8s, stride_v8h),
+                              _head_base(V8, b, h, dest + s0, stride_v8b, stride_v8s, stride_v8h),
                               s0, seqlen, store_len, stride_vs, stride_vd, stride_v8s, stride_v8d,
                               VS, tl.zeros([BLOCK_DV], tl.float32), ch,
                               DV, BLOCK_DV, BLOCK_S, False, False, True, EXACT_ROUND)

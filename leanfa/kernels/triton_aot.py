@@ -23,6 +23,7 @@ from ..problem import V_TOKEN_ALIGN
 from ..scales import SCALE_BLOCK
 from . import portable, quantize
 from .quantize import FINISH_CHANNELS, FINISH_ROWS, FUSED_WARPS, STATS_WARPS
+from .varlen_v import ALIGNED_V_TAIL
 
 
 def _compile(fn, types: dict, constexprs: dict, target, num_warps=4, num_stages=2, divisible=()):
@@ -81,7 +82,7 @@ def _summary(name, ck, arch):
 def _attn_types(elem: str, out: str):
     t = {n: "i32" for n in portable._attn_fwd.arg_names if n.startswith("stride_")}
     t.update(Q=f"*{elem}", K=f"*{elem}", V=f"*{elem}", O=f"*{out}", LSE="*fp32", QS="*fp32", KS="*fp32",
-             VS="*fp32", KMEAN="*fp32", CU_Q="*i32", CU_K="*i32", USED_Q="*i32", USED_K="*i32", qk_scale="fp32",
+             VS="*fp32", KMEAN="*fp32", CU_Q="*i32", CU_K="*i32", CU_V="*i32", USED_Q="*i32", USED_K="*i32", qk_scale="fp32",
              sm_scale="fp32",
              SQ=f"*{'bf16' if elem == 'fp8e4nv' else elem}", SK=f"*{'bf16' if elem == 'fp8e4nv' else elem}",
              SV=f"*{'bf16' if elem == 'fp8e4nv' else elem}",
@@ -160,14 +161,16 @@ def fused_quant_compiles(target, dqk: int, dv: int, varlen: bool, smooth: bool):
     t.update(K="*bf16", V="*bf16", CU="*i32", KSUM="*fp32", VAMAX="*fp32")
     yield "kv_stats", _compile(quantize.kv_stats, t, dict(**dims, BLOCK_S=SCALE_BLOCK, VARLEN=varlen, WANT_KSUM=smooth,
                                                           PACKED=varlen, stride_kd=1, stride_vd=1), target, num_warps=STATS_WARPS)
-    t = dict(KSUM="*fp32", VAMAX="*fp32", CU="*i32", KMEAN="*fp32", VS="*fp32", seqlen_dense="i32", num_heads="i32",
-             nblk="i32")
+    t = dict(KSUM="*fp32", VAMAX="*fp32", CU="*i32", KMEAN="*fp32", VS="*fp32", CU_V="*i32", V8="*u8",
+             seqlen_dense="i32", num_heads="i32", nblk="i32", batch="i32", room="i32", stride_v8h="i32",
+             stride_v8d="i32")
     yield "finish_kv_stats", _compile(quantize.finish_kv_stats, t,
                                       dict(DQK=dqk, DV=dv, BLOCK_C=FINISH_CHANNELS, ROWS=FINISH_ROWS,
-                                           BLOCK_S=SCALE_BLOCK, VARLEN=varlen, WANT_KSUM=smooth), target)
+                                           BLOCK_S=SCALE_BLOCK, VARLEN=varlen, WANT_KSUM=smooth,
+                                           ALIGN_V=V_TOKEN_ALIGN if varlen else 0, TAIL=ALIGNED_V_TAIL), target)
     t = {n: "i32" for n in quantize.quantize_qkv.arg_names}
     t.update({n: "*bf16" for n in ("Q", "K", "V")}, **{n: "*fp8e4nv" for n in ("Q8", "K8", "V8")},
-             CU_Q="*i32", CU_K="*i32", **{n: "*fp32" for n in ("QS", "KS", "KMEAN", "VS")})
+             CU_Q="*i32", CU_K="*i32", CU_V="*i32", **{n: "*fp32" for n in ("QS", "KS", "KMEAN", "VS")})
     yield "quantize_qkv", _compile(quantize.quantize_qkv, t,
                                    dict(**dims, BLOCK_S=SCALE_BLOCK, V_PAD=V_TOKEN_ALIGN, VARLEN=varlen,
                                         SMOOTH_K=smooth, EXACT_ROUND=False, PACKED=varlen, stride_qd=1, stride_kd=1, stride_vd=1,

@@ -82,10 +82,10 @@ def _supports(problem) -> tuple[bool, str]:
     if problem.out_dtype not in OUT_DTYPES:
         return False, f"out_dtype {problem.out_dtype} is not supported by the Hopper kernel"
     kmajor = _launch.v_is_kmajor(v)
-    # FP8 V in any layout but the transposed one quantize_fp8 writes (e.g. token-major, FA3 style; and
-    # every FP8 varlen V) is copied by the plan into that layout, 16-byte aligned (launch.transpose_fp8_v,
-    # align_varlen_v): only the copy's layout reaches TMA
-    repacked = problem.is_fp8 and (problem.varlen or not kmajor)
+    # FP8 V in any layout but the transposed one quantize_fp8 writes (e.g. token-major, FA3 style; and a
+    # packed FP8 V without quantize_fp8's aligned starts, cu_seqlens_v) is copied by the plan into that layout,
+    # 16-byte aligned (launch.transpose_fp8_v, align_varlen_v): only the copy's layout reaches TMA
+    repacked = problem.is_fp8 and ((problem.varlen and problem.cu_seqlens_v is None) or not kmajor)
     views = [("q", q, *_launch._bshd_as_bhsd(q)), ("k", k, *_launch._bshd_as_bhsd(k))]
     if not repacked:
         views.append(("v", v, *(_launch._v_kmajor_dims(v) if kmajor else _launch._bshd_as_bhsd(v))))
@@ -108,12 +108,14 @@ def _supports(problem) -> tuple[bool, str]:
 
 
 def plan_kwargs(problem) -> dict:
-    """``make_plan``'s keywords for ``problem``: the varlen ones (none when dense) and the BF16 sink
+    """``make_plan``'s keywords for ``problem``: the varlen ones (none when dense; a packed FP8 V's aligned
+    starts among them) and the BF16 sink
     keys' ``sink`` tuple (none without)."""
     kw = {}
     if problem.varlen:
         kw.update(cu_seqlens_q=problem.cu_seqlens_q, cu_seqlens_k=problem.cu_seqlens_k,
-                  max_seqlen_q=problem.max_seqlen_q, max_seqlen_k=problem.max_seqlen_k)
+                  max_seqlen_q=problem.max_seqlen_q, max_seqlen_k=problem.max_seqlen_k,
+                  cu_seqlens_v=problem.cu_seqlens_v)
     if problem.sink_keys:
         kw.update(sink=(problem.sink_keys, problem.sink_q, problem.sink_k, problem.sink_v))
     return kw
@@ -127,7 +129,8 @@ _memo = threading.local()  # the last problem's key: supports() and plan() of on
 
 def _inputs(problem) -> tuple:
     return (problem.q, problem.k, problem.v, problem.q_scale, problem.k_scale, problem.v_scale, problem.k_mean,
-            problem.sink_q, problem.sink_k, problem.sink_v, problem.cu_seqlens_q, problem.cu_seqlens_k)
+            problem.sink_q, problem.sink_k, problem.sink_v, problem.cu_seqlens_q, problem.cu_seqlens_k,
+            problem.cu_seqlens_v)
 
 
 def _signature(problem):
@@ -158,7 +161,8 @@ def plan(problem):
     out, lse = allocate_outputs(problem)
     key = _signature(problem)
     _memo.last = None  # (a later call on this problem object reads the knobs again)
-    v, cu_v = _launch.prepare_v(problem.q, problem.v, problem.cu_seqlens_k, problem.max_seqlen_k)
+    v, cu_v = _launch.prepare_v(problem.q, problem.v, problem.cu_seqlens_k, problem.max_seqlen_k,
+                                problem.cu_seqlens_v)
     q, k, v, sq, sk, sv = (t if t is None else _launch.as_bshd(t)
                            for t in (problem.q, problem.k, v, problem.sink_q, problem.sink_k, problem.sink_v))
     tiles = None

@@ -19,7 +19,7 @@ from ..triton_aot import ptxas_perf_warnings, ptxas_usage
 from . import launch as L
 from .gluon_compat import GluonASTSource, GPUTarget, mangle_type
 from . import varlen_tiles
-from .varlen_v import repacked_tokens
+from ..varlen_v import repacked_tokens
 
 TARGET = GPUTarget("cuda", 90, 32)
 

@@ -24,7 +24,7 @@ from .gluon_compat import TensorDescriptor, gl
 from .kernel_pingpong import attn_fwd_pingpong_kernel
 from .trace import TRACE_BLOCKS, TRACE_EVENTS
 from . import varlen_tiles
-from .varlen_v import align_varlen_v
+from ..varlen_v import align_varlen_v
 
 BLOCK_M = 128  # two consumer warpgroups, 64 query rows each
 BLOCK_N = 128
@@ -283,13 +283,17 @@ def _sink_descs(sink, q_rows: int, block_n: int):
     return descs, (2 * q_rows * dqk + block_n * (dqk + dv)) * sq.element_size()
 
 
-def prepare_v(q: torch.Tensor, v: torch.Tensor, cu_seqlens_k=None, max_seqlen_k=None
+def prepare_v(q: torch.Tensor, v: torch.Tensor, cu_seqlens_k=None, max_seqlen_k=None, cu_seqlens_v=None
               ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The V the kernel reads, and the varlen FP8 sequence starts ``cu_seqlens_v`` (else None): the FP8 wgmma
-    reads V K-major (tokens innermost), 16-byte aligned, so an FP8 varlen V is re-packed (:func:`align_varlen_v`,
-    from either layout) and a dense token-major one transposed (:func:`transpose_fp8_v`); one copy per call."""
+    reads V K-major (tokens innermost), 16-byte aligned. A packed FP8 V in :func:`leanfa.quantize_fp8`'s
+    aligned layout (``cu_seqlens_v`` given) is read as it is; any other FP8 varlen V is re-packed into that
+    layout (:func:`align_varlen_v`) and a dense token-major one transposed (:func:`transpose_fp8_v`), one copy
+    per call."""
     if q.dtype != torch.float8_e4m3fn:
         return v, None
+    if cu_seqlens_v is not None:
+        return v, cu_seqlens_v
     if cu_seqlens_k is not None:
         return align_varlen_v(v, cu_seqlens_k, max_seqlen_k)
     return (v, None) if v_is_kmajor(v) else (transpose_fp8_v(v), None)
@@ -297,15 +301,17 @@ def prepare_v(q: torch.Tensor, v: torch.Tensor, cu_seqlens_k=None, max_seqlen_k=
 
 def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: bool,
               softmax_scale: float, return_lse: bool, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, sink=None,
-              prepared_v=None, tile_table=None) -> Plan:
+              prepared_v=None, tile_table=None, cu_seqlens_v=None) -> Plan:
     """Kernel arguments for dense (B, S, H, D) tensors (``out`` (B, Sq, Hq, Dv)), or packed varlen
     (total, H, D) ones with ``cu_seqlens_*`` / ``max_seqlen_*`` (``out`` (total_q, Hq, Dv)).
     ``sink``: ``(sink_keys, q16, k16, v16)``, FP8 with the first keys attended from the 16-bit inputs
     (:mod:`.sink`; :func:`sink_problem` says what is supported). ``prepared_v``: :func:`prepare_v`'s result
-    when the caller made it (``v`` is then unused); else it is made here. ``tile_table``: varlen, the call's
+    when the caller made it (``v`` is then unused); else it is made here (``cu_seqlens_v``: a packed FP8 V in
+    :func:`leanfa.quantize_fp8`'s aligned layout). ``tile_table``: varlen, the call's
     :func:`.varlen_tiles.build` (made here when not given)."""
     varlen = cu_seqlens_q is not None
-    v, cu_seqlens_v = prepared_v if prepared_v is not None else prepare_v(q, v, cu_seqlens_k, max_seqlen_k)
+    v, cu_seqlens_v = (prepared_v if prepared_v is not None
+                       else prepare_v(q, v, cu_seqlens_k, max_seqlen_k, cu_seqlens_v))
     q, k, v = as_bshd(q), as_bshd(k), as_bshd(v)
     B, Sq, Hq, Dqk = q.shape
     Sk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]

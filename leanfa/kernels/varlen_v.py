@@ -1,19 +1,22 @@
-"""Packed FP8 V re-packed for TMA: every sequence on a multiple of ``V_TOKEN_ALIGN`` tokens.
+"""Packed FP8 V in the aligned layout the Hopper kernel's TMA loads read: every sequence on a multiple of
+``V_TOKEN_ALIGN`` tokens.
 
-:func:`leanfa.quantize_fp8` stores V transposed (tokens innermost), so key block ``j`` of packed sequence
-``b`` starts at byte ``cu_seqlens_k[b] + 128 j`` of a row, which TMA refuses unless it is a multiple of 16
-(an unaligned box makes the kernel die with "illegal instruction" on the H200). :func:`align_varlen_v` copies
-V into rows where every sequence starts on a multiple of 16 tokens, with zeros in the gaps and after the last
-sequence (the keys past a sequence's end that its last box reads must be finite: their P is 0, and 0 x NaN is
-not 0).
+FP8 V is stored transposed (tokens innermost), so key block ``j`` of packed sequence ``b`` starts at byte
+``start_b + 128 j`` of a row, which TMA refuses unless it is a multiple of 16 (an unaligned box makes the kernel
+die with "illegal instruction" on the H200). The aligned layout: rows ``(H, Dv)`` of :func:`repacked_tokens`
+tokens, sequence ``b`` from token ``cu_seqlens_v[b]`` (the lengths before it, each rounded up to 16), zeros up to
+its next multiple of 16, and zeros for at least :data:`ALIGNED_V_TAIL` tokens after the last sequence (the keys
+past a sequence's end that its last box reads must be finite: their P is 0, and 0 x NaN is not 0).
 
-One Triton launch, no host sync on the lengths: program ``(rb, b, t)`` copies byte blocks ``t, t + grid2, ...``
-of a few rows (head channels) of sequence ``b``, and finds its sequence's new start by summing the
-rounded-up lengths of the sequences before it; programs ``b = batch`` zero the tail. One launch instead of ~17
-PyTorch ops (a ``searchsorted`` per token and a byte-wise ``index_copy_``) because those cost an FP8
-``flash_attn_varlen_func`` call 0.61-0.72 ms of host time on the H200 (0.12-0.20 ms for the same tokens as a
-dense call) and 0.21-0.42 ms of GPU time for the re-pack of 32 MB, against 0.03 for this kernel
-(docs/perf-notes.md, "FP8 varlen: the V re-pack in one kernel").
+:func:`leanfa.quantize_fp8` writes a packed batch's V in this layout directly (:mod:`.quantize`). An FP8 V
+given in any other layout (e.g. FA3-style token-major inputs) is copied into it by :func:`align_varlen_v`, one
+Triton launch, no host sync on the lengths: program ``(rb, b, t)`` copies byte blocks ``t, t + grid2, ...`` of a
+few rows (head channels) of sequence ``b``, and finds its sequence's new start by summing the rounded-up lengths
+of the sequences before it; programs ``b = batch`` zero the tail. One launch instead of ~17 PyTorch ops (a
+``searchsorted`` per token and a byte-wise ``index_copy_``) because those cost an FP8 ``flash_attn_varlen_func``
+call 0.61-0.72 ms of host time on the H200 (0.12-0.20 ms for the same tokens as a dense call) and 0.21-0.42 ms of
+GPU time for the re-pack of 32 MB, against 0.03 for this kernel (docs/perf-notes.md, "FP8 varlen: the V re-pack
+in one kernel").
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ...problem import V_TOKEN_ALIGN
-from ..launcher import DirectLaunch
+from ..problem import V_TOKEN_ALIGN
+from .launcher import DirectLaunch
 
 #: a program's tile: ROWS rows of V (head channels) x BLOCK_T bytes. GPU: 4 x 512 (16 bytes per thread at 4 warps)
 #: copies 32 MB at 2.0-2.1 TB/s (0.031-0.034 ms) on the H200, against 1.0-1.7 TB/s for 8 x 256 and 1 x 1024,
@@ -32,10 +35,13 @@ from ..launcher import DirectLaunch
 GPU_TILE = (4, 512)
 CPU_TILE = (64, 256)
 BLOCK_B = 256  # sequences per step of the new-start sum
+#: zero tokens after the last sequence's rounded end: a 128-key box that starts inside the last sequence
+#: ends at most 112 tokens past it (the kernel's TMA zero-fills past the rows' end)
+ALIGNED_V_TAIL = 128
 
 
 @triton.jit
-def _aligned_start(CU, b, ALIGN: tl.constexpr, BLOCK_B: tl.constexpr):
+def aligned_start(CU, b, ALIGN: tl.constexpr, BLOCK_B: tl.constexpr):
     """Where sequence ``b`` starts in the re-packed rows: the lengths of sequences ``0 .. b-1``, each rounded
     up to ``ALIGN``."""
     acc = tl.zeros([BLOCK_B], tl.int32)
@@ -59,7 +65,7 @@ def align_varlen_v_kernel(V, OUT, CU, CU_V, batch, room, stride_vt, stride_vh, s
     b = tl.program_id(1)
     t_first = tl.program_id(2)
     t_step = tl.num_programs(2)
-    dest = tl.multiple_of(_aligned_start(CU, b, ALIGN, BLOCK_B), ALIGN)
+    dest = tl.multiple_of(aligned_start(CU, b, ALIGN, BLOCK_B), ALIGN)
     if (rblk == 0) & (t_first == 0):
         tl.store(CU_V + b, dest)
     r = rblk * ROWS + tl.arange(0, ROWS)
