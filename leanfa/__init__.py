@@ -15,6 +15,7 @@ _EXPORTS = {
     "attention": "api",
     "flash_attn_func": "api",
     "flash_attn_varlen_func": "api",
+    "varlen_schedule": "api",
     "quantize_fp8": "quant",
     "FP8QKV": "quant",
     "SCALE_BLOCK": "scales",
@@ -23,7 +24,7 @@ _EXPORTS = {
 __all__ = [*_EXPORTS, "__version__"]
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .api import attention, flash_attn_func, flash_attn_varlen_func
+    from .api import attention, flash_attn_func, flash_attn_varlen_func, varlen_schedule
     from .quant import FP8QKV, quantize_fp8
     from .scales import SCALE_BLOCK
 

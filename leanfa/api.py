@@ -145,7 +145,7 @@ def _normalize_window(causal: bool, left: int, right: int, max_seqlen_q: int, ma
 def _build_problem(q, k, v, *, varlen, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                    softmax_scale, causal, q_descale, k_descale, v_descale, k_mean,
                    return_lse, out_dtype, seqused_q=None, seqused_k=None, window_size=(-1, -1),
-                   softcap=0.0, cu_seqlens_v=None) -> Problem:
+                   softcap=0.0, cu_seqlens_v=None, scheduler_metadata=None) -> Problem:
     _check_inputs(q, k, v, 3 if varlen else 4)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
@@ -165,9 +165,12 @@ def _build_problem(q, k, v, *, varlen, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
             )
         batch = cu_seqlens_q.numel() - 1
         _check_v_tokens(q, k, v, batch, cu_seqlens_v)
+        if scheduler_metadata is not None:
+            _check_schedule(scheduler_metadata, q, batch, max_seqlen_k)
     else:
-        if cu_seqlens_v is not None:
-            raise ValueError("cu_seqlens_v is for packed (varlen) calls: pass a packed FP8QKV to flash_attn_varlen_func")
+        if cu_seqlens_v is not None or scheduler_metadata is not None:
+            raise ValueError("cu_seqlens_v and scheduler_metadata are for packed (varlen) calls: pass a packed FP8QKV "
+                             "to flash_attn_varlen_func")
         batch, max_seqlen_q = q.shape[0], q.shape[1]
         max_seqlen_k = k.shape[1]
         if k.shape[0] != batch or v.shape[0] != batch:
@@ -196,7 +199,7 @@ def _build_problem(q, k, v, *, varlen, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, k_mean=k_mean,
         out_dtype=_resolve_out_dtype(q.dtype, out_dtype), return_lse=return_lse,
         seqused_q=seqused_q, seqused_k=seqused_k, window_left=left, window_right=right, softcap=softcap,
-        cu_seqlens_v=cu_seqlens_v if varlen else None,
+        cu_seqlens_v=cu_seqlens_v if varlen else None, scheduler_metadata=scheduler_metadata if varlen else None,
     )
 
 
@@ -305,6 +308,7 @@ def flash_attn_varlen_func(
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     cu_seqlens_v: torch.Tensor | None = None,
+    scheduler_metadata: torch.Tensor | None = None,
 ):
     """Attention forward on packed ``(total_tokens, heads, head_dim)`` tensors.
 
@@ -321,18 +325,61 @@ def flash_attn_varlen_func(
     layout the Hopper kernel reads (each sequence from a multiple of 16 tokens: no copy per call); passing its
     tensors one by one, give ``cu_seqlens_v`` too (``**quantized.descales()`` does).
 
+    ``scheduler_metadata``: the batch's schedule from :func:`varlen_schedule` (the same ``q`` token count,
+    ``cu_seqlens_q``, ``cu_seqlens_k`` and ``max_seqlen_k``), made once and passed to every layer's call of a
+    step, as FlashAttention-3's scheduler metadata is: the call then launches only the attention kernel. A
+    table made from other lengths gives wrong results (its size is checked, its contents cannot be without a
+    host sync). Calls that run on the portable kernel ignore it.
+
     ``cu_seqlens`` values are validated on CPU tensors only (a check on GPU values would
     synchronize); on the GPU the caller guarantees them.
     """
     q, k, v, q_descale, k_descale, v_descale, k_mean, cu_seqlens_v = _unpack_quantized(
         q, k, v, q_descale, k_descale, v_descale, k_mean, cu_seqlens_v)
     problem = _build_problem(
-        q, k, v, varlen=True, cu_seqlens_v=cu_seqlens_v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
+        q, k, v, varlen=True, cu_seqlens_v=cu_seqlens_v, scheduler_metadata=scheduler_metadata,
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        softmax_scale=softmax_scale,
         causal=causal, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
         k_mean=k_mean, return_lse=return_lse, out_dtype=out_dtype, seqused_q=seqused_q,
         seqused_k=seqused_k, window_size=window_size, softcap=softcap)
     return _run(problem, backend)
+
+
+def varlen_schedule(
+    q: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool = False,
+) -> torch.Tensor:
+    """The Hopper kernel's tile table for a packed batch, to pass as ``scheduler_metadata=`` to every
+    :func:`flash_attn_varlen_func` call on that batch (one per layer of a step): which (sequence, query tile)
+    pairs exist, the heaviest first. Arguments as the call's (``q``: its packed queries, or any tensor of
+    their token count on their device; ``causal`` only orders the table). One launch, no host sync: a CUDA
+    graph may capture it."""
+    from .kernels.hopper import launch, varlen_tiles
+
+    _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q, q.device)
+    keys = int(cu_seqlens_k[-1]) if cu_seqlens_k.device.type == "cpu" else 0  # (values are checked on the CPU only)
+    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, keys, "max_seqlen_k", max_seqlen_k, q.device)
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError("cu_seqlens_q and cu_seqlens_k must have the same length (batch+1)")
+    return varlen_tiles.build(cu_seqlens_q, cu_seqlens_k, q.shape[0], max_seqlen_k, bool(causal), launch.BLOCK_M)
+
+
+def _check_schedule(table, q, batch: int, max_seqlen_k: int) -> None:
+    """``scheduler_metadata`` is a :func:`varlen_schedule` table for this batch's shapes."""
+    from .kernels.hopper import launch, varlen_tiles
+
+    if not isinstance(table, torch.Tensor) or table.dtype != torch.int32 or table.dim() != 1:
+        raise TypeError("scheduler_metadata must be the int32 table from leanfa.varlen_schedule")
+    want = varlen_tiles.table_size(q.shape[0], batch, max_seqlen_k, launch.BLOCK_M)
+    if table.numel() != want or table.device != q.device:
+        raise ValueError(f"scheduler_metadata has {table.numel()} entries on {table.device}; varlen_schedule makes "
+                         f"{want} on {q.device} for {q.shape[0]} query tokens in {batch} sequences, "
+                         f"max_seqlen_k={max_seqlen_k} (made for another batch?)")
 
 
 PRECISIONS = ("fp8", "bf16")
@@ -376,6 +423,7 @@ def attention(
     bf16_sink_keys: int = 0,
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
+    scheduler_metadata: torch.Tensor | None = None,
 ):
     """High-level attention for BF16/FP16 callers: BF16/FP16 in, same dtype out.
 
@@ -395,7 +443,8 @@ def attention(
 
     ``window_size=(left, right)`` and ``softcap`` as in :func:`flash_attn_func` (flash-attn's sliding
     window and score capping; the portable kernel runs them), in either precision; not with
-    ``bf16_sink_keys`` (``ValueError``).
+    ``bf16_sink_keys`` (``ValueError``). ``scheduler_metadata``: packed calls, as in
+    :func:`flash_attn_varlen_func` (:func:`varlen_schedule`).
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
@@ -445,10 +494,11 @@ def attention(
                     out_dtype=q.dtype, backend=backend, window_size=window_size, softcap=softcap)
         if varlen:
             return flash_attn_varlen_func(quant, None, None, cu_seqlens_q, cu_seqlens_k,
-                                          max_seqlen_q, max_seqlen_k, **args)
+                                          max_seqlen_q, max_seqlen_k, scheduler_metadata=scheduler_metadata, **args)
         return flash_attn_func(quant, **args)
     args = dict(softmax_scale=softmax_scale, causal=causal, return_lse=return_lse, backend=backend,
                 window_size=window_size, softcap=softcap)
     if varlen:
-        return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **args)
+        return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                      scheduler_metadata=scheduler_metadata, **args)
     return flash_attn_func(q, k, v, **args)

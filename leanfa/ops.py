@@ -61,7 +61,8 @@ def _dispatch_mode():
 
 def _problem(q, k, v, cu_q, cu_k, max_q, max_k, q_scale, k_scale, v_scale, k_mean,
              softmax_scale, causal, return_lse, out_dtype, sink_q=None, sink_k=None, sink_v=None, sink_keys=0,
-             seqused_q=None, seqused_k=None, window_left=-1, window_right=-1, softcap=0.0, cu_v=None):
+             seqused_q=None, seqused_k=None, window_left=-1, window_right=-1, softcap=0.0, cu_v=None,
+             scheduler_metadata=None):
     varlen = cu_q is not None
     if varlen:
         batch = cu_q.numel() - 1
@@ -74,7 +75,7 @@ def _problem(q, k, v, cu_q, cu_k, max_q, max_k, q_scale, k_scale, v_scale, k_mea
         q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, k_mean=k_mean, out_dtype=out_dtype,
         return_lse=return_lse, sink_keys=sink_keys, sink_q=sink_q, sink_k=sink_k, sink_v=sink_v,
         seqused_q=seqused_q, seqused_k=seqused_k, window_left=window_left, window_right=window_right,
-        softcap=softcap, cu_seqlens_v=cu_v)
+        softcap=softcap, cu_seqlens_v=cu_v, scheduler_metadata=scheduler_metadata)
 
 
 def _execute(problem, backend: str):
@@ -160,15 +161,17 @@ def varlen_fwd(
     window_right: int = -1,
     softcap: float = 0.0,
     cu_seqlens_v: Optional[torch.Tensor] = None,
+    scheduler_metadata: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed varlen forward on ``(total, H, D)`` tensors; returns ``(out, lse)`` with ``lse``
     ``(Hq, total_q)`` (empty unless ``return_lse``). Sink, seqused, window and softcap arguments as in
     :func:`fwd` (the first ``sink_keys`` keys of each sequence). ``cu_seqlens_v``: an FP8 V in
-    :func:`leanfa.quantize_fp8`'s aligned layout, sequence ``b`` from token ``cu_seqlens_v[b]``."""
+    :func:`leanfa.quantize_fp8`'s aligned layout, sequence ``b`` from token ``cu_seqlens_v[b]``.
+    ``scheduler_metadata``: the batch's tile table from :func:`leanfa.varlen_schedule`."""
     problem = _problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                        q_scale, k_scale, v_scale, k_mean, softmax_scale, causal, return_lse, out_dtype,
                        sink_q, sink_k, sink_v, sink_keys, seqused_q, seqused_k, window_left, window_right, softcap,
-                       cu_seqlens_v)
+                       cu_seqlens_v, scheduler_metadata)
     return _execute(problem, backend)
 
 
@@ -176,7 +179,7 @@ def varlen_fwd(
 def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q_scale,
                      k_scale, v_scale, k_mean, softmax_scale, causal, return_lse, out_dtype, backend,
                      sink_q=None, sink_k=None, sink_v=None, sink_keys=0, seqused_q=None, seqused_k=None,
-                     window_left=-1, window_right=-1, softcap=0.0, cu_seqlens_v=None):
+                     window_left=-1, window_right=-1, softcap=0.0, cu_seqlens_v=None, scheduler_metadata=None):
     total, hq, _ = q.shape
     out = q.new_empty((total, hq, v.shape[-1]), dtype=out_dtype)
     lse = q.new_empty((hq, total) if return_lse else (0,), dtype=torch.float32)
@@ -187,7 +190,7 @@ def call(problem, backend: str):
     """Run a validated :class:`leanfa.api.Problem` through the custom op; ``(out, lse or None)``."""
     p = problem
     if _plain_eager(p.q, p.k, p.v, p.q_scale, p.k_scale, p.v_scale, p.k_mean, p.cu_seqlens_q, p.cu_seqlens_k,
-                    p.sink_q, p.sink_k, p.sink_v, p.seqused_q, p.seqused_k, p.cu_seqlens_v):
+                    p.sink_q, p.sink_k, p.sink_v, p.seqused_q, p.seqused_k, p.cu_seqlens_v, p.scheduler_metadata):
         out, lse = _execute(p, backend)
         return out, (lse if p.return_lse else None)
     scalars = (p.softmax_scale, p.causal, p.return_lse, p.out_dtype, backend,
@@ -196,7 +199,7 @@ def call(problem, backend: str):
     if p.varlen:
         out, lse = torch.ops.leanfa.varlen_fwd(
             p.q, p.k, p.v, p.cu_seqlens_q, p.cu_seqlens_k, p.max_seqlen_q, p.max_seqlen_k,
-            p.q_scale, p.k_scale, p.v_scale, p.k_mean, *scalars, p.cu_seqlens_v)
+            p.q_scale, p.k_scale, p.v_scale, p.k_mean, *scalars, p.cu_seqlens_v, p.scheduler_metadata)
     else:
         out, lse = torch.ops.leanfa.fwd(p.q, p.k, p.v, p.q_scale, p.k_scale, p.v_scale, p.k_mean, *scalars)
     return out, (lse if p.return_lse else None)

@@ -64,6 +64,9 @@ class Problem:
     #: ``b``'s keys from token ``cu_seqlens_v[b]`` of ``v`` (a multiple of :data:`V_TOKEN_ALIGN`); None: V's
     #: tokens are K's (``cu_seqlens_k``)
     cu_seqlens_v: torch.Tensor | None = None
+    #: packed calls: the Hopper kernel's tile table made once for the batch by :func:`leanfa.varlen_schedule`
+    #: (reused by every layer's call; None: the call makes its own)
+    scheduler_metadata: torch.Tensor | None = None
 
     @property
     def varlen(self) -> bool:

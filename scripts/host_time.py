@@ -10,7 +10,8 @@ host-bound: the GPU waits for the CPU. Parts: ``quantize_fp8``, the Hopper plan 
 (``hopper.plan``: checks, descriptors, arguments), the kernel launch alone (a plan built once),
 ``flash_attn_func`` on pre-quantized inputs, ``attention(precision="fp8")``, BF16
 ``flash_attn_func``, and ``flash_attn_varlen_func`` (FP8 pre-quantized and BF16) on the same tokens packed as b
-sequences, and the V re-pack a varlen FP8 call makes of a token-major (FA3-style) FP8 V (``align_varlen_v``; quantize_fp8's V needs none). FlashAttention-3's ``flash_attn_func`` and ``flash_attn_varlen_func`` (BF16, and FP8 on inputs quantized
+sequences (also with the batch's ``varlen_schedule`` given, and the varlen call's host parts alone: checks and
+``Problem``, dispatch, plan, tile table), and the V re-pack a varlen FP8 call makes of a token-major (FA3-style) FP8 V (``align_varlen_v``; quantize_fp8's V needs none). FlashAttention-3's ``flash_attn_func`` and ``flash_attn_varlen_func`` (BF16, and FP8 on inputs quantized
 beforehand with per-head descales) are measured the same way when its module is importable. ``--launches``: every
 GPU launch of one call of each end-to-end path (name and GPU microseconds, from the CUDA profiler). ``--profile``: the functions by cumulative
 time of 200 calls of BF16 ``flash_attn_func`` and of the varlen calls (BF16, FP8, FP8 end to end) under cProfile, at
@@ -30,7 +31,7 @@ from triton.testing import do_bench
 import leanfa
 from leanfa.api import _build_problem
 from leanfa.bench import fa3, timing
-from leanfa.kernels import hopper
+from leanfa.kernels import dispatch, hopper
 from leanfa.kernels.varlen_v import align_varlen_v
 
 
@@ -94,6 +95,10 @@ def main():
         flat = [t.reshape(b * s, 16, 128) for t in (q, k, v)]
         qv = leanfa.quantize_fp8(*flat, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=s, max_seqlen_k=s)
         v_token_major = qv.packed_v(cu)  # (an FP8 V as FA3 takes it: the layout the plan re-packs)
+        sched = leanfa.varlen_schedule(flat[0], cu, cu, s, s, causal=True)  # (made once per batch, for every layer)
+        vp = _build_problem(*flat, varlen=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=s, max_seqlen_k=s,
+                            softmax_scale=None, causal=True, q_descale=None, k_descale=None, v_descale=None,
+                            k_mean=None, return_lse=False, out_dtype=None)
         parts = {
             "quantize_fp8": lambda: leanfa.quantize_fp8(q, k, v),
             "hopper.plan (no launch)": lambda: hopper.plan(problem),
@@ -104,13 +109,25 @@ def main():
             "varlen fp8": lambda: leanfa.flash_attn_varlen_func(qv.q, qv.k, qv.v, cu, cu, s, s, causal=True,
                                                                **qv.descales()),
             "varlen bf16": lambda: leanfa.flash_attn_varlen_func(*flat, cu, cu, s, s, causal=True),
+            "varlen fp8, schedule given": lambda: leanfa.flash_attn_varlen_func(
+                qv, None, None, cu, cu, s, s, causal=True, scheduler_metadata=sched),
+            "varlen bf16, schedule given": lambda: leanfa.flash_attn_varlen_func(
+                *flat, cu, cu, s, s, causal=True, scheduler_metadata=sched),
+            "varlen bf16: _build_problem": lambda: _build_problem(
+                *flat, varlen=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=s, max_seqlen_k=s,
+                softmax_scale=None, causal=True, q_descale=None, k_descale=None, v_descale=None, k_mean=None,
+                return_lse=False, out_dtype=None),
+            "varlen bf16: dispatch.choose": lambda: dispatch.choose(vp, "auto"),
+            "varlen bf16: hopper.plan": lambda: hopper.plan(vp),
+            "varlen: tile table": lambda: leanfa.varlen_schedule(flat[0], cu, cu, s, s, causal=True),
             "varlen fp8 end to end": lambda: leanfa.attention(*flat, causal=True, precision="fp8", cu_seqlens_q=cu,
                                                               cu_seqlens_k=cu, max_seqlen_q=s, max_seqlen_k=s),
             "varlen V re-pack (FP8)": lambda: align_varlen_v(v_token_major, cu, s),
         }
         parts.update(fa3_parts(q, k, v, flat, cu, s))
         for name, fn in parts.items():
-            gpu = do_bench(fn, return_mode="median") if name != "hopper.plan (no launch)" else float("nan")
+            host_only = name == "hopper.plan (no launch)" or name.startswith("varlen bf16:")
+            gpu = do_bench(fn, return_mode="median") if not host_only else float("nan")
             print(f"{shape:>12s} {name:28s} {host_ms(fn):8.3f} {gpu:8.3f}", flush=True)
         if args.launches:
             for name in ("attention(precision=fp8)", "flash_attn_func bf16", "varlen fp8", "varlen bf16",

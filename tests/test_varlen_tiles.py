@@ -61,11 +61,13 @@ ON_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_SM90, reason="needs an sm90 (Hopper) GPU")
+@pytest.mark.parametrize("schedule", [False, True])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_cuda_graph_replays_new_lengths(fp8):
-    """The tile table is built on the GPU from cu_seqlens inside the captured call: a replay after new lengths
-    (same batch size and token count) are copied into the captured cu_seqlens computes the new batch, each
-    sequence against the float64 reference (the captured output is poisoned before each replay)."""
+def test_cuda_graph_replays_new_lengths(fp8, schedule):
+    """The tile table is built on the GPU from cu_seqlens inside the captured call (or, ``schedule``, once by
+    varlen_schedule and passed to two calls, as two layers of a step): a replay after new lengths (same batch
+    size and token count) are copied into the captured cu_seqlens computes the new batch, each sequence
+    against the float64 reference (the captured outputs are poisoned before each replay)."""
     import leanfa
     from leanfa.reference import attention_ref
 
@@ -77,7 +79,12 @@ def test_cuda_graph_replays_new_lengths(fp8):
     def run():
         args = (leanfa.quantize_fp8(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=total, max_seqlen_k=total),
                 None, None) if fp8 else (q, k, v)
-        return leanfa.flash_attn_varlen_func(*args, cu, cu, total, total, causal=True, backend="hopper"), args
+        kw = dict(causal=True, backend="hopper")
+        if schedule:
+            kw["scheduler_metadata"] = leanfa.varlen_schedule(q, cu, cu, total, total, causal=True)
+            first = leanfa.flash_attn_varlen_func(*args, cu, cu, total, total, **kw)
+            return torch.stack([first, leanfa.flash_attn_varlen_func(*args, cu, cu, total, total, **kw)]), args
+        return leanfa.flash_attn_varlen_func(*args, cu, cu, total, total, **kw)[None], args
 
     run()
     torch.cuda.synchronize()
@@ -95,10 +102,45 @@ def test_cuda_graph_replays_new_lengths(fp8):
             ref_args = (dataclasses.replace(args[0], q_descale=args[0].q_descale[..., :blocks],
                                             k_descale=args[0].k_descale[..., :blocks]), None, None)
         ref = attention_ref(*ref_args, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True)
-        for a, b in zip(new[:-1], new[1:]):
-            if b > a:
-                err = float((out[a:b].double() - ref[a:b]).norm() / ref[a:b].norm())
-                assert err < (0.08 if fp8 else 0.02), (new, a, b, err)
+        for layer in out:
+            for a, b in zip(new[:-1], new[1:]):
+                if b > a:
+                    err = float((layer[a:b].double() - ref[a:b]).norm() / ref[a:b].norm())
+                    assert err < (0.08 if fp8 else 0.02), (new, a, b, err)
+
+
+def test_schedule_is_the_calls_table_and_is_checked():
+    """varlen_schedule makes the table the call would (one for the batch, reused by each layer's call: the plan
+    takes it as it is); a table of another batch's size, of another dtype, or on a dense call is refused."""
+    import leanfa
+    from leanfa.api import _build_problem
+    from leanfa.kernels import hopper
+
+    lens = [300, 0, 1, 699]
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    cu = torch.tensor([0, 300, 300, 301, 1000], dtype=torch.int32, device=dev)
+    q, k, v = (torch.randn(1000, h, 64, device=dev).to(torch.bfloat16) for h in (4, 2, 2))
+    sched = leanfa.varlen_schedule(q, cu, cu, 699, 699, causal=True)
+    assert torch.equal(sched, varlen_tiles.build(cu, cu, 1000, 699, True, BM))
+    p = _build_problem(q, k, v, varlen=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=699, max_seqlen_k=699,
+                       softmax_scale=None, causal=True, q_descale=None, k_descale=None, v_descale=None, k_mean=None,
+                       return_lse=False, out_dtype=None, scheduler_metadata=sched)
+    assert p.scheduler_metadata is sched
+    if dev == "cpu":  # (the plan's checks only look at pointers: a CPU plan shows what the kernel would get)
+        from leanfa.kernels.hopper import emulate as emulate_mod
+        from leanfa.kernels.hopper import launch as L
+
+        plan = emulate_mod._make_plan_cpu(L, p, torch.empty(1000, 4, 64, dtype=torch.bfloat16), None)
+        assert not any(a is sched for a in plan.args)  # (make_plan alone builds its own) ...
+        plan = hopper.plan(p)[0]
+        assert any(a is sched for a in plan.args)  # ... the call's plan takes the given one
+    for bad, err in ((sched[:-1], ValueError), (sched.to(torch.int64), TypeError),
+                     (leanfa.varlen_schedule(q[:900], cu.clone().clamp(max=900), cu.clone().clamp(max=900), 600, 600),
+                      ValueError)):
+        with pytest.raises(err, match="scheduler_metadata"):
+            leanfa.flash_attn_varlen_func(q, k, v, cu, cu, 699, 699, causal=True, scheduler_metadata=bad)
+    with pytest.raises(TypeError, match="scheduler_metadata"):  # (dense calls have no such argument)
+        leanfa.flash_attn_func(q[None], k[None], v[None], scheduler_metadata=sched)
 
 
 _COMPILE = """

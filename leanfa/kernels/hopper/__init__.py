@@ -165,8 +165,8 @@ def plan(problem):
                                 problem.cu_seqlens_v)
     q, k, v, sq, sk, sv = (t if t is None else _launch.as_bshd(t)
                            for t in (problem.q, problem.k, v, problem.sink_q, problem.sink_k, problem.sink_v))
-    tiles = None
-    if problem.varlen:  # the call's tile table (made every call, like the re-packed V)
+    tiles = problem.scheduler_metadata
+    if problem.varlen and tiles is None:  # the call's tile table (made every call unless the caller made it)
         tiles = varlen_tiles.build(problem.cu_seqlens_q, problem.cu_seqlens_k, q.shape[1], problem.max_seqlen_k,
                                    problem.causal, _launch.BLOCK_M)
     inputs = (q, k, v, problem.q_scale, problem.k_scale, problem.v_scale, problem.k_mean, sq, sk, sv,

@@ -129,6 +129,15 @@ def _tile_table_kernel(cu_q, cu_k, table, hist, batch, slots, NBUCKETS, CAUSAL: 
 _TILE_TABLE = DirectLaunch(_tile_table_kernel)
 
 
+def _buckets(max_seqlen_k: int) -> int:
+    return triton.cdiv(max(int(max_seqlen_k), 1), KEY_BLOCK.value) + 1
+
+
+def table_size(total_q: int, batch: int, max_seqlen_k: int, block_m: int) -> int:
+    """The entries of :func:`build`'s table for these arguments."""
+    return 1 + capacity(total_q, batch, block_m) + _buckets(max_seqlen_k)
+
+
 def build(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q: int, max_seqlen_k: int, causal: bool,
           block_m: int) -> torch.Tensor:
     """int32 ``[1 + capacity + buckets]``: entry 0 is the number ``n`` of real pairs, entries ``1 .. n`` the pairs
@@ -137,7 +146,7 @@ def build(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q: int, 
     ``max_seqlen_k`` sizes the histogram (a longer sequence's tiles share its last bucket: still all listed)."""
     batch = cu_seqlens_q.numel() - 1
     slots = capacity(total_q, batch, block_m)
-    buckets = triton.cdiv(max(int(max_seqlen_k), 1), KEY_BLOCK.value) + 1
+    buckets = _buckets(max_seqlen_k)
     table = torch.empty(1 + slots + buckets, dtype=torch.int32, device=cu_seqlens_q.device)
     _TILE_TABLE[(1, )](cu_seqlens_q, cu_seqlens_k, table, table[1 + slots:], batch, slots, buckets,
                        CAUSAL=bool(causal), BLOCK_M=block_m, BLOCK_B=BLOCK_B, BLOCK_T=BLOCK_T, BLOCK_H=1024,
