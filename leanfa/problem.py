@@ -14,6 +14,9 @@ import torch
 FP8_DTYPE = torch.float8_e4m3fn
 #: V is stored transposed with its token axis padded to this many elements (16-byte rows)
 V_TOKEN_ALIGN = 16
+#: page sizes (keys per page) a paged K/V cache may have: each divides every key tile of the kernels (32, 64,
+#: 128 keys) or is a multiple of it, so a key tile spans whole pages or lies inside one
+PAGE_SIZES = (16, 32, 64, 128, 256)
 
 
 @dataclass(frozen=True)
@@ -21,6 +24,8 @@ class Problem:
     """A validated attention call, in the layout the kernels take."""
 
     q: torch.Tensor  # (B, Sq, Hq, Dqk) or (total_q, Hq, Dqk)
+    #: (B, Sk, Hkv, D), (total_k, Hkv, D) with ``cu_seqlens_k``, or with ``page_table`` the paged caches
+    #: (num_pages, page_size, Hkv, D)
     k: torch.Tensor
     v: torch.Tensor
     batch: int
@@ -30,6 +35,8 @@ class Problem:
     head_dim_v: int
     max_seqlen_q: int
     max_seqlen_k: int
+    #: packed queries (``varlen``); ``cu_seqlens_k`` None with ``cu_seqlens_q`` set: K/V are indexed per
+    #: sequence (``kv_per_sequence``: a dense ``(B, Sk, Hkv, D)`` cache, or pages)
     cu_seqlens_q: torch.Tensor | None
     cu_seqlens_k: torch.Tensor | None
     causal: bool
@@ -60,6 +67,25 @@ class Problem:
     #: flash-attn's ``softcap``: scores ``s = softmax_scale * q.k`` become ``softcap * tanh(s / softcap)``
     #: before the softmax (0: off)
     softcap: float = 0.0
+    #: paged K/V: int32 ``(B, max_pages_per_seq)``; key position ``n`` of sequence ``b`` is row
+    #: ``n % page_size`` of page ``page_table[b, n // page_size]`` of ``k``/``v``
+    #: ``(num_pages, page_size, Hkv, D)``. Its capacity ``max_pages_per_seq * page_size`` is the dense key slot
+    #: (``max_seqlen_k``) unless ``cu_seqlens_k`` gives the key lengths. (None: K/V are not paged)
+    page_table: torch.Tensor | None = None
+
+    @property
+    def paged(self) -> bool:
+        return self.page_table is not None
+
+    @property
+    def page_size(self) -> int:
+        """Keys per page of a paged call (0 when not paged)."""
+        return self.k.shape[1] if self.page_table is not None else 0
+
+    @property
+    def kv_per_sequence(self) -> bool:
+        """Packed queries with K/V indexed per sequence (a dense cache or pages), not packed by ``cu_seqlens_k``."""
+        return self.cu_seqlens_q is not None and self.cu_seqlens_k is None
 
     @property
     def varlen(self) -> bool:

@@ -92,6 +92,39 @@ def _softmax_step(s, c, acc, l_i, m_i, P_SHIFT: tl.constexpr):
 
 
 @triton.jit
+def _block_start(base, start_n, stride_s, PAGE_SIZE: tl.constexpr):
+    """Where a key block of a K or V sequence starts: ``base`` itself for paged K/V (the block's rows are
+    gathered through the page table: :func:`_paged_rows`)."""
+    if PAGE_SIZE > 0:
+        return base
+    else:
+        return base + tl.cast(start_n, tl.int64) * stride_s
+
+
+@triton.jit
+def _paged_rows(pages, stride_pn, start_n, offs_n, key_ok, stride_kp, stride_ks, stride_vp, stride_vs,
+                PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr):
+    """Element offsets (int64) of a key block's rows in the paged K and V caches: key ``n`` is row
+    ``n % PAGE_SIZE`` of page ``pages[n // PAGE_SIZE]`` (entries ``stride_pn`` apart). A block inside one page (PAGE_SIZE a multiple of the
+    block: blocks start at multiples of their size) reads one page id and contiguous rows; a block of several
+    pages gathers one id per key (keys past the sequence read id 0: their loads are masked). Block starts lie
+    below the sequence's length, so the ids read are the sequence's own."""
+    BLOCK_N: tl.constexpr = offs_n.shape[0]
+    if PAGE_SIZE >= BLOCK_N:
+        page = tl.load(pages + (start_n // PAGE_SIZE) * stride_pn).to(tl.int64)
+        rows = (start_n % PAGE_SIZE) + offs_n
+        return page * stride_kp + rows * stride_ks, page * stride_vp + rows * stride_vs
+    else:
+        cols = start_n + offs_n
+        if MASKED:
+            page = tl.load(pages + (cols // PAGE_SIZE) * stride_pn, mask=key_ok, other=0).to(tl.int64)
+        else:
+            page = tl.load(pages + (cols // PAGE_SIZE) * stride_pn).to(tl.int64)
+        rows = cols % PAGE_SIZE
+        return page * stride_kp + rows * stride_ks, page * stride_vp + rows * stride_vs
+
+
+@triton.jit
 def _attend_kv_block(
     acc, l_i, m_i, q, c_row,
     k_blk, v_blk, k_scale,
@@ -105,16 +138,26 @@ def _attend_kv_block(
     P_SHIFT: tl.constexpr,
     lo_offset, cap_shift, cap_log2, two_over_cap,
     WINDOW_LEFT: tl.constexpr, SOFTCAP: tl.constexpr,
+    pages, stride_pn, stride_kp, stride_vp, PAGE_SIZE: tl.constexpr,
 ):
     """One KV block of the online softmax; MASKED blocks check key bounds and the causal mask
     (``causal_offset``: row ``r`` sees keys ``<= r + causal_offset``), and with WINDOW_LEFT the window's
     left side (keys ``>= r + lo_offset``). SOFTCAP caps the scores (``cap_shift``: per row, what K
-    smoothing took out of them, in log2 units) before the softmax."""
+    smoothing took out of them, in log2 units) before the softmax. With PAGE_SIZE > 0 (paged K/V) ``k_blk``/
+    ``v_blk`` point at the caches' head and the block's keys are gathered through ``pages`` (the sequence's row
+    of the page table; pages ``stride_kp``/``stride_vp`` apart)."""
     cols = start_n + offs_n
     key_ok = cols < seqlen_k
-    kt = _load_tile(k_blk + offs_n[None, :] * stride_ks + offs_dqk[:, None] * stride_kd,
-                    key_ok[None, :], offs_dqk[:, None] < HEAD_DIM_QK,
-                    MASKED, BLOCK_DQK != HEAD_DIM_QK)
+    if PAGE_SIZE > 0:
+        k_rows, v_rows = _paged_rows(pages, stride_pn, start_n, offs_n, key_ok, stride_kp, stride_ks, stride_vp, stride_vs,
+                                     PAGE_SIZE, MASKED)
+        kt = _load_tile(k_blk + k_rows[None, :] + offs_dqk[:, None] * stride_kd,
+                        key_ok[None, :], offs_dqk[:, None] < HEAD_DIM_QK,
+                        MASKED, BLOCK_DQK != HEAD_DIM_QK)
+    else:
+        kt = _load_tile(k_blk + offs_n[None, :] * stride_ks + offs_dqk[:, None] * stride_kd,
+                        key_ok[None, :], offs_dqk[:, None] < HEAD_DIM_QK,
+                        MASKED, BLOCK_DQK != HEAD_DIM_QK)
     s = tl.dot(q, _upcast(kt, DOT_UPCAST))
     c = c_row * k_scale
     if SOFTCAP:  # capped scores in the log2 domain; the softmax then takes them unscaled
@@ -128,9 +171,14 @@ def _attend_kv_block(
             visible = visible & (cols[None, :] >= offs_m[:, None] + lo_offset)
         s = tl.where(visible, s, NEG_INF)
     p, acc, l_i, m_new = _softmax_step(s, c, acc, l_i, m_i, P_SHIFT)
-    v = _load_tile(v_blk + offs_n[:, None] * stride_vs + offs_dv[None, :] * stride_vd,
-                   key_ok[:, None], offs_dv[None, :] < HEAD_DIM_V,
-                   MASKED, BLOCK_DV != HEAD_DIM_V)
+    if PAGE_SIZE > 0:
+        v = _load_tile(v_blk + v_rows[:, None] + offs_dv[None, :] * stride_vd,
+                       key_ok[:, None], offs_dv[None, :] < HEAD_DIM_V,
+                       MASKED, BLOCK_DV != HEAD_DIM_V)
+    else:
+        v = _load_tile(v_blk + offs_n[:, None] * stride_vs + offs_dv[None, :] * stride_vd,
+                       key_ok[:, None], offs_dv[None, :] < HEAD_DIM_V,
+                       MASKED, BLOCK_DV != HEAD_DIM_V)
     if IS_FP8:
         p8 = to_e4m3(p, False, EXACT_FP8_ROUND)
         # a fresh accumulator per block: the MMA's reduced-precision sum covers one block,
@@ -177,7 +225,7 @@ def _attend_sink_block(
 # the autotuner's key.
 @triton.jit(do_not_specialize=["num_heads", "group", "seq_bucket", "window_left", "window_right"])
 def _attn_fwd(
-    Q, K, V, O, LSE, QS, KS, VS, KMEAN, CU_Q, CU_K, SQ, SK, SV, USED_Q, USED_K,
+    Q, K, V, O, LSE, QS, KS, VS, KMEAN, CU_Q, CU_K, SQ, SK, SV, USED_Q, USED_K, PT,
     qk_scale, sm_scale, seqlen_q_dense, seqlen_k_dense, num_heads, group, seq_bucket,
     window_left, window_right, softcap,
     stride_qb, stride_qs, stride_qh, stride_qd,
@@ -192,6 +240,7 @@ def _attn_fwd(
     stride_sqb, stride_sqs, stride_sqh, stride_sqd,
     stride_skb, stride_sks, stride_skh, stride_skd,
     stride_svb, stride_svs, stride_svh, stride_svd,
+    stride_ptb, stride_ptn,
     HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
@@ -202,6 +251,7 @@ def _attn_fwd(
     HAS_USED_Q: tl.constexpr = False, HAS_USED_K: tl.constexpr = False,
     HAS_WINDOW_LEFT: tl.constexpr = False, HAS_WINDOW_RIGHT: tl.constexpr = False,
     HAS_SOFTCAP: tl.constexpr = False,
+    PAGE_SIZE: tl.constexpr = 0, KV_PER_SEQ: tl.constexpr = False,
 ):
     tl.static_assert(SCALE_BLK % BLOCK_N == 0, "a KV tile must lie inside one K scale block")
     P_SHIFT: tl.constexpr = 8.0 if IS_FP8 else 0.0
@@ -211,7 +261,10 @@ def _attn_fwd(
     h = pid_bh % num_heads
     hk = h // group
     q_start, seqlen_q_slot = sequence_span(CU_Q, b, seqlen_q_dense, VARLEN)
-    k_start, seqlen_k = sequence_span(CU_K, b, seqlen_k_dense, VARLEN)
+    if KV_PER_SEQ:  # packed queries, K/V per sequence (a dense cache or pages): the key slot is seqlen_k_dense
+        k_start, seqlen_k = sequence_span(CU_K, b, seqlen_k_dense, False)
+    else:
+        k_start, seqlen_k = sequence_span(CU_K, b, seqlen_k_dense, VARLEN)
     start_m = pid_m * BLOCK_M
     if start_m >= seqlen_q_slot:
         return
@@ -231,8 +284,14 @@ def _attn_fwd(
 
     # 64-bit base offsets: B * S * H * D can exceed 2^31 at long context
     q_base = Q + b.to(tl.int64) * stride_qb + (q_start + start_m).to(tl.int64) * stride_qs + h.to(tl.int64) * stride_qh
-    k_base = K + b.to(tl.int64) * stride_kb + k_start.to(tl.int64) * stride_ks + hk.to(tl.int64) * stride_kh
-    v_base = V + b.to(tl.int64) * stride_vb + k_start.to(tl.int64) * stride_vs + hk.to(tl.int64) * stride_vh
+    pages = PT + b.to(tl.int64) * stride_ptb  # paged K/V: this sequence's row of the page table
+    if PAGE_SIZE > 0:  # the caches' head; stride_kb/stride_vb are the page strides
+        tl.static_assert(SINK == 0, "BF16 sink keys are not read from paged K/V")
+        k_base = K + hk.to(tl.int64) * stride_kh
+        v_base = V + hk.to(tl.int64) * stride_vh
+    else:
+        k_base = K + b.to(tl.int64) * stride_kb + k_start.to(tl.int64) * stride_ks + hk.to(tl.int64) * stride_kh
+        v_base = V + b.to(tl.int64) * stride_vb + k_start.to(tl.int64) * stride_vs + hk.to(tl.int64) * stride_vh
     q = _load_tile(q_base + tl.arange(0, BLOCK_M)[:, None] * stride_qs + offs_dqk[None, :] * stride_qd,
                    row_ok[:, None], offs_dqk[None, :] < HEAD_DIM_QK, True, BLOCK_DQK != HEAD_DIM_QK)
     q = _upcast(q, DOT_UPCAST)
@@ -302,12 +361,13 @@ def _attn_fwd(
             k_scale = tl.load(k_scale_ptr + (start_n // SCALE_BLK) * stride_ksn) if IS_FP8 else 1.0
             acc, l_i, m_i = _attend_kv_block(
                 acc, l_i, m_i, q, c_row,
-                k_base + tl.cast(start_n, tl.int64) * stride_ks, v_base + tl.cast(start_n, tl.int64) * stride_vs,
+                _block_start(k_base, start_n, stride_ks, PAGE_SIZE), _block_start(v_base, start_n, stride_vs, PAGE_SIZE),
                 k_scale, start_n, offs_m, offs_n, offs_dqk, offs_dv, seqlen_k, causal_offset,
                 stride_ks, stride_kd, stride_vs, stride_vd,
                 HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV,
                 True, CAUSAL, IS_FP8, DOT_UPCAST, EXACT_FP8_ROUND, P_SHIFT,
-                lo_offset, cap_shift, cap_log2, two_over_cap, True, HAS_SOFTCAP)
+                lo_offset, cap_shift, cap_log2, two_over_cap, True, HAS_SOFTCAP,
+                pages, stride_ptn, stride_kb, stride_vb, PAGE_SIZE)
         n_begin = n_mid
         n_full = tl.maximum(n_full, n_mid)  # the masked loop below starts past the first one
 
@@ -315,22 +375,24 @@ def _attn_fwd(
         k_scale = tl.load(k_scale_ptr + (start_n // SCALE_BLK) * stride_ksn) if IS_FP8 else 1.0
         acc, l_i, m_i = _attend_kv_block(
             acc, l_i, m_i, q, c_row,
-            k_base + tl.cast(start_n, tl.int64) * stride_ks, v_base + tl.cast(start_n, tl.int64) * stride_vs, k_scale,
-            start_n, offs_m, offs_n, offs_dqk, offs_dv, seqlen_k, causal_offset,
+            _block_start(k_base, start_n, stride_ks, PAGE_SIZE), _block_start(v_base, start_n, stride_vs, PAGE_SIZE),
+            k_scale, start_n, offs_m, offs_n, offs_dqk, offs_dv, seqlen_k, causal_offset,
             stride_ks, stride_kd, stride_vs, stride_vd,
             HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV,
             False, CAUSAL, IS_FP8, DOT_UPCAST, EXACT_FP8_ROUND, P_SHIFT,
-            lo_offset, cap_shift, cap_log2, two_over_cap, False, HAS_SOFTCAP)
+            lo_offset, cap_shift, cap_log2, two_over_cap, False, HAS_SOFTCAP,
+            pages, stride_ptn, stride_kb, stride_vb, PAGE_SIZE)
     for start_n in range(n_full, n_end, BLOCK_N):
         k_scale = tl.load(k_scale_ptr + (start_n // SCALE_BLK) * stride_ksn) if IS_FP8 else 1.0
         acc, l_i, m_i = _attend_kv_block(
             acc, l_i, m_i, q, c_row,
-            k_base + tl.cast(start_n, tl.int64) * stride_ks, v_base + tl.cast(start_n, tl.int64) * stride_vs, k_scale,
-            start_n, offs_m, offs_n, offs_dqk, offs_dv, seqlen_k, causal_offset,
+            _block_start(k_base, start_n, stride_ks, PAGE_SIZE), _block_start(v_base, start_n, stride_vs, PAGE_SIZE),
+            k_scale, start_n, offs_m, offs_n, offs_dqk, offs_dv, seqlen_k, causal_offset,
             stride_ks, stride_kd, stride_vs, stride_vd,
             HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV,
             True, CAUSAL, IS_FP8, DOT_UPCAST, EXACT_FP8_ROUND, P_SHIFT,
-            lo_offset, cap_shift, cap_log2, two_over_cap, HAS_WINDOW_LEFT, HAS_SOFTCAP)
+            lo_offset, cap_shift, cap_log2, two_over_cap, HAS_WINDOW_LEFT, HAS_SOFTCAP,
+            pages, stride_ptn, stride_kb, stride_vb, PAGE_SIZE)
     if SINK > 0:
         # BF16 sink keys, last: the FP8 blocks' P was scaled by their own running max (as if
         # the sink were a separate call), and the online softmax merges the two exactly
@@ -406,7 +468,7 @@ def _prune_configs(configs, named_args, **kwargs):
 _attn_fwd_tuned = triton.autotune(
     configs=_configs(),
     key=["HEAD_DIM_QK", "HEAD_DIM_V", "IS_FP8", "CAUSAL", "VARLEN", "group", "seq_bucket", "RETURN_LSE", "SINK",
-         "HAS_WINDOW_LEFT", "HAS_WINDOW_RIGHT", "HAS_SOFTCAP"],
+         "HAS_WINDOW_LEFT", "HAS_WINDOW_RIGHT", "HAS_SOFTCAP", "PAGE_SIZE", "KV_PER_SEQ"],
     prune_configs_by={"early_config_prune": _prune_configs},
 )(_attn_fwd)
 
@@ -451,7 +513,7 @@ def _launch(problem, out, lse):
     km = k_mean if k_mean is not None else q_scale
     km_strides = k_mean.stride() if k_mean is not None else (0, 0, 0)
     cu_q = p.cu_seqlens_q if p.varlen else q_scale
-    cu_k = p.cu_seqlens_k if p.varlen else q_scale
+    cu_k = p.cu_seqlens_k if p.cu_seqlens_k is not None else q_scale
     sink = p.sink_keys > 0
     sq, sk, sv = (p.sink_q, p.sink_k, p.sink_v) if sink else (q, k, v)
     sink_strides = [*_strides4(sq, p.varlen), *_strides4(sk, p.varlen), *_strides4(sv, p.varlen)] if sink else [0] * 12
@@ -474,6 +536,17 @@ def _launch(problem, out, lse):
         args.update(CAUSAL=True, HAS_WINDOW_RIGHT=True)
     if p.softcap > 0:
         args["HAS_SOFTCAP"] = True
+    # paged K/V and packed queries over per-sequence K/V: switched on only where a call has them, as above
+    if p.paged:
+        args["PAGE_SIZE"] = p.page_size
+    if p.kv_per_sequence:
+        args["KV_PER_SEQ"] = True
+    if p.cu_seqlens_k is not None:
+        seqlen_k_dense = 0
+    else:  # a dense key slot per sequence: the tensor's, or the page table row's capacity
+        seqlen_k_dense = p.page_table.shape[1] * p.page_size if p.paged else k.shape[1]
+    pt = p.page_table if p.paged else cu_q
+    pt_strides = p.page_table.stride() if p.paged else (0, 0)
     if interp:
         kernel = _attn_fwd
         args.update(INTERPRETER_TILE)
@@ -488,12 +561,12 @@ def _launch(problem, out, lse):
 
     kernel[grid](
         q, k, v, out, lse if lse is not None else out, q_scale, k_scale, p.v_scale, km, cu_q, cu_k, sq, sk, sv,
-        p.seqused_q if p.seqused_q is not None else cu_q, p.seqused_k if p.seqused_k is not None else cu_k,
+        p.seqused_q if p.seqused_q is not None else cu_q, p.seqused_k if p.seqused_k is not None else cu_k, pt,
         p.softmax_scale * LOG2E, p.softmax_scale,
-        p.max_seqlen_q if not p.varlen else 0, k.shape[1] if not p.varlen else 0, p.heads,
+        p.max_seqlen_q if not p.varlen else 0, seqlen_k_dense, p.heads,
         p.heads // p.kv_heads, min(triton.next_power_of_2(p.max_seqlen_q), 1 << 15),
         max(p.window_left, 0), max(p.window_right, 0), float(p.softcap),
-        *_strides4(q, p.varlen), *_strides4(k, p.varlen), *_strides4(v, p.varlen), *_strides4(out, p.varlen),
-        *lse_strides, *qs_strides, *ks_strides, *p.v_scale.stride(), *km_strides, *sink_strides,
+        *_strides4(q, p.varlen), *_strides4(k, k.dim() == 3), *_strides4(v, v.dim() == 3), *_strides4(out, p.varlen),
+        *lse_strides, *qs_strides, *ks_strides, *p.v_scale.stride(), *km_strides, *sink_strides, *pt_strides,
         **args,
     )
