@@ -174,7 +174,8 @@ def _build_problem(q, k, v, *, varlen, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         if used is not None and cu is not None and used.device.type == "cpu":
             slot = cu[1:] - cu[:-1]
         _check_seqused(name, used, batch, slot, dev)
-    if paged and page_table.device.type == "cpu":  # the pages each sequence reads (values: CPU tensors only)
+    if paged and page_table.device.type == "cpu" and not torch.compiler.is_compiling():
+        # the pages each sequence reads (values: CPU tensors only, as cu_seqlens)
         lengths = torch.full((batch,), capacity) if cu_seqlens_k is None else (cu_seqlens_k[1:] - cu_seqlens_k[:-1])
         if seqused_k is not None:
             lengths = torch.minimum(lengths.long(), seqused_k.long())

@@ -29,6 +29,15 @@ outside the band are never loaded. Rows whose window holds no key are 0 with LSE
 that sees no key. ``softcap`` (HAS_SOFTCAP): scores ``s`` (``softmax_scale * q.k``, the true K's
 when K was smoothed) become ``softcap * tanh(s / softcap)`` before the softmax. All three switches
 are constexprs, off by default: the kernels without them compile as before.
+
+Paged K/V (PAGE_SIZE > 0): K and V are caches ``(num_pages, PAGE_SIZE, Hkv, D)`` and key position ``n`` of
+sequence ``b`` is row ``n % PAGE_SIZE`` of page ``PT[b, n // PAGE_SIZE]``. Page sizes divide the key tile or are
+multiples of it (:data:`leanfa.problem.PAGE_SIZES`): a tile inside one page reads one page id and contiguous rows,
+a tile over several pages one id per key (:func:`_paged_rows`); the key loop, masks and scales are those of a
+contiguous call (key positions are logical), so a paged call gives the contiguous call's bits. A sequence's key
+slot is the table row's capacity (``seqlen_k_dense``), or its ``cu_seqlens_k`` length, cut by ``seqused_k``.
+KV_PER_SEQ: packed queries (VARLEN) over K/V indexed per sequence (a dense ``(B, S_cache)`` cache, or pages)
+rather than packed by ``cu_seqlens_k``. Both constexprs are off by default, as above.
 """
 
 from __future__ import annotations
@@ -102,18 +111,17 @@ def _block_start(base, start_n, stride_s, PAGE_SIZE: tl.constexpr):
 
 
 @triton.jit
-def _paged_rows(pages, stride_pn, start_n, offs_n, key_ok, stride_kp, stride_ks, stride_vp, stride_vs,
-                PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr):
-    """Element offsets (int64) of a key block's rows in the paged K and V caches: key ``n`` is row
-    ``n % PAGE_SIZE`` of page ``pages[n // PAGE_SIZE]`` (entries ``stride_pn`` apart). A block inside one page (PAGE_SIZE a multiple of the
-    block: blocks start at multiples of their size) reads one page id and contiguous rows; a block of several
+def _paged_rows(pages, stride_pn, start_n, offs_n, key_ok, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr):
+    """Where a key block lies in a paged cache: ``(page, row)`` with key ``n`` at row ``n % PAGE_SIZE`` of page
+    ``pages[n // PAGE_SIZE]`` (table entries ``stride_pn`` apart); a cache's element offset is
+    ``page * page_stride + row * row_stride``. A block inside one page (PAGE_SIZE a multiple of the block: blocks
+    start at multiples of their size) reads one page id (a scalar page, contiguous rows); a block of several
     pages gathers one id per key (keys past the sequence read id 0: their loads are masked). Block starts lie
     below the sequence's length, so the ids read are the sequence's own."""
     BLOCK_N: tl.constexpr = offs_n.shape[0]
     if PAGE_SIZE >= BLOCK_N:
         page = tl.load(pages + (start_n // PAGE_SIZE) * stride_pn).to(tl.int64)
         rows = (start_n % PAGE_SIZE) + offs_n
-        return page * stride_kp + rows * stride_ks, page * stride_vp + rows * stride_vs
     else:
         cols = start_n + offs_n
         if MASKED:
@@ -121,7 +129,7 @@ def _paged_rows(pages, stride_pn, start_n, offs_n, key_ok, stride_kp, stride_ks,
         else:
             page = tl.load(pages + (cols // PAGE_SIZE) * stride_pn).to(tl.int64)
         rows = cols % PAGE_SIZE
-        return page * stride_kp + rows * stride_ks, page * stride_vp + rows * stride_vs
+    return page, rows
 
 
 @triton.jit
@@ -149,9 +157,8 @@ def _attend_kv_block(
     cols = start_n + offs_n
     key_ok = cols < seqlen_k
     if PAGE_SIZE > 0:
-        k_rows, v_rows = _paged_rows(pages, stride_pn, start_n, offs_n, key_ok, stride_kp, stride_ks, stride_vp, stride_vs,
-                                     PAGE_SIZE, MASKED)
-        kt = _load_tile(k_blk + k_rows[None, :] + offs_dqk[:, None] * stride_kd,
+        page, rows = _paged_rows(pages, stride_pn, start_n, offs_n, key_ok, PAGE_SIZE, MASKED)
+        kt = _load_tile(k_blk + (page * stride_kp + rows * stride_ks)[None, :] + offs_dqk[:, None] * stride_kd,
                         key_ok[None, :], offs_dqk[:, None] < HEAD_DIM_QK,
                         MASKED, BLOCK_DQK != HEAD_DIM_QK)
     else:
@@ -172,7 +179,7 @@ def _attend_kv_block(
         s = tl.where(visible, s, NEG_INF)
     p, acc, l_i, m_new = _softmax_step(s, c, acc, l_i, m_i, P_SHIFT)
     if PAGE_SIZE > 0:
-        v = _load_tile(v_blk + v_rows[:, None] + offs_dv[None, :] * stride_vd,
+        v = _load_tile(v_blk + (page * stride_vp + rows * stride_vs)[:, None] + offs_dv[None, :] * stride_vd,
                        key_ok[:, None], offs_dv[None, :] < HEAD_DIM_V,
                        MASKED, BLOCK_DV != HEAD_DIM_V)
     else:
