@@ -379,3 +379,30 @@ def test_gpu_window_paged_dense_q(device):
                                            return_softmax_lse=True)[:2]
     ref, ref_lse = attention_ref(q, kc, vc, page_table=table, seqlens_k=used, **kw)
     _check(out, lse, ref, ref_lse, BF16)
+
+
+@pytest.mark.gpu
+def test_gpu_dispatch_paged_runs_portable(device, monkeypatch):
+    """On the GPU a paged call asks the real Hopper ``supports`` (on sm90 it accepts the layout) and runs on the
+    portable kernel; on sm90 with one warning naming paged K/V."""
+    from leanfa import api
+    from leanfa.kernels import dispatch
+
+    monkeypatch.setattr(dispatch, "_WARNED", set())
+    gen = torch.Generator().manual_seed(12)
+    ks, vs = _seqs([300, 200], 2, 128, gen)
+    kc, vc, table = _paged(ks, vs, 64, BF16, device, gen)
+    q = torch.randn((2, 128, 8, 128), generator=gen).to(BF16).to(device)
+    used = torch.tensor([300, 200], dtype=I32, device=device)
+    problem = api._build_problem(q, kc, vc, varlen=False, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                                 max_seqlen_k=None, softmax_scale=None, causal=True, q_descale=None, k_descale=None,
+                                 v_descale=None, k_mean=None, return_lse=False, out_dtype=None, seqused_k=used,
+                                 page_table=table)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert dispatch.choose(problem, "auto").kernel == "portable"
+    if torch.cuda.get_device_capability() == (9, 0):
+        assert any("paged K/V" in str(w.message) for w in seen)
+    out = leanfa.flash_attn_func(q, kc, vc, causal=True, page_table=table, seqused_k=used)
+    ref = attention_ref(q, kc, vc, causal=True, page_table=table, seqlens_k=used)
+    assert rel_l2(out, ref) < TOL[BF16]

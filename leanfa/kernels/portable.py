@@ -232,7 +232,7 @@ def _attend_sink_block(
 # the autotuner's key.
 @triton.jit(do_not_specialize=["num_heads", "group", "seq_bucket", "window_left", "window_right"])
 def _attn_fwd(
-    Q, K, V, O, LSE, QS, KS, VS, KMEAN, CU_Q, CU_K, SQ, SK, SV, USED_Q, USED_K, PT,
+    Q, K, V, O, LSE, QS, KS, VS, KMEAN, CU_Q, CU_K, SQ, SK, SV, USED_Q, USED_K,
     qk_scale, sm_scale, seqlen_q_dense, seqlen_k_dense, num_heads, group, seq_bucket,
     window_left, window_right, softcap,
     stride_qb, stride_qs, stride_qh, stride_qd,
@@ -247,7 +247,7 @@ def _attn_fwd(
     stride_sqb, stride_sqs, stride_sqh, stride_sqd,
     stride_skb, stride_sks, stride_skh, stride_skd,
     stride_svb, stride_svs, stride_svh, stride_svd,
-    stride_ptb, stride_ptn,
+    PT, stride_ptb, stride_ptn,  # paged K/V's page table; None without paging (no kernel parameters then)
     HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
@@ -291,9 +291,10 @@ def _attn_fwd(
 
     # 64-bit base offsets: B * S * H * D can exceed 2^31 at long context
     q_base = Q + b.to(tl.int64) * stride_qb + (q_start + start_m).to(tl.int64) * stride_qs + h.to(tl.int64) * stride_qh
-    pages = PT + b.to(tl.int64) * stride_ptb  # paged K/V: this sequence's row of the page table
+    pages = PT  # (None without paging)
     if PAGE_SIZE > 0:  # the caches' head; stride_kb/stride_vb are the page strides
         tl.static_assert(SINK == 0, "BF16 sink keys are not read from paged K/V")
+        pages = PT + b.to(tl.int64) * stride_ptb  # this sequence's row of the page table
         k_base = K + hk.to(tl.int64) * stride_kh
         v_base = V + hk.to(tl.int64) * stride_vh
     else:
@@ -552,8 +553,10 @@ def _launch(problem, out, lse):
         seqlen_k_dense = 0
     else:  # a dense key slot per sequence: the tensor's, or the page table row's capacity
         seqlen_k_dense = p.page_table.shape[1] * p.page_size if p.paged else k.shape[1]
-    pt = p.page_table if p.paged else cu_q
-    pt_strides = p.page_table.stride() if p.paged else (0, 0)
+    # the page table and its strides; None without paging: Triton makes None arguments constexprs, so the kernels
+    # without paging keep their parameter list and compile to the same TTGIR as before paging existed
+    pt = p.page_table if p.paged else None
+    pt_strides = p.page_table.stride() if p.paged else (None, None)
     if interp:
         kernel = _attn_fwd
         args.update(INTERPRETER_TILE)
@@ -568,12 +571,12 @@ def _launch(problem, out, lse):
 
     kernel[grid](
         q, k, v, out, lse if lse is not None else out, q_scale, k_scale, p.v_scale, km, cu_q, cu_k, sq, sk, sv,
-        p.seqused_q if p.seqused_q is not None else cu_q, p.seqused_k if p.seqused_k is not None else cu_k, pt,
+        p.seqused_q if p.seqused_q is not None else cu_q, p.seqused_k if p.seqused_k is not None else cu_k,
         p.softmax_scale * LOG2E, p.softmax_scale,
         p.max_seqlen_q if not p.varlen else 0, seqlen_k_dense, p.heads,
         p.heads // p.kv_heads, min(triton.next_power_of_2(p.max_seqlen_q), 1 << 15),
         max(p.window_left, 0), max(p.window_right, 0), float(p.softcap),
         *_strides4(q, p.varlen), *_strides4(k, k.dim() == 3), *_strides4(v, v.dim() == 3), *_strides4(out, p.varlen),
-        *lse_strides, *qs_strides, *ks_strides, *p.v_scale.stride(), *km_strides, *sink_strides, *pt_strides,
+        *lse_strides, *qs_strides, *ks_strides, *p.v_scale.stride(), *km_strides, *sink_strides, pt, *pt_strides,
         **args,
     )

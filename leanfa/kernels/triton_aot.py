@@ -196,7 +196,10 @@ def compile_all(target=GPUTarget("cuda", 90, 32), limit=None, verbose=True, quic
         if limit is not None and i >= limit:
             break
         c = {"HAS_USED_Q": False, "HAS_USED_K": False, "HAS_WINDOW_LEFT": False, "HAS_WINDOW_RIGHT": False,
-             "HAS_SOFTCAP": False, "PAGE_SIZE": 0, "KV_PER_SEQ": False, **c, **_unit_strides(elem),
+             "HAS_SOFTCAP": False, "PAGE_SIZE": 0, "KV_PER_SEQ": False,
+             # without paging the launch passes the page table and its strides as None (constexprs)
+             **({} if c.get("PAGE_SIZE") else {"PT": None, "stride_ptb": None, "stride_ptn": None}),
+             **c, **_unit_strides(elem),
              **({"stride_sqd": 1, "stride_skd": 1, "stride_svd": 1} if c["SINK"] else {})}
         # the largest tile the autotuner may pick for this head-dim class (portable._configs):
         # 128x128, 3 stages up to d128; 128x64, 2 stages above
