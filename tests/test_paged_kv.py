@@ -156,6 +156,40 @@ def test_window_and_softcap_compose_with_paging(device, window, causal, softcap)
     assert torch.equal(out, want) and torch.equal(lse, want_lse)
 
 
+@pytest.mark.parametrize("dtype", [BF16, FP8])
+def test_model_like_inputs(device, dtype):
+    """Model-like activations (qwen2.5-7b preset: K bias, outlier channels, an attention sink) in a chunked
+    prefill over 64-key pages; FP8 caches quantized per (sequence, KV head) with FA3-style descales."""
+    from leanfa.activations import make_qkv
+
+    if dtype == FP8 and device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs sm89+")
+    q, k, v = make_qkv("qwen2.5-7b", 2, 48, heads=4, kv_heads=1, seqlen_k=160, seed=3)
+    lens = [160, 121]
+    desc = {}
+    if dtype == FP8:  # per (sequence, head) scales: q_descale (B, Hq), k/v_descale (B, Hkv)
+        def quant(x):
+            d = x.float().abs().amax(dim=(1, 3)).clamp(min=1e-6) / 448.0
+            return (x.float() / d[:, None, :, None]).to(FP8), d
+
+        (q, qd), (k, kd), (v, vd) = quant(q), quant(k), quant(v)
+        desc = dict(q_descale=qd, k_descale=kd, v_descale=vd)
+    ks = [k[b, :n].float() for b, n in enumerate(lens)]
+    vs = [v[b, :n].float() for b, n in enumerate(lens)]
+    gen = torch.Generator().manual_seed(13)
+    kc, vc, table = _paged(ks, vs, 64, dtype, device, gen)
+    q = q.to(device)
+    desc = {n: t.to(device) for n, t in desc.items()}
+    used = torch.tensor(lens, dtype=I32, device=device)
+    out, lse = leanfa.flash_attn_func(q, kc, vc, causal=True, return_lse=True, page_table=table, seqused_k=used,
+                                      **desc)
+    ref, ref_lse = attention_ref(q, kc, vc, causal=True, return_lse=True, page_table=table, seqlens_k=used, **desc)
+    _check(out, lse, ref, ref_lse, dtype)
+    want, want_lse = leanfa.flash_attn_func(q, _dense(ks, dtype, device), _dense(vs, dtype, device), causal=True,
+                                            return_lse=True, seqused_k=used, backend="portable", **desc)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+
+
 # ----------------------------------------------------------------------------- packed q (varlen)
 
 @pytest.mark.parametrize("lengths_from", ["cu_seqlens_k", "seqused_k"])
