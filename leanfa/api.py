@@ -271,8 +271,9 @@ def flash_attn_func(
             position ``n`` of batch entry ``b`` is row ``n % page_size`` of page ``page_table[b, n // page_size]``.
             Each entry has ``max_pages_per_seq * page_size`` keys, or ``seqused_k[b]`` (the cache lengths, FA3's
             ``cache_seqlens``); ``Sq`` may be smaller (chunked prefill: the causal mask is bottom-right aligned, so
-            the queries are the last ``Sq`` positions). ``page_size`` is one of
-            :data:`leanfa.problem.PAGE_SIZES` (16-256, powers of two; else ``ValueError``); the page ids a call reads
+            the queries are the last ``Sq`` positions). ``page_size`` divides each key tile of the kernel (32, 64,
+            128 keys) or is a multiple of it: 1, 2, 4, 8, 16, 32, 64, or a multiple of 128 (else ``ValueError``;
+            :func:`leanfa.problem.page_size_supported`); the page ids a call reads
             must lie in ``[0, num_pages)``, checked on CPU tensors only (a check on GPU values would synchronize).
             Any page order; windows, softcap, FP8 with descales compose with it. Runs on the portable kernel (one
             warning where the Hopper kernel would have run).

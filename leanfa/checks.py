@@ -15,7 +15,7 @@ import os
 import torch
 
 from .kernels.device import capability
-from .problem import PAGE_SIZES
+from .problem import KEY_TILES, page_size_supported
 
 
 def interpreter_enabled() -> bool:
@@ -96,7 +96,7 @@ def check_seqused(name: str, used, batch: int, slot_lengths, device) -> None:
 
 def check_page_table(page_table, batch: int, k: torch.Tensor, v: torch.Tensor, device) -> int:
     """A paged K/V cache: ``k``/``v`` ``(num_pages, page_size, Hkv, D)`` with ``page_size`` in
-    :data:`leanfa.problem.PAGE_SIZES`, ``page_table`` int32 ``(batch, max_pages_per_seq)`` on ``device``. Returns the
+    :func:`leanfa.problem.page_size_supported` (1, 2, 4, 8, 16, 32, 64 or a multiple of 128), ``page_table`` int32 ``(batch, max_pages_per_seq)`` on ``device``. Returns the
     capacity of a sequence, ``max_pages_per_seq * page_size`` keys. Page ids are checked to lie in
     ``[0, num_pages)`` on CPU tensors only: on the GPU that check would synchronize, so the caller guarantees them
     (an id out of range reads outside the cache)."""
@@ -117,9 +117,10 @@ def check_page_table(page_table, batch: int, k: torch.Tensor, v: torch.Tensor, d
         raise ValueError(f"the paged k and v caches must have the same (num_pages, page_size), got "
                          f"{tuple(k.shape[:2])} and {tuple(v.shape[:2])}")
     page_size = k.shape[1]
-    if page_size not in PAGE_SIZES:
-        raise ValueError(f"page size {page_size} (k.shape[1] of a paged cache) is not supported; supported page sizes: "
-                         + ", ".join(map(str, PAGE_SIZES)))
+    if not page_size_supported(page_size):
+        raise ValueError(f"page size {page_size} (k.shape[1] of a paged cache) is not supported: a page size must "
+                         f"divide each key tile of the kernel ({', '.join(map(str, KEY_TILES))} keys) or be a multiple "
+                         f"of it (1, 2, 4, 8, 16, 32, 64, or a multiple of 128)")
     return page_table.shape[1] * page_size
 
 

@@ -20,7 +20,7 @@ Swap ``from flash_attn_interface import flash_attn_func`` for
   Hopper kernel would have run);
 * paged K/V and KV caches (prefill, chunked prefill): :func:`flash_attn_with_kvcache` with
   ``cache_seqlens`` (int or int32 ``(B,)``), ``page_table`` (int32 ``(B, max_pages)`` over caches
-  ``(num_pages, page_size, Hkv, D)``, ``page_size`` 16, 32, 64, 128 or 256; else ``ValueError``) or a
+  ``(num_pages, page_size, Hkv, D)``, ``page_size`` 1, 2, 4, 8, 16, 32, 64 or a multiple of 128; else ``ValueError``) or a
   dense ``(B, S_cache, Hkv, D)`` cache, ``q`` dense or packed (``cu_seqlens_q``/``max_seqlen_q``),
   ``Sq < Sk`` causal bottom-right aligned, GQA, FP8 caches with ``(B, Hkv)`` descales, windows and
   ``softcap``; and vLLM's ``block_table=`` on :func:`flash_attn_varlen_func` (``k``/``v`` the paged

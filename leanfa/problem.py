@@ -14,9 +14,16 @@ import torch
 FP8_DTYPE = torch.float8_e4m3fn
 #: V is stored transposed with its token axis padded to this many elements (16-byte rows)
 V_TOKEN_ALIGN = 16
-#: page sizes (keys per page) a paged K/V cache may have: each divides every key tile of the kernels (32, 64,
-#: 128 keys) or is a multiple of it, so a key tile spans whole pages or lies inside one
-PAGE_SIZES = (16, 32, 64, 128, 256)
+#: the key tiles (keys per block) of the portable kernel's configurations (``kernels.portable``: autotuned,
+#: fixed small tile, interpreter tile); a paged cache's page size must fit each (:func:`page_size_supported`)
+KEY_TILES = (32, 64, 128)
+
+
+def page_size_supported(page_size: int) -> bool:
+    """Whether a paged K/V cache may have ``page_size`` keys per page: for every key tile of :data:`KEY_TILES` the
+    page size divides the tile (the tile spans whole pages) or is a multiple of it (the tile lies inside one page):
+    1, 2, 4, 8, 16, 32, 64, and multiples of 128."""
+    return page_size >= 1 and all(t % page_size == 0 or page_size % t == 0 for t in KEY_TILES)
 
 
 @dataclass(frozen=True)

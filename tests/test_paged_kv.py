@@ -7,7 +7,7 @@ order: only the addresses differ). The caches are built with their pages in a ra
 should read (unused pages, the tail of a sequence's last page, table entries past a sequence's keys, which
 point at a garbage page) holds a large finite value, so a wrong gather gives a wrong (not NaN) answer. Outputs
 are poisoned with NaN before each launch (conftest). Shapes are small for the CPU interpreter (32x32 tiles
-there: page size 16 gathers two pages per key tile, 32 one, 64-256 read a tile inside one page).
+there: page sizes 1, 4 and 16 gather several pages per key tile, 32 one, 64-256 read a tile inside one page).
 """
 
 import dataclasses
@@ -20,7 +20,7 @@ import torch
 import leanfa
 from leanfa import flash_attn_interface as fa3
 from leanfa.compat import flash_attn as fa2
-from leanfa.problem import PAGE_SIZES, Problem
+from leanfa.problem import KEY_TILES, Problem, page_size_supported
 from leanfa.reference import attention_ref
 
 from helpers import TOL, cu_seqlens, hopper_accepts_everything, rel_l2
@@ -88,7 +88,7 @@ def _check(out, lse, ref, ref_lse, dtype):
 
 # ----------------------------------------------------------------------------- dense q (FA3 kvcache's form)
 
-@pytest.mark.parametrize("page_size", [16, 32, 64, 128, 256])
+@pytest.mark.parametrize("page_size", [1, 4, 16, 32, 64, 128, 256])
 def test_chunked_prefill_dense_q(device, page_size):
     """Dense q, the last ``Sq`` positions of each sequence (chunked prefill, causal bottom-right), GQA, key lengths
     from ``seqused_k`` (FA3's cache_seqlens): equal to the contiguous call and to the reference."""
@@ -192,15 +192,16 @@ def test_model_like_inputs(device, dtype):
 
 # ----------------------------------------------------------------------------- packed q (varlen)
 
+@pytest.mark.parametrize("page_size", [4, 16])
 @pytest.mark.parametrize("lengths_from", ["cu_seqlens_k", "seqused_k"])
-def test_varlen_q_paged(device, lengths_from):
+def test_varlen_q_paged(device, lengths_from, page_size):
     """Packed q with ``cu_seqlens_q``: key lengths from ``cu_seqlens_k`` (flash-attn 2's block_table form) or,
     with ``cu_seqlens_k=None``, from ``seqused_k`` (vLLM's FA3 call). Sequences: a chunk of a longer one, a whole
     prompt (Sq = Sk), one with no query, one shorter than a page."""
     gen = torch.Generator().manual_seed(4)
     lens_q, lens_k, hq, hkv, d = [17, 45, 0, 5], [90, 45, 30, 9], 4, 1, 64
     ks, vs = _seqs(lens_k, hkv, d, gen)
-    kc, vc, table = _paged(ks, vs, 16, BF16, device, gen)
+    kc, vc, table = _paged(ks, vs, page_size, BF16, device, gen)
     q = torch.randn((sum(lens_q), hq, d), generator=gen).to(BF16).to(device)
     cu_q, cu_k = cu_seqlens(lens_q, device), cu_seqlens(lens_k, device)
     if lengths_from == "cu_seqlens_k":
@@ -300,8 +301,11 @@ BAD = [  # (id, call, exception, message)
     ("page size 48", lambda: leanfa.flash_attn_func(Q, torch.zeros(4, 48, 1, 64, dtype=BF16),
                                                     torch.zeros(4, 48, 1, 64, dtype=BF16), page_table=TABLE),
      ValueError, "page size 48"),
-    ("page size 8", lambda: leanfa.flash_attn_func(Q, KC[:, :8], KC[:, :8], page_table=TABLE), ValueError,
-     "page size 8"),
+    ("page size 96", lambda: leanfa.flash_attn_func(Q, torch.zeros(2, 96, 1, 64, dtype=BF16),
+                                                    torch.zeros(2, 96, 1, 64, dtype=BF16), page_table=TABLE),
+     ValueError, "page size 96"),
+    ("page size 3", lambda: leanfa.flash_attn_func(Q, KC[:, :3], KC[:, :3], page_table=TABLE), ValueError,
+     "page size 3"),
     ("k not paged", lambda: leanfa.flash_attn_varlen_func(Q[0], KC[0], KC[0], torch.tensor([0, 8], dtype=I32),
                                                           torch.tensor([0, 8], dtype=I32), 8, 8, page_table=TABLE),
      ValueError, "paged cache"),
@@ -342,13 +346,17 @@ def test_bad_input(call, exc, msg):
 
 
 def test_page_sizes_table():
-    """The accepted page sizes divide every key tile of the portable kernel or are multiples of it."""
+    """The accepted page sizes: each divides every key tile of the portable kernel (:data:`KEY_TILES`, which must
+    hold every tile it launches) or is a multiple of it."""
     from leanfa.kernels import portable
 
     tiles = {c.kwargs["BLOCK_N"] for c in portable._configs()} | {portable.INTERPRETER_TILE["BLOCK_N"],
                                                                    portable.SMALL_TILE["BLOCK_N"]}
-    for p in PAGE_SIZES:
-        assert all(t % p == 0 or p % t == 0 for t in tiles), (p, tiles)
+    assert tiles <= set(KEY_TILES)
+    ok = [p for p in range(1, 1100) if page_size_supported(p)]
+    assert ok == [1, 2, 4, 8, 16, 32, 64, *range(128, 1100, 128)]
+    for p in ok:
+        assert all(t % p == 0 or p % t == 0 for t in tiles)
 
 
 def test_hopper_dispatch_refuses_paged_with_one_warning(monkeypatch):
@@ -376,7 +384,7 @@ def test_hopper_dispatch_refuses_paged_with_one_warning(monkeypatch):
 # ----------------------------------------------------------------------------- GPU sizes
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("page_size", [16, 64, 128, 256])
+@pytest.mark.parametrize("page_size", [1, 16, 64, 128, 256])
 @pytest.mark.parametrize("dtype", [BF16, FP8])
 def test_gpu_chunked_prefill(device, page_size, dtype):
     """A serving-sized chunked prefill batch on the GPU: packed q chunks over paged caches (vLLM's call), against

@@ -20,8 +20,8 @@ Hopper kernel would have run): ``block_table=`` (int32 ``(B, max_pages)``) on
 :func:`flash_attn_varlen_func`, ``k``/``v`` then the paged caches ``(num_pages, page_size, Hkv, D)``
 and ``cu_seqlens_k`` the key counts; :func:`flash_attn_with_kvcache` with ``cache_seqlens`` (int or
 int32 ``(B,)``) over a dense ``(B, S_cache, Hkv, D)`` cache or, with ``block_table``, a paged one,
-returning ``out`` or ``(out, softmax_lse)`` with ``return_softmax_lse``. ``page_size`` is 16, 32,
-64, 128 or 256 (else ``ValueError``); ``Sq < Sk`` causal is bottom-right aligned; GQA, windows and
+returning ``out`` or ``(out, softmax_lse)`` with ``return_softmax_lse``. ``page_size`` is 1, 2, 4,
+8, 16, 32, 64 or a multiple of 128 (else ``ValueError``); ``Sq < Sk`` causal is bottom-right aligned; GQA, windows and
 ``softcap`` compose with paging. The page ids a call reads must lie in ``[0, num_pages)``: checked
 on CPU tensors only (a check of GPU values would synchronize).
 

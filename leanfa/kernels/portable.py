@@ -32,7 +32,7 @@ are constexprs, off by default: the kernels without them compile as before.
 
 Paged K/V (PAGE_SIZE > 0): K and V are caches ``(num_pages, PAGE_SIZE, Hkv, D)`` and key position ``n`` of
 sequence ``b`` is row ``n % PAGE_SIZE`` of page ``PT[b, n // PAGE_SIZE]``. Page sizes divide the key tile or are
-multiples of it (:data:`leanfa.problem.PAGE_SIZES`): a tile inside one page reads one page id and contiguous rows,
+multiples of it (:func:`leanfa.problem.page_size_supported`): a tile inside one page reads one page id and contiguous rows,
 a tile over several pages one id per key (:func:`_paged_rows`); the key loop, masks and scales are those of a
 contiguous call (key positions are logical), so a paged call gives the contiguous call's bits. A sequence's key
 slot is the table row's capacity (``seqlen_k_dense``), or its ``cu_seqlens_k`` length, cut by ``seqused_k``.
