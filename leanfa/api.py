@@ -15,6 +15,8 @@ import torch
 
 from . import scales
 from .checks import check_cu_seqlens as _check_cu_seqlens
+from .checks import check_page_ids as _check_page_ids
+from .checks import check_page_table as _check_page_table
 from .checks import check_device, check_fp8_device, interpreter_enabled  # noqa: F401 (re-exported)
 from .checks import check_seqused as _check_seqused
 from .checks import check_window_softcap as _check_window_softcap
@@ -29,13 +31,18 @@ HEAD_DIMS = ((64, 64), (128, 128), (192, 128), (256, 256))
 BACKENDS = ("auto", "portable", "hopper")
 
 
-def _check_inputs(q, k, v, ranks: int) -> None:
+def _check_inputs(q, k, v, ranks: int, kv_ranks: int | None = None, kv_layout: str = "") -> None:
+    """``q`` of rank ``ranks``, ``k``/``v`` of rank ``kv_ranks`` (default ``ranks``; ``kv_layout`` names it)."""
+    kv_ranks = ranks if kv_ranks is None else kv_ranks
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != ranks:
-            layout = "(batch, seqlen, heads, head_dim)" if ranks == 4 else "(total_tokens, heads, head_dim)"
-            raise ValueError(f"{name} must have rank {ranks} {layout}, got shape {tuple(t.shape)}")
+        rank = ranks if name == "q" else kv_ranks
+        if t.dim() != rank:
+            layout = "(batch, seqlen, heads, head_dim)" if rank == 4 else "(total_tokens, heads, head_dim)"
+            if name != "q" and kv_layout:
+                layout = kv_layout
+            raise ValueError(f"{name} must have rank {rank} {layout}, got shape {tuple(t.shape)}")
         if t.dtype not in INPUT_DTYPES:
             raise TypeError(
                 f"{name} has dtype {t.dtype}; expected torch.bfloat16, torch.float16 or torch.float8_e4m3fn"
@@ -145,8 +152,14 @@ def _normalize_window(causal: bool, left: int, right: int, max_seqlen_q: int, ma
 def _build_problem(q, k, v, *, varlen, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                    softmax_scale, causal, q_descale, k_descale, v_descale, k_mean,
                    return_lse, out_dtype, seqused_q=None, seqused_k=None, window_size=(-1, -1),
-                   softcap=0.0, cu_seqlens_v=None, scheduler_metadata=None) -> Problem:
-    _check_inputs(q, k, v, 3 if varlen else 4)
+                   softcap=0.0, page_table=None, cu_seqlens_v=None, scheduler_metadata=None) -> Problem:
+    paged = page_table is not None
+    # K/V indexed per sequence: packed queries without cu_seqlens_k (a dense (B, Sk) cache, or pages)
+    kv_per_sequence = varlen and cu_seqlens_k is None
+    kv_4d = paged or kv_per_sequence or not varlen
+    kv_layout = ("(num_pages, page_size, heads, head_dim) (a paged cache)" if paged
+                 else "(batch, seqlen, heads, head_dim) (cu_seqlens_k is None)" if kv_per_sequence else "")
+    _check_inputs(q, k, v, 3 if varlen else 4, 4 if kv_4d else 3, kv_layout)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     left, right, softcap = _check_window_softcap(window_size, softcap)
@@ -155,34 +168,55 @@ def _build_problem(q, k, v, *, varlen, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     _check_half_descales(q.dtype, q_descale, k_descale, v_descale)
     heads, kv_heads = q.shape[-2], k.shape[-2]
     dqk, dv = q.shape[-1], v.shape[-1]
+    dev = q.device
     if varlen:
         _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q, q.device)
-        _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", max_seqlen_k, q.device)
-        if cu_seqlens_q.numel() != cu_seqlens_k.numel():
-            raise ValueError(
-                f"cu_seqlens_q and cu_seqlens_k must have the same length (batch+1), got "
-                f"{cu_seqlens_q.numel()} and {cu_seqlens_k.numel()}"
-            )
         batch = cu_seqlens_q.numel() - 1
-        _check_v_tokens(q, k, v, batch, cu_seqlens_v)
+        if cu_seqlens_k is not None:
+            _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, None if paged else k.shape[0], "max_seqlen_k",
+                              max_seqlen_k, q.device)
+            if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+                raise ValueError(
+                    f"cu_seqlens_q and cu_seqlens_k must have the same length (batch+1), got "
+                    f"{cu_seqlens_q.numel()} and {cu_seqlens_k.numel()}"
+                )
+            if not paged:
+                _check_v_tokens(q, k, v, batch, cu_seqlens_v)
+        packed_kv = cu_seqlens_k is not None and not paged
+        if cu_seqlens_v is not None and not packed_kv:
+            raise ValueError("cu_seqlens_v describes a packed FP8 V (quantize_fp8 of a packed batch): not with a page "
+                             "table or per-sequence K/V")
         if scheduler_metadata is not None:
+            if not packed_kv:
+                raise ValueError("scheduler_metadata is for packed K/V (cu_seqlens_k, no page table)")
             _check_schedule(scheduler_metadata, q, batch, max_seqlen_k)
     else:
         if cu_seqlens_v is not None or scheduler_metadata is not None:
             raise ValueError("cu_seqlens_v and scheduler_metadata are for packed (varlen) calls: pass a packed FP8QKV "
                              "to flash_attn_varlen_func")
         batch, max_seqlen_q = q.shape[0], q.shape[1]
-        max_seqlen_k = k.shape[1]
+    capacity = None  # the key slot of a sequence whose keys are not packed by cu_seqlens_k
+    if paged:
+        capacity = _check_page_table(page_table, batch, k, v, dev)
+    elif not varlen or kv_per_sequence:
         if k.shape[0] != batch or v.shape[0] != batch:
-            raise ValueError(f"q, k, v must share the batch size, got {q.shape[0]}, {k.shape[0]}, {v.shape[0]}")
+            raise ValueError(f"q, k, v must share the batch size, got {batch}, {k.shape[0]}, {v.shape[0]}")
         if v.shape[1] != k.shape[1]:
             raise ValueError(f"k and v must have the same seqlen, got {k.shape[1]} and {v.shape[1]}")
-    dev = q.device
+        capacity = k.shape[1]
+    if capacity is not None and (not varlen or kv_per_sequence):
+        max_seqlen_k = capacity
     for name, used, cu, slot in (("seqused_q", seqused_q, cu_seqlens_q, max_seqlen_q),
                                  ("seqused_k", seqused_k, cu_seqlens_k, max_seqlen_k)):
-        if used is not None and varlen and used.device.type == "cpu":
+        if used is not None and cu is not None and used.device.type == "cpu":
             slot = cu[1:] - cu[:-1]
         _check_seqused(name, used, batch, slot, dev)
+    if paged and page_table.device.type == "cpu" and not torch.compiler.is_compiling():
+        # the pages each sequence reads (values: CPU tensors only, as cu_seqlens)
+        lengths = torch.full((batch,), capacity) if cu_seqlens_k is None else (cu_seqlens_k[1:] - cu_seqlens_k[:-1])
+        if seqused_k is not None:
+            lengths = torch.minimum(lengths.long(), seqused_k.long())
+        _check_page_ids(page_table, k.shape[0], k.shape[1], lengths)
     q_scale = scales.token_scale_table("q_descale", q_descale, batch=batch, heads=heads,
                                        kv_heads=kv_heads, max_seqlen=max_seqlen_q, device=dev)
     k_scale = scales.token_scale_table("k_descale", k_descale, batch=batch, heads=kv_heads,
@@ -199,7 +233,8 @@ def _build_problem(q, k, v, *, varlen, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, k_mean=k_mean,
         out_dtype=_resolve_out_dtype(q.dtype, out_dtype), return_lse=return_lse,
         seqused_q=seqused_q, seqused_k=seqused_k, window_left=left, window_right=right, softcap=softcap,
-        cu_seqlens_v=cu_seqlens_v if varlen else None, scheduler_metadata=scheduler_metadata if varlen else None,
+        page_table=page_table, cu_seqlens_v=cu_seqlens_v if varlen else None,
+        scheduler_metadata=scheduler_metadata if varlen else None,
     )
 
 
@@ -232,6 +267,7 @@ def flash_attn_func(
     seqused_k: torch.Tensor | None = None,
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
+    page_table: torch.Tensor | None = None,
 ):
     """Attention forward on ``(batch, seqlen, heads, head_dim)`` tensors.
 
@@ -268,6 +304,17 @@ def flash_attn_func(
         softcap: flash-attn's score capping: with ``softcap > 0`` the scores ``s = softmax_scale * q.k``
             become ``softcap * tanh(s / softcap)`` before the softmax (and in the LSE); 0 (default) is
             off, negative values raise ``ValueError``. Runs on the portable kernel, as ``window_size``.
+        page_table: paged K/V (FlashAttention-3's ``page_table``, flash-attn 2's/vLLM's ``block_table``): int32
+            ``(B, max_pages_per_seq)``; ``k``/``v`` are then caches ``(num_pages, page_size, Hkv, D)`` and key
+            position ``n`` of batch entry ``b`` is row ``n % page_size`` of page ``page_table[b, n // page_size]``.
+            Each entry has ``max_pages_per_seq * page_size`` keys, or ``seqused_k[b]`` (the cache lengths, FA3's
+            ``cache_seqlens``); ``Sq`` may be smaller (chunked prefill: the causal mask is bottom-right aligned, so
+            the queries are the last ``Sq`` positions). ``page_size`` divides each key tile of the kernel (32, 64,
+            128 keys) or is a multiple of it: 1, 2, 4, 8, 16, 32, 64, or a multiple of 128 (else ``ValueError``;
+            :func:`leanfa.problem.page_size_supported`); the page ids a call reads
+            must lie in ``[0, num_pages)``, checked on CPU tensors only (a check on GPU values would synchronize).
+            Any page order; windows, softcap, FP8 with descales compose with it. Runs on the portable kernel (one
+            warning where the Hopper kernel would have run).
 
     Any strides are accepted; inputs are never copied. Empty inputs (``B``, ``Sq`` or ``Sk`` 0)
     are allowed: the output is empty, or 0 with LSE ``-inf`` where no key exists.
@@ -281,7 +328,8 @@ def flash_attn_func(
         q, k, v, varlen=False, cu_seqlens_v=cu_seqlens_v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
         max_seqlen_k=None, softmax_scale=softmax_scale, causal=causal, q_descale=q_descale,
         k_descale=k_descale, v_descale=v_descale, k_mean=k_mean, return_lse=return_lse,
-        out_dtype=out_dtype, seqused_q=seqused_q, seqused_k=seqused_k, window_size=window_size, softcap=softcap)
+        out_dtype=out_dtype, seqused_q=seqused_q, seqused_k=seqused_k, window_size=window_size, softcap=softcap,
+        page_table=page_table)
     return _run(problem, backend)
 
 
@@ -307,6 +355,7 @@ def flash_attn_varlen_func(
     seqused_k: torch.Tensor | None = None,
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
+    page_table: torch.Tensor | None = None,
     cu_seqlens_v: torch.Tensor | None = None,
     scheduler_metadata: torch.Tensor | None = None,
 ):
@@ -331,6 +380,16 @@ def flash_attn_varlen_func(
     table made from other lengths gives wrong results (its size is checked, its contents cannot be without a
     host sync). Calls that run on the portable kernel ignore it.
 
+    K/V indexed per sequence instead of packed: with ``page_table`` (int32 ``(B, max_pages_per_seq)``, as in
+    :func:`flash_attn_func`) ``k``/``v`` are paged caches ``(num_pages, page_size, Hkv, D)``; sequence ``b``'s
+    keys are its first ``cu_seqlens_k[b+1] - cu_seqlens_k[b]`` positions (flash-attn 2's ``block_table``
+    convention; ``cu_seqlens_k`` then only gives lengths), or with ``cu_seqlens_k=None`` its
+    ``max_pages_per_seq * page_size`` positions, cut to ``seqused_k[b]`` (vLLM's FA3 call). Without
+    ``page_table``, ``cu_seqlens_k=None`` takes ``k``/``v`` as dense ``(B, Sk, Hkv, D)`` tensors (a KV cache of
+    ``Sk`` slots per sequence; ``seqused_k`` its used lengths). ``max_seqlen_k`` is then ignored (may be None).
+    Queries of a sequence are its last positions (chunked prefill, ``Sq < Sk``, bottom-right aligned).
+    These calls run on the portable kernel.
+
     ``cu_seqlens`` values are validated on CPU tensors only (a check on GPU values would
     synchronize); on the GPU the caller guarantees them.
     """
@@ -342,7 +401,7 @@ def flash_attn_varlen_func(
         softmax_scale=softmax_scale,
         causal=causal, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
         k_mean=k_mean, return_lse=return_lse, out_dtype=out_dtype, seqused_q=seqused_q,
-        seqused_k=seqused_k, window_size=window_size, softcap=softcap)
+        seqused_k=seqused_k, window_size=window_size, softcap=softcap, page_table=page_table)
     return _run(problem, backend)
 
 

@@ -1,6 +1,6 @@
 """Argument checks shared by the public functions (:mod:`leanfa.api`) and the quantizer
 (:mod:`leanfa.quant`): the device, the ``cu_seqlens`` of a packed batch, ``seqused_q/k``,
-``window_size`` and ``softcap``, ``softmax_scale``.
+a paged K/V cache's page table, ``window_size`` and ``softcap``, ``softmax_scale``.
 
 They raise ``TypeError`` (wrong kind or dtype) or ``ValueError`` (wrong shape, device, value)
 naming the argument, and read tensor values only on CPU tensors (never synchronize the GPU).
@@ -15,6 +15,7 @@ import os
 import torch
 
 from .kernels.device import capability
+from .problem import KEY_TILES, page_size_supported
 
 
 def interpreter_enabled() -> bool:
@@ -45,7 +46,10 @@ def check_device(q: torch.Tensor) -> None:
         raise ValueError(f"q is on {q.device}; leanfa needs CUDA tensors")
 
 
-def check_cu_seqlens(name: str, cu: torch.Tensor, total: int, max_name: str, max_seqlen: int, device):
+def check_cu_seqlens(name: str, cu: torch.Tensor, total: int | None, max_name: str, max_seqlen: int, device):
+    """flash-attn's ``cu_seqlens``: int32 ``(batch + 1,)`` on ``device``, starting at 0, non-decreasing, ending at
+    ``total`` tokens (not checked with ``total`` None: the keys of a paged cache), no length above ``max_seqlen``
+    (values checked on CPU tensors only)."""
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
     if cu.dtype != torch.int32:
@@ -65,7 +69,7 @@ def check_cu_seqlens(name: str, cu: torch.Tensor, total: int, max_name: str, max
             raise ValueError(f"{name}[0] must be 0, got {int(cu[0])}")
         if bool((lengths < 0).any()):
             raise ValueError(f"{name} must be non-decreasing, got {cu.tolist()}")
-        if int(cu[-1]) != total:
+        if total is not None and int(cu[-1]) != total:
             raise ValueError(f"{name}[-1] = {int(cu[-1])} must equal the number of tokens ({total})")
         if lengths.numel() and int(lengths.max()) > max_seqlen:
             raise ValueError(f"{max_name} = {max_seqlen} is smaller than the longest sequence ({int(lengths.max())})")
@@ -88,6 +92,55 @@ def check_seqused(name: str, used, batch: int, slot_lengths, device) -> None:
     if used.device.type == "cpu" and not torch.compiler.is_compiling() and batch:
         if bool((used < 0).any()) or bool((used > slot_lengths).any()):
             raise ValueError(f"{name} must lie in [0, the sequence's length], got {used.tolist()}")
+
+
+def check_page_table(page_table, batch: int, k: torch.Tensor, v: torch.Tensor, device) -> int:
+    """A paged K/V cache: ``k``/``v`` ``(num_pages, page_size, Hkv, D)`` with ``page_size`` in
+    :func:`leanfa.problem.page_size_supported` (1, 2, 4, 8, 16, 32, 64 or a multiple of 128), ``page_table`` int32 ``(batch, max_pages_per_seq)`` on ``device``. Returns the
+    capacity of a sequence, ``max_pages_per_seq * page_size`` keys. Page ids are checked to lie in
+    ``[0, num_pages)`` on CPU tensors only: on the GPU that check would synchronize, so the caller guarantees them
+    (an id out of range reads outside the cache)."""
+    if not isinstance(page_table, torch.Tensor):
+        raise TypeError(f"page_table must be a torch.Tensor or None, got {type(page_table).__name__}")
+    if page_table.dtype != torch.int32:
+        raise TypeError(f"page_table (block_table) must be int32 (flash-attn convention), got {page_table.dtype}")
+    if page_table.dim() != 2 or page_table.shape[0] != batch:
+        raise ValueError(f"page_table (block_table) must have shape (batch, max_pages_per_seq) with batch {batch}, "
+                         f"got {tuple(page_table.shape)}")
+    if page_table.device != device:
+        raise ValueError(f"page_table (block_table) is on {page_table.device} but q is on {device}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"with a page_table, {name} must be a paged cache (num_pages, page_size, heads, head_dim), "
+                             f"got shape {tuple(t.shape)}")
+    if k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"the paged k and v caches must have the same (num_pages, page_size), got "
+                         f"{tuple(k.shape[:2])} and {tuple(v.shape[:2])}")
+    page_size = k.shape[1]
+    if not page_size_supported(page_size):
+        raise ValueError(f"page size {page_size} (k.shape[1] of a paged cache) is not supported: a page size must "
+                         f"divide each key tile of the kernel ({', '.join(map(str, KEY_TILES))} keys) or be a multiple "
+                         f"of it (1, 2, 4, 8, 16, 32, 64, or a multiple of 128)")
+    return page_table.shape[1] * page_size
+
+
+def check_page_ids(page_table: torch.Tensor, num_pages: int, page_size: int, key_lengths) -> None:
+    """The pages a paged call reads: sequence ``b``'s first ``ceil(key_lengths[b] / page_size)`` entries of
+    ``page_table`` lie in ``[0, num_pages)`` and its keys fit its row of the table (entries past a sequence's keys
+    are not read and may hold anything). ``key_lengths``: a CPU tensor ``(batch,)``, or an int for every sequence.
+    Values are read on CPU tensors only (as ``cu_seqlens``): on the GPU the caller guarantees them."""
+    if page_table.device.type != "cpu" or torch.compiler.is_compiling() or not page_table.numel():
+        return
+    batch, width = page_table.shape
+    lengths = torch.as_tensor(key_lengths, dtype=torch.int64).expand(batch)
+    if bool((lengths > width * page_size).any()):
+        raise ValueError(f"a sequence has more keys ({int(lengths.max())}) than its page_table row holds "
+                         f"({width} pages of {page_size})")
+    used = torch.arange(width)[None, :] < ((lengths + page_size - 1) // page_size)[:, None]
+    bad = used & ((page_table < 0) | (page_table >= num_pages))
+    if bool(bad.any()):
+        raise ValueError(f"page_table (block_table) entries a sequence reads must lie in [0, num_pages = {num_pages}), "
+                         f"got {page_table[bad].tolist()[:8]}")
 
 
 def check_window_softcap(window_size, softcap) -> tuple[int, int, float]:

@@ -18,17 +18,34 @@ Swap ``from flash_attn_interface import flash_attn_func`` for
   whose window holds no key are 0 with LSE ``-inf``. Negative sides other than -1, or a negative
   ``softcap``, raise ``ValueError``. These calls run on the portable kernel (one warning where the
   Hopper kernel would have run);
+* paged K/V and KV caches (prefill, chunked prefill): :func:`flash_attn_with_kvcache` with
+  ``cache_seqlens`` (int or int32 ``(B,)``), ``page_table`` (int32 ``(B, max_pages)`` over caches
+  ``(num_pages, page_size, Hkv, D)``, ``page_size`` 1, 2, 4, 8, 16, 32, 64 or a multiple of 128; else ``ValueError``) or a
+  dense ``(B, S_cache, Hkv, D)`` cache, ``q`` dense or packed (``cu_seqlens_q``/``max_seqlen_q``),
+  ``Sq < Sk`` causal bottom-right aligned, GQA, FP8 caches with ``(B, Hkv)`` descales, windows and
+  ``softcap``; and vLLM's ``block_table=`` on :func:`flash_attn_varlen_func` (``k``/``v`` the paged
+  caches, key lengths from ``cu_seqlens_k`` and/or ``seqused_k``; ``cu_seqlens_k`` may be None). The
+  page ids a call reads must lie in ``[0, num_pages)``: checked on CPU tensors only (a check of GPU
+  values would synchronize). These calls run on the portable kernel (the Hopper kernel does not read
+  page tables yet: one warning);
 * empty batches: sequences that are all empty, ``max_seqlen_q = max_seqlen_k = 0``;
 * ``return_attn_probs=True`` returns ``(out, softmax_lse)`` as FA3 does;
-* ``deterministic``, ``num_splits``, ``pack_gqa``, ``sm_margin`` are accepted and ignored
-  (leanfa's forward is deterministic and needs no splits).
+* ``deterministic``, ``num_splits``, ``pack_gqa``, ``sm_margin``, ``scheduler_metadata``,
+  ``rotary_interleaved`` (without rotary) are accepted and ignored (leanfa's forward is
+  deterministic and needs no splits);
+* :func:`flash_attn_with_kvcache` with ``return_softmax_lse=True`` returns FA3's
+  ``(out, softmax_lse, out_accum, softmax_lse_accum)``, the last two empty (no splits).
 
 Anything else raises ``NotImplementedError`` naming the option: ``qv``, ``attention_chunk != 0``,
-a packed ``q`` with dense ``k``/``v`` (one of ``cu_seqlens_q``/``cu_seqlens_k`` None), and
-``flash_attn_with_kvcache`` as a whole. Gradients are not implemented.
+a packed ``q`` with dense ``k``/``v`` in :func:`flash_attn_varlen_func` without ``block_table``
+(one of ``cu_seqlens_q``/``cu_seqlens_k`` None); in :func:`flash_attn_with_kvcache` the in-place
+append (``k``/``v``, ``cu_seqlens_k_new``), rotary embedding (``rotary_cos``/``rotary_sin``,
+``rotary_seqlens``), ``cache_batch_idx`` and ``cache_leftpad``. Gradients are not implemented.
 """
 
 from __future__ import annotations
+
+import torch
 
 from .compat._common import reject
 
@@ -58,25 +75,82 @@ def flash_attn_varlen_func(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None, seqused_k=None,
     softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None, v_descale=None,
     window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1, pack_gqa=None,
-    deterministic=False, sm_margin=0, return_attn_probs=False,
+    deterministic=False, sm_margin=0, return_attn_probs=False, *, block_table=None,
 ):
     """FA3 ``flash_attn_varlen_func``: ``out``, or ``(out, softmax_lse)`` (``(H, total_q)``; with
-    ``cu_seqlens_q = cu_seqlens_k = None`` dense ``(B, S, H, D)`` tensors and LSE ``(B, H, Sq)``)."""
+    ``cu_seqlens_q = cu_seqlens_k = None`` dense ``(B, S, H, D)`` tensors and LSE ``(B, H, Sq)``).
+    ``block_table`` (vLLM's FA fork): ``k``/``v`` are paged caches ``(num_pages, page_size, Hkv, D)``; the key
+    lengths come from ``cu_seqlens_k`` (its differences) and/or ``seqused_k``."""
     from . import api
 
     _check_fa3(qv, attention_chunk)
-    reject("cu_seqlens_q/cu_seqlens_k", (cu_seqlens_q is None) != (cu_seqlens_k is None),
-           "with one of them None (a packed q with dense k/v, or the reverse)")
     common = dict(softmax_scale=softmax_scale, causal=causal, q_descale=q_descale, k_descale=k_descale,
                   v_descale=v_descale, return_lse=bool(return_attn_probs), seqused_q=seqused_q,
                   seqused_k=seqused_k, window_size=window_size, softcap=softcap)
+    if block_table is not None:  # paged K/V: cu_seqlens_k (if any) gives only the key lengths
+        if cu_seqlens_q is None:
+            reject("cu_seqlens_k with block_table and a dense q", cu_seqlens_k is not None)
+            return api.flash_attn_func(q, k, v, page_table=block_table, **common)
+        return api.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                          page_table=block_table, **common)
+    reject("cu_seqlens_q/cu_seqlens_k", (cu_seqlens_q is None) != (cu_seqlens_k is None),
+           "with one of them None (a packed q with dense k/v, or the reverse)")
     if cu_seqlens_q is None:  # FA3: no cu_seqlens means dense (B, S, H, D) tensors
         return api.flash_attn_func(q, k, v, **common)
     return api.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **common)
 
 
-def flash_attn_with_kvcache(*args, **kwargs):
-    """Not implemented: leanfa is a prefill kernel (no KV-cache/paged decode)."""
-    raise NotImplementedError(
-        "flash_attn_with_kvcache is not implemented by leanfa (prefill attention only); "
-        "use flash_attn_varlen_func on the packed prefill tokens")
+def cache_lengths(cache_seqlens, batch: int, device):
+    """FA3's ``cache_seqlens`` as leanfa's ``seqused_k``: None (every key of the cache), an int for every
+    sequence (an int32 ``(batch,)`` tensor on ``device``), or the int32 ``(batch,)`` tensor itself."""
+    if cache_seqlens is None or isinstance(cache_seqlens, torch.Tensor):
+        return cache_seqlens
+    if isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, int):
+        raise TypeError(f"cache_seqlens must be an int, an int32 tensor or None, got {type(cache_seqlens).__name__}")
+    return torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)
+
+
+def flash_attn_with_kvcache(
+    q, k_cache, v_cache, k=None, v=None, qv=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+    cache_batch_idx=None, cache_leftpad=None, page_table=None, cu_seqlens_q=None, cu_seqlens_k_new=None,
+    max_seqlen_q=None, rotary_seqlens=None, q_descale=None, k_descale=None, v_descale=None, softmax_scale=None,
+    causal=False, window_size=(-1, -1), attention_chunk=0, softcap=0.0, rotary_interleaved=True,
+    scheduler_metadata=None, num_splits=0, pack_gqa=None, sm_margin=0, return_softmax_lse=False,
+):
+    """FA3 ``flash_attn_with_kvcache`` without its in-place append and rotary options: attention of ``q``
+    (dense ``(B, Sq, H, D)``, or packed ``(total_q, H, D)`` with ``cu_seqlens_q``/``max_seqlen_q``) over the
+    first ``cache_seqlens[b]`` keys of each sequence's cache (an int for all, an int32 ``(B,)`` tensor, or None:
+    the whole cache). The caches are dense ``(B_cache >= B, S_cache, Hkv, D)`` (sequence ``b`` is entry ``b``),
+    or with ``page_table`` (int32 ``(B, max_pages)``) paged ``(num_pages, page_size, Hkv, D)``. The causal mask
+    and windows are bottom-right aligned (the queries are the sequence's last ``Sq`` positions: chunked
+    prefill). Returns ``out``, or with ``return_softmax_lse`` FA3's ``(out, softmax_lse, out_accum,
+    softmax_lse_accum)`` (LSE ``(B, H, Sq)``, packed ``(H, total_q)``; the two split accumulators are empty:
+    leanfa never splits)."""
+    from . import api
+
+    _check_fa3(qv, attention_chunk)
+    reject("k/v (appending new keys to the cache in place)", k is not None or v is not None)
+    reject("cu_seqlens_k_new", cu_seqlens_k_new is not None)
+    reject("rotary_cos/rotary_sin (rotary embedding)", rotary_cos is not None or rotary_sin is not None)
+    reject("rotary_seqlens", rotary_seqlens is not None)
+    reject("cache_batch_idx", cache_batch_idx is not None)
+    reject("cache_leftpad", cache_leftpad is not None)
+    varlen = cu_seqlens_q is not None
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
+    batch = cu_seqlens_q.numel() - 1 if varlen and isinstance(cu_seqlens_q, torch.Tensor) else q.shape[0]
+    if page_table is None and isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor) \
+            and k_cache.dim() == 4 and k_cache.shape[0] > batch:
+        k_cache, v_cache = k_cache[:batch], v_cache[:batch]  # (no cache_batch_idx: sequence b is entry b)
+    common = dict(softmax_scale=softmax_scale, causal=causal, q_descale=q_descale, k_descale=k_descale,
+                  v_descale=v_descale, return_lse=bool(return_softmax_lse),
+                  seqused_k=cache_lengths(cache_seqlens, batch, q.device), window_size=window_size, softcap=softcap,
+                  page_table=page_table)
+    if varlen:
+        res = api.flash_attn_varlen_func(q, k_cache, v_cache, cu_seqlens_q, None, max_seqlen_q, None, **common)
+    else:
+        res = api.flash_attn_func(q, k_cache, v_cache, **common)
+    if not return_softmax_lse:
+        return res
+    out, lse = res
+    return out, lse, out.new_empty((0,), dtype=torch.float32), out.new_empty((0,), dtype=torch.float32)

@@ -61,13 +61,15 @@ def _dispatch_mode():
 
 def _problem(q, k, v, cu_q, cu_k, max_q, max_k, q_scale, k_scale, v_scale, k_mean,
              softmax_scale, causal, return_lse, out_dtype, sink_q=None, sink_k=None, sink_v=None, sink_keys=0,
-             seqused_q=None, seqused_k=None, window_left=-1, window_right=-1, softcap=0.0, cu_v=None,
-             scheduler_metadata=None):
+             seqused_q=None, seqused_k=None, window_left=-1, window_right=-1, softcap=0.0, page_table=None,
+             cu_v=None, scheduler_metadata=None):
     varlen = cu_q is not None
     if varlen:
         batch = cu_q.numel() - 1
     else:
         batch, max_q, max_k = q.shape[0], q.shape[1], k.shape[1]
+        if page_table is not None:  # a paged cache: each entry's capacity
+            max_k = page_table.shape[1] * k.shape[1]
     return Problem(
         q=q, k=k, v=v, batch=batch, heads=q.shape[-2], kv_heads=k.shape[-2],
         head_dim_qk=q.shape[-1], head_dim_v=v.shape[-1], max_seqlen_q=max_q, max_seqlen_k=max_k,
@@ -75,7 +77,7 @@ def _problem(q, k, v, cu_q, cu_k, max_q, max_k, q_scale, k_scale, v_scale, k_mea
         q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, k_mean=k_mean, out_dtype=out_dtype,
         return_lse=return_lse, sink_keys=sink_keys, sink_q=sink_q, sink_k=sink_k, sink_v=sink_v,
         seqused_q=seqused_q, seqused_k=seqused_k, window_left=window_left, window_right=window_right,
-        softcap=softcap, cu_seqlens_v=cu_v, scheduler_metadata=scheduler_metadata)
+        softcap=softcap, page_table=page_table, cu_seqlens_v=cu_v, scheduler_metadata=scheduler_metadata)
 
 
 def _execute(problem, backend: str):
@@ -110,23 +112,25 @@ def fwd(
     window_left: int = -1,
     window_right: int = -1,
     softcap: float = 0.0,
+    page_table: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense forward on ``(B, S, H, D)`` tensors; returns ``(out, lse)`` (``lse`` empty unless
     ``return_lse``). FP8 calls may attend keys ``[0, sink_keys)`` in 16 bits from
     ``sink_q``/``sink_k``/``sink_v`` (the unquantized inputs). ``seqused_q``/``seqused_k``
     (int32 ``(B,)``): only the first that many queries/keys of each batch entry are used.
     ``window_left``/``window_right``/``softcap``: the sliding window and score cap, as
-    :class:`leanfa.problem.Problem` holds them (-1, -1, 0: none)."""
+    :class:`leanfa.problem.Problem` holds them (-1, -1, 0: none). ``page_table``: ``k``/``v`` are paged caches
+    ``(num_pages, page_size, Hkv, D)`` read through it (None: dense)."""
     problem = _problem(q, k, v, None, None, None, None, q_scale, k_scale, v_scale, k_mean,
                        softmax_scale, causal, return_lse, out_dtype, sink_q, sink_k, sink_v, sink_keys,
-                       seqused_q, seqused_k, window_left, window_right, softcap)
+                       seqused_q, seqused_k, window_left, window_right, softcap, page_table)
     return _execute(problem, backend)
 
 
 @fwd.register_fake
 def _fwd_fake(q, k, v, q_scale, k_scale, v_scale, k_mean, softmax_scale, causal, return_lse,
               out_dtype, backend, sink_q=None, sink_k=None, sink_v=None, sink_keys=0, seqused_q=None,
-              seqused_k=None, window_left=-1, window_right=-1, softcap=0.0):
+              seqused_k=None, window_left=-1, window_right=-1, softcap=0.0, page_table=None):
     b, sq, hq, _ = q.shape
     out = q.new_empty((b, sq, hq, v.shape[-1]), dtype=out_dtype)
     lse = q.new_empty((b, hq, sq) if return_lse else (0,), dtype=torch.float32)
@@ -139,7 +143,7 @@ def varlen_fwd(
     k: torch.Tensor,
     v: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
+    cu_seqlens_k: Optional[torch.Tensor],
     max_seqlen_q: int,
     max_seqlen_k: int,
     q_scale: torch.Tensor,
@@ -160,18 +164,20 @@ def varlen_fwd(
     window_left: int = -1,
     window_right: int = -1,
     softcap: float = 0.0,
+    page_table: Optional[torch.Tensor] = None,
     cu_seqlens_v: Optional[torch.Tensor] = None,
     scheduler_metadata: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed varlen forward on ``(total, H, D)`` tensors; returns ``(out, lse)`` with ``lse``
-    ``(Hq, total_q)`` (empty unless ``return_lse``). Sink, seqused, window and softcap arguments as in
-    :func:`fwd` (the first ``sink_keys`` keys of each sequence). ``cu_seqlens_v``: an FP8 V in
+    ``(Hq, total_q)`` (empty unless ``return_lse``). Sink, seqused, window, softcap and page table arguments as
+    in :func:`fwd` (the first ``sink_keys`` keys of each sequence). ``cu_seqlens_k`` None: K/V are indexed per
+    sequence (dense ``(B, Sk, Hkv, D)``, or pages), ``max_seqlen_k`` their slot. ``cu_seqlens_v``: an FP8 V in
     :func:`leanfa.quantize_fp8`'s aligned layout, sequence ``b`` from token ``cu_seqlens_v[b]``.
     ``scheduler_metadata``: the batch's tile table from :func:`leanfa.varlen_schedule`."""
     problem = _problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                        q_scale, k_scale, v_scale, k_mean, softmax_scale, causal, return_lse, out_dtype,
                        sink_q, sink_k, sink_v, sink_keys, seqused_q, seqused_k, window_left, window_right, softcap,
-                       cu_seqlens_v, scheduler_metadata)
+                       page_table, cu_seqlens_v, scheduler_metadata)
     return _execute(problem, backend)
 
 
@@ -179,7 +185,8 @@ def varlen_fwd(
 def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q_scale,
                      k_scale, v_scale, k_mean, softmax_scale, causal, return_lse, out_dtype, backend,
                      sink_q=None, sink_k=None, sink_v=None, sink_keys=0, seqused_q=None, seqused_k=None,
-                     window_left=-1, window_right=-1, softcap=0.0, cu_seqlens_v=None, scheduler_metadata=None):
+                     window_left=-1, window_right=-1, softcap=0.0, page_table=None, cu_seqlens_v=None,
+                     scheduler_metadata=None):
     total, hq, _ = q.shape
     out = q.new_empty((total, hq, v.shape[-1]), dtype=out_dtype)
     lse = q.new_empty((hq, total) if return_lse else (0,), dtype=torch.float32)
@@ -190,12 +197,13 @@ def call(problem, backend: str):
     """Run a validated :class:`leanfa.api.Problem` through the custom op; ``(out, lse or None)``."""
     p = problem
     if _plain_eager(p.q, p.k, p.v, p.q_scale, p.k_scale, p.v_scale, p.k_mean, p.cu_seqlens_q, p.cu_seqlens_k,
-                    p.sink_q, p.sink_k, p.sink_v, p.seqused_q, p.seqused_k, p.cu_seqlens_v, p.scheduler_metadata):
+                    p.sink_q, p.sink_k, p.sink_v, p.seqused_q, p.seqused_k, p.page_table, p.cu_seqlens_v,
+                    p.scheduler_metadata):
         out, lse = _execute(p, backend)
         return out, (lse if p.return_lse else None)
     scalars = (p.softmax_scale, p.causal, p.return_lse, p.out_dtype, backend,
                p.sink_q, p.sink_k, p.sink_v, p.sink_keys, p.seqused_q, p.seqused_k, p.window_left, p.window_right,
-               p.softcap)
+               p.softcap, p.page_table)
     if p.varlen:
         out, lse = torch.ops.leanfa.varlen_fwd(
             p.q, p.k, p.v, p.cu_seqlens_q, p.cu_seqlens_k, p.max_seqlen_q, p.max_seqlen_k,

@@ -14,6 +14,16 @@ import torch
 FP8_DTYPE = torch.float8_e4m3fn
 #: V is stored transposed with its token axis padded to this many elements (16-byte rows)
 V_TOKEN_ALIGN = 16
+#: the key tiles (keys per block) of the portable kernel's configurations (``kernels.portable``: autotuned,
+#: fixed small tile, interpreter tile); a paged cache's page size must fit each (:func:`page_size_supported`)
+KEY_TILES = (32, 64, 128)
+
+
+def page_size_supported(page_size: int) -> bool:
+    """Whether a paged K/V cache may have ``page_size`` keys per page: for every key tile of :data:`KEY_TILES` the
+    page size divides the tile (the tile spans whole pages) or is a multiple of it (the tile lies inside one page):
+    1, 2, 4, 8, 16, 32, 64, and multiples of 128."""
+    return page_size >= 1 and all(t % page_size == 0 or page_size % t == 0 for t in KEY_TILES)
 
 
 @dataclass(frozen=True)
@@ -21,6 +31,8 @@ class Problem:
     """A validated attention call, in the layout the kernels take."""
 
     q: torch.Tensor  # (B, Sq, Hq, Dqk) or (total_q, Hq, Dqk)
+    #: (B, Sk, Hkv, D), (total_k, Hkv, D) with ``cu_seqlens_k``, or with ``page_table`` the paged caches
+    #: (num_pages, page_size, Hkv, D)
     k: torch.Tensor
     v: torch.Tensor
     batch: int
@@ -30,6 +42,8 @@ class Problem:
     head_dim_v: int
     max_seqlen_q: int
     max_seqlen_k: int
+    #: packed queries (``varlen``); ``cu_seqlens_k`` None with ``cu_seqlens_q`` set: K/V are indexed per
+    #: sequence (``kv_per_sequence``: a dense ``(B, Sk, Hkv, D)`` cache, or pages)
     cu_seqlens_q: torch.Tensor | None
     cu_seqlens_k: torch.Tensor | None
     causal: bool
@@ -60,6 +74,11 @@ class Problem:
     #: flash-attn's ``softcap``: scores ``s = softmax_scale * q.k`` become ``softcap * tanh(s / softcap)``
     #: before the softmax (0: off)
     softcap: float = 0.0
+    #: paged K/V: int32 ``(B, max_pages_per_seq)``; key position ``n`` of sequence ``b`` is row
+    #: ``n % page_size`` of page ``page_table[b, n // page_size]`` of ``k``/``v``
+    #: ``(num_pages, page_size, Hkv, D)``. Its capacity ``max_pages_per_seq * page_size`` is the dense key slot
+    #: (``max_seqlen_k``) unless ``cu_seqlens_k`` gives the key lengths. (None: K/V are not paged)
+    page_table: torch.Tensor | None = None
     #: packed FP8 calls whose V is :func:`leanfa.quantize_fp8`'s aligned layout: int32 ``(batch + 1)``, sequence
     #: ``b``'s keys from token ``cu_seqlens_v[b]`` of ``v`` (a multiple of :data:`V_TOKEN_ALIGN`); None: V's
     #: tokens are K's (``cu_seqlens_k``)
@@ -67,6 +86,20 @@ class Problem:
     #: packed calls: the Hopper kernel's tile table made once for the batch by :func:`leanfa.varlen_schedule`
     #: (reused by every layer's call; None: the call makes its own)
     scheduler_metadata: torch.Tensor | None = None
+
+    @property
+    def paged(self) -> bool:
+        return self.page_table is not None
+
+    @property
+    def page_size(self) -> int:
+        """Keys per page of a paged call (0 when not paged)."""
+        return self.k.shape[1] if self.page_table is not None else 0
+
+    @property
+    def kv_per_sequence(self) -> bool:
+        """Packed queries with K/V indexed per sequence (a dense cache or pages), not packed by ``cu_seqlens_k``."""
+        return self.cu_seqlens_q is not None and self.cu_seqlens_k is None
 
     @property
     def varlen(self) -> bool:

@@ -1,7 +1,7 @@
 """Float64 reference attention with exactly leanfa's semantics.
 
 Same arguments as :func:`leanfa.flash_attn_func` / :func:`leanfa.flash_attn_varlen_func`
-(GQA, bottom-right causal mask, sliding window, softcap, descales, K-smoothing mean, LSE), computed
+(GQA, bottom-right causal mask, sliding window, softcap, descales, K-smoothing mean, LSE, paged K/V), computed
 in float64 on the
 inputs' device and chunked over queries so a 32K-token check fits in GPU memory: a chunk's
 float64 score temporaries (all heads x chunk rows x keys) stay under :data:`SCORE_BYTES`. Rows that
@@ -72,6 +72,14 @@ def _one_sequence(q, k, v, *, causal, scale, q_tab, k_tab, v_tab, k_mean, chunk,
     return out, lse
 
 
+def gather_pages(cache: torch.Tensor, pages: torch.Tensor, n: int) -> torch.Tensor:
+    """The first ``n`` keys of one sequence of a paged cache ``(num_pages, page_size, H, D)`` whose pages are
+    ``pages`` (its page table row), as a contiguous ``(n, H, D)`` tensor."""
+    page_size = cache.shape[1]
+    used = pages[: -(-n // page_size)].long().to(cache.device)
+    return cache[used].reshape(-1, *cache.shape[2:])[:n]
+
+
 def attention_ref(
     q,
     k=None,
@@ -89,6 +97,8 @@ def attention_ref(
     chunk_size: int = 2048,
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
+    page_table: torch.Tensor | None = None,
+    seqlens_k: torch.Tensor | None = None,
     cu_seqlens_v: torch.Tensor | None = None,
 ):
     """Float64 attention. Dense: q (B,Sq,Hq,D) -> out (B,Sq,Hq,Dv), lse (B,Hq,Sq).
@@ -97,7 +107,14 @@ def attention_ref(
     ``softcap > 0`` caps the scaled scores to ``softcap * tanh(s / softcap)`` before the softmax.
     Varlen (``cu_seqlens_*`` given): q (total_q,Hq,D) -> out (total_q,Hq,Dv), lse (Hq,total_q).
     ``q`` may be an :class:`leanfa.FP8QKV` (then k, v and descales come from it). ``cu_seqlens_v``: a packed V
-    in :func:`leanfa.quantize_fp8`'s aligned layout (sequence ``b``'s keys from token ``cu_seqlens_v[b]``)."""
+    in :func:`leanfa.quantize_fp8`'s aligned layout (sequence ``b``'s keys from token ``cu_seqlens_v[b]``).
+
+    Paged K/V (``page_table`` int ``(B, max_pages)``): k, v are caches ``(num_pages, page_size, Hkv, D)``;
+    sequence ``b``'s keys are gathered (:func:`gather_pages`) to a contiguous ``(Sk_b, Hkv, D)``, its length
+    ``Sk_b`` from ``seqlens_k``, else ``cu_seqlens_k``'s differences, else the table row's capacity; q is dense,
+    or packed with ``cu_seqlens_q``. ``seqlens_k`` (``(B,)``) also cuts dense or per-sequence ``(B, Sk)`` K/V to
+    their first ``seqlens_k[b]`` keys (FA3's ``seqused_k``/``cache_seqlens``); with ``cu_seqlens_q`` and no
+    ``cu_seqlens_k``, K/V are such per-sequence tensors."""
     from .quant import FP8QKV
 
     if isinstance(q, FP8QKV):
@@ -106,17 +123,24 @@ def attention_ref(
     varlen = cu_seqlens_q is not None
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     hq, hkv, dv = q.shape[-2], k.shape[-2], v.shape[-1]
+    k_packed = cu_seqlens_k is not None and page_table is None
     if varlen:
         cq = [int(x) for x in cu_seqlens_q.tolist()]
-        ck = [int(x) for x in cu_seqlens_k.tolist()]
-        cv = ck if cu_seqlens_v is None else [int(x) for x in cu_seqlens_v.tolist()]
         batch = len(cq) - 1
-        spans = [((cq[b], cq[b + 1]), (ck[b], ck[b + 1])) for b in range(batch)]
+        q_spans = [(cq[b], cq[b + 1]) for b in range(batch)]
         max_q = max(1, max(b - a for a, b in zip(cq, cq[1:])))
-        max_k = max(1, max(b - a for a, b in zip(ck, ck[1:])))
     else:
         batch = q.shape[0]
-        max_q, max_k = q.shape[1], k.shape[1]
+        max_q = q.shape[1]
+    if cu_seqlens_k is not None:
+        ck = [int(x) for x in cu_seqlens_k.tolist()]
+        k_spans = [(ck[b], ck[b + 1]) for b in range(batch)]
+        max_k = max(1, max(b - a for a, b in zip(ck, ck[1:])))
+        cv = ck if cu_seqlens_v is None else [int(x) for x in cu_seqlens_v.tolist()]
+    else:
+        k_spans = None
+        max_k = page_table.shape[1] * k.shape[1] if page_table is not None else k.shape[1]
+    used_k = None if seqlens_k is None else [int(x) for x in seqlens_k.tolist()]
     dev = q.device
     q_tab = scales.token_scale_table("q_descale", q_descale, batch=batch, heads=hq, kv_heads=hkv,
                                      max_seqlen=max_q, device=dev)
@@ -126,11 +150,17 @@ def attention_ref(
                                        head_dim=dv, device=dev)
     outs, lses = [], []
     for b in range(batch):
-        if varlen:
-            (qa, qb), (ka, kb) = spans[b]
-            qs, ks, vs = q[qa:qb], k[ka:kb], v[cv[b]:cv[b] + kb - ka]
+        qs = q[q_spans[b][0]:q_spans[b][1]] if varlen else q[b]
+        if page_table is not None:
+            n = k_spans[b][1] - k_spans[b][0] if k_spans is not None else max_k
+            n = n if used_k is None else min(n, used_k[b])
+            ks, vs = gather_pages(k, page_table[b], n), gather_pages(v, page_table[b], n)
+        elif k_packed:
+            ks, vs = k[k_spans[b][0]:k_spans[b][1]], v[cv[b]:cv[b] + k_spans[b][1] - k_spans[b][0]]
         else:
-            qs, ks, vs = q[b], k[b], v[b]
+            ks, vs = k[b], v[b]
+        if used_k is not None:
+            ks, vs = ks[:used_k[b]], vs[:used_k[b]]
         o, l = _one_sequence(qs, ks, vs, causal=causal, scale=scale, q_tab=q_tab[b], k_tab=k_tab[b],
                              v_tab=v_tab[b], k_mean=None if k_mean is None else k_mean[b],
                              chunk=chunk_size, window=tuple(window_size), softcap=float(softcap))

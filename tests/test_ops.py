@@ -77,6 +77,39 @@ def test_opcheck_window_softcap(device):
                           {"window_left": 3, "softcap": 4.0}, test_utils=OPCHECK_TESTS)
 
 
+def test_opcheck_paged(device):
+    """The ops' optional page_table (paged K/V caches), and varlen_fwd's optional cu_seqlens_k (packed q over
+    per-sequence K/V): schema, fake shapes, AOT dispatch."""
+    q, _, _ = _qkv(device, b=2, s=20)
+    g = torch.Generator().manual_seed(1)
+    kc, vc = (torch.randn((5, 16, 2, 64), generator=g).to(BF16).to(device) for _ in range(2))
+    table = torch.tensor([[3, 0], [1, 4]], dtype=torch.int32, device=device)
+    args = _op_args(q, q[:, :, :2], q[:, :, :2], return_lse=True)
+    torch.library.opcheck(torch.ops.leanfa.fwd.default, (q, kc, vc, *args[3:]), {"page_table": table},
+                          test_utils=OPCHECK_TESTS)
+    cu = torch.tensor([0, 7, 20], dtype=torch.int32, device=device)
+    used = torch.tensor([30, 9], dtype=torch.int32, device=device)
+    torch.library.opcheck(torch.ops.leanfa.varlen_fwd.default,
+                          (q[0], kc, vc, cu, None, 13, 32, *args[3:6], None, *args[7:]),
+                          {"page_table": table, "seqused_k": used}, test_utils=OPCHECK_TESTS)
+
+
+def test_compile_paged_fullgraph(device):
+    """A paged call traces through torch.compile without a graph break and matches eager."""
+    q, _, _ = _qkv(device, b=2, s=20)
+    g = torch.Generator().manual_seed(2)
+    kc, vc = (torch.randn((5, 16, 2, 64), generator=g).to(BF16).to(device) for _ in range(2))
+    table = torch.tensor([[3, 0], [1, 4]], dtype=torch.int32, device=device)
+    used = torch.tensor([30, 9], dtype=torch.int32, device=device)
+
+    def f(q, kc, vc, table, used):
+        return leanfa.flash_attn_func(q, kc, vc, causal=True, page_table=table, seqused_k=used)
+
+    eager = f(q, kc, vc, table, used)
+    torch.testing.assert_close(torch.compile(f, fullgraph=True, backend="eager")(q, kc, vc, table, used), eager,
+                               rtol=0, atol=0)
+
+
 def test_opcheck_quantize(device):
     q, k, v = _qkv(device, s=20)
     torch.library.opcheck(torch.ops.leanfa.quantize_fp8.default, (q, k, v, "block", True, None, None, None, None),

@@ -15,8 +15,20 @@ dtype (flash-attn 2 materializes the probabilities only with dropout); ``window_
 kernel. Rows whose window holds no key are 0 with LSE ``-inf``; negative sides other than -1 or a
 negative ``softcap`` raise ``ValueError``.
 
+Paged K/V and KV caches (prefill, chunked prefill), on the portable kernel (one warning where the
+Hopper kernel would have run): ``block_table=`` (int32 ``(B, max_pages)``) on
+:func:`flash_attn_varlen_func`, ``k``/``v`` then the paged caches ``(num_pages, page_size, Hkv, D)``
+and ``cu_seqlens_k`` the key counts; :func:`flash_attn_with_kvcache` with ``cache_seqlens`` (int or
+int32 ``(B,)``) over a dense ``(B, S_cache, Hkv, D)`` cache or, with ``block_table``, a paged one,
+returning ``out`` or ``(out, softmax_lse)`` with ``return_softmax_lse``. ``page_size`` is 1, 2, 4,
+8, 16, 32, 64 or a multiple of 128 (else ``ValueError``); ``Sq < Sk`` causal is bottom-right aligned; GQA, windows and
+``softcap`` compose with paging. The page ids a call reads must lie in ``[0, num_pages)``: checked
+on CPU tensors only (a check of GPU values would synchronize).
+
 Anything else raises ``NotImplementedError`` naming the option: ``dropout_p > 0``,
-``alibi_slopes``, ``block_table``, and ``flash_attn_with_kvcache``. Gradients are not implemented.
+``alibi_slopes``, and in :func:`flash_attn_with_kvcache` the in-place append (``k``/``v``), rotary
+embedding (``rotary_cos``/``rotary_sin``), ``cache_batch_idx`` and ``cache_leftpad``. Gradients
+are not implemented.
 """
 
 from __future__ import annotations
@@ -29,10 +41,9 @@ __all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_
            "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache"]
 
 
-def _check_fa2(dropout_p, alibi_slopes, block_table=None):
+def _check_fa2(dropout_p, alibi_slopes):
     reject("dropout_p", dropout_p != 0.0, dropout_p)
     reject("alibi_slopes", alibi_slopes is not None)
-    reject("block_table", block_table is not None, "(paged KV cache)")
 
 
 def _unpack(name: str, packed, parts: int, axis: int, rank: int, layout: str):
@@ -69,13 +80,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                            alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None):
     """flash-attn 2 ``flash_attn_varlen_func``: ``out`` ``(total_q, Hq, Dv)``, or
-    ``(out, softmax_lse, S_dmask)`` (``softmax_lse`` ``(Hq, total_q)``) with ``return_attn_probs``."""
+    ``(out, softmax_lse, S_dmask)`` (``softmax_lse`` ``(Hq, total_q)``) with ``return_attn_probs``.
+    ``block_table`` (int32 ``(B, max_pages)``): ``k``/``v`` are paged caches ``(num_pages, page_size, Hkv, D)``
+    and ``cu_seqlens_k`` gives each sequence's key count."""
     from .. import api
 
-    _check_fa2(dropout_p, alibi_slopes, block_table)
+    _check_fa2(dropout_p, alibi_slopes)
     res = api.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                      softmax_scale=softmax_scale, causal=causal, return_lse=bool(return_attn_probs),
-                                     window_size=window_size, softcap=softcap)
+                                     window_size=window_size, softcap=softcap, page_table=block_table)
     return _result(res, return_attn_probs, q)
 
 
@@ -116,8 +129,29 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                                   return_attn_probs)
 
 
-def flash_attn_with_kvcache(*args, **kwargs):
-    """Not implemented: leanfa is a prefill kernel (no KV-cache/paged decode)."""
-    raise NotImplementedError(
-        "flash_attn_with_kvcache is not implemented by leanfa (prefill attention only); "
-        "use flash_attn_varlen_func on the packed prefill tokens")
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+    """flash-attn 2 ``flash_attn_with_kvcache`` without its in-place append and rotary options: ``q``
+    ``(B, Sq, H, D)`` over the first ``cache_seqlens[b]`` keys of each sequence's cache (int, int32 ``(B,)``, or
+    None: the whole cache); caches dense ``(B_cache >= B, S_cache, Hkv, D)`` or, with ``block_table``, paged
+    ``(num_pages, page_size, Hkv, D)``. Returns ``out``, or ``(out, softmax_lse)`` (``(B, H, Sq)``) with
+    ``return_softmax_lse``."""
+    from .. import api
+    from ..flash_attn_interface import cache_lengths
+
+    _check_fa2(0.0, alibi_slopes)
+    reject("k/v (appending new keys to the cache in place)", k is not None or v is not None)
+    reject("rotary_cos/rotary_sin (rotary embedding)", rotary_cos is not None or rotary_sin is not None)
+    reject("cache_batch_idx", cache_batch_idx is not None)
+    reject("cache_leftpad", cache_leftpad is not None)
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
+    batch = q.shape[0]
+    if block_table is None and isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor) \
+            and k_cache.dim() == 4 and k_cache.shape[0] > batch:
+        k_cache, v_cache = k_cache[:batch], v_cache[:batch]  # (no cache_batch_idx: sequence b is entry b)
+    return api.flash_attn_func(q, k_cache, v_cache, softmax_scale=softmax_scale, causal=causal,
+                               return_lse=bool(return_softmax_lse), seqused_k=cache_lengths(cache_seqlens, batch, q.device),
+                               window_size=window_size, softcap=softcap, page_table=block_table)

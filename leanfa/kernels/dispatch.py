@@ -7,8 +7,9 @@ shape, supported Triton: :func:`hopper_applies`, which asks :func:`leanfa.kernel
 measured faster for the call (:func:`portable_faster`: FP8 at head dim 64), else the portable kernel.
 ``backend="hopper"`` demands the Hopper kernel (also before validation, for development) and raises
 where it does not apply; ``backend="portable"`` forces the portable kernel. Calls with features only the
-portable kernel implements (``seqused_q/k``, sliding windows, ``softcap``: :func:`portable_only_reason`) run
-there, with one warning per process and feature where the Hopper kernel would have run them.
+portable kernel implements (``seqused_q/k``, sliding windows, ``softcap``, paged K/V, packed queries over a
+per-sequence K/V cache: :func:`portable_only_reason`) run there, with one warning per process and feature where
+the Hopper kernel would have run them.
 
 On a supported Triton that never ran the GPU suite (:data:`leanfa._versions.GPU_VALIDATED`),
 ``backend="auto"`` runs the first Hopper call of each kernel configuration (:func:`config_key`) in a
@@ -145,6 +146,12 @@ def hopper_applies(problem) -> tuple[bool, str]:
 
 def portable_only_reason(problem) -> str:
     """Why only the portable kernel runs ``problem`` (features the Hopper kernel does not implement), or ``""``."""
+    if problem.paged:
+        return ("paged K/V (page_table/block_table) is not implemented in the Hopper kernel: these calls run on the "
+                "portable kernel")
+    if problem.kv_per_sequence:
+        return ("packed queries (cu_seqlens_q) over a per-sequence (batch, seqlen) K/V cache are not implemented in "
+                "the Hopper kernel: these calls run on the portable kernel")
     if problem.has_seqused:
         return "seqused_q/seqused_k are not implemented in the Hopper kernel: these calls run on the portable kernel"
     if problem.has_window:

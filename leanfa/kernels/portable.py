@@ -29,6 +29,15 @@ outside the band are never loaded. Rows whose window holds no key are 0 with LSE
 that sees no key. ``softcap`` (HAS_SOFTCAP): scores ``s`` (``softmax_scale * q.k``, the true K's
 when K was smoothed) become ``softcap * tanh(s / softcap)`` before the softmax. All three switches
 are constexprs, off by default: the kernels without them compile as before.
+
+Paged K/V (PAGE_SIZE > 0): K and V are caches ``(num_pages, PAGE_SIZE, Hkv, D)`` and key position ``n`` of
+sequence ``b`` is row ``n % PAGE_SIZE`` of page ``PT[b, n // PAGE_SIZE]``. Page sizes divide the key tile or are
+multiples of it (:func:`leanfa.problem.page_size_supported`): a tile inside one page reads one page id and contiguous rows,
+a tile over several pages one id per key (:func:`_paged_rows`); the key loop, masks and scales are those of a
+contiguous call (key positions are logical), so a paged call gives the contiguous call's bits. A sequence's key
+slot is the table row's capacity (``seqlen_k_dense``), or its ``cu_seqlens_k`` length, cut by ``seqused_k``.
+KV_PER_SEQ: packed queries (VARLEN) over K/V indexed per sequence (a dense ``(B, S_cache)`` cache, or pages)
+rather than packed by ``cu_seqlens_k``. Both constexprs are off by default, as above.
 """
 
 from __future__ import annotations
@@ -92,6 +101,38 @@ def _softmax_step(s, c, acc, l_i, m_i, P_SHIFT: tl.constexpr):
 
 
 @triton.jit
+def _block_start(base, start_n, stride_s, PAGE_SIZE: tl.constexpr):
+    """Where a key block of a K or V sequence starts: ``base`` itself for paged K/V (the block's rows are
+    gathered through the page table: :func:`_paged_rows`)."""
+    if PAGE_SIZE > 0:
+        return base
+    else:
+        return base + tl.cast(start_n, tl.int64) * stride_s
+
+
+@triton.jit
+def _paged_rows(pages, stride_pn, start_n, offs_n, key_ok, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr):
+    """Where a key block lies in a paged cache: ``(page, row)`` with key ``n`` at row ``n % PAGE_SIZE`` of page
+    ``pages[n // PAGE_SIZE]`` (table entries ``stride_pn`` apart); a cache's element offset is
+    ``page * page_stride + row * row_stride``. A block inside one page (PAGE_SIZE a multiple of the block: blocks
+    start at multiples of their size) reads one page id (a scalar page, contiguous rows); a block of several
+    pages gathers one id per key (keys past the sequence read id 0: their loads are masked). Block starts lie
+    below the sequence's length, so the ids read are the sequence's own."""
+    BLOCK_N: tl.constexpr = offs_n.shape[0]
+    if PAGE_SIZE >= BLOCK_N:
+        page = tl.load(pages + (start_n // PAGE_SIZE) * stride_pn).to(tl.int64)
+        rows = (start_n % PAGE_SIZE) + offs_n
+    else:
+        cols = start_n + offs_n
+        if MASKED:
+            page = tl.load(pages + (cols // PAGE_SIZE) * stride_pn, mask=key_ok, other=0).to(tl.int64)
+        else:
+            page = tl.load(pages + (cols // PAGE_SIZE) * stride_pn).to(tl.int64)
+        rows = cols % PAGE_SIZE
+    return page, rows
+
+
+@triton.jit
 def _attend_kv_block(
     acc, l_i, m_i, q, c_row,
     k_blk, v_blk, k_scale,
@@ -105,16 +146,25 @@ def _attend_kv_block(
     P_SHIFT: tl.constexpr,
     lo_offset, cap_shift, cap_log2, two_over_cap,
     WINDOW_LEFT: tl.constexpr, SOFTCAP: tl.constexpr,
+    pages, stride_pn, stride_kp, stride_vp, PAGE_SIZE: tl.constexpr,
 ):
     """One KV block of the online softmax; MASKED blocks check key bounds and the causal mask
     (``causal_offset``: row ``r`` sees keys ``<= r + causal_offset``), and with WINDOW_LEFT the window's
     left side (keys ``>= r + lo_offset``). SOFTCAP caps the scores (``cap_shift``: per row, what K
-    smoothing took out of them, in log2 units) before the softmax."""
+    smoothing took out of them, in log2 units) before the softmax. With PAGE_SIZE > 0 (paged K/V) ``k_blk``/
+    ``v_blk`` point at the caches' head and the block's keys are gathered through ``pages`` (the sequence's row
+    of the page table; pages ``stride_kp``/``stride_vp`` apart)."""
     cols = start_n + offs_n
     key_ok = cols < seqlen_k
-    kt = _load_tile(k_blk + offs_n[None, :] * stride_ks + offs_dqk[:, None] * stride_kd,
-                    key_ok[None, :], offs_dqk[:, None] < HEAD_DIM_QK,
-                    MASKED, BLOCK_DQK != HEAD_DIM_QK)
+    if PAGE_SIZE > 0:
+        page, rows = _paged_rows(pages, stride_pn, start_n, offs_n, key_ok, PAGE_SIZE, MASKED)
+        kt = _load_tile(k_blk + (page * stride_kp + rows * stride_ks)[None, :] + offs_dqk[:, None] * stride_kd,
+                        key_ok[None, :], offs_dqk[:, None] < HEAD_DIM_QK,
+                        MASKED, BLOCK_DQK != HEAD_DIM_QK)
+    else:
+        kt = _load_tile(k_blk + offs_n[None, :] * stride_ks + offs_dqk[:, None] * stride_kd,
+                        key_ok[None, :], offs_dqk[:, None] < HEAD_DIM_QK,
+                        MASKED, BLOCK_DQK != HEAD_DIM_QK)
     s = tl.dot(q, _upcast(kt, DOT_UPCAST))
     c = c_row * k_scale
     if SOFTCAP:  # capped scores in the log2 domain; the softmax then takes them unscaled
@@ -128,9 +178,14 @@ def _attend_kv_block(
             visible = visible & (cols[None, :] >= offs_m[:, None] + lo_offset)
         s = tl.where(visible, s, NEG_INF)
     p, acc, l_i, m_new = _softmax_step(s, c, acc, l_i, m_i, P_SHIFT)
-    v = _load_tile(v_blk + offs_n[:, None] * stride_vs + offs_dv[None, :] * stride_vd,
-                   key_ok[:, None], offs_dv[None, :] < HEAD_DIM_V,
-                   MASKED, BLOCK_DV != HEAD_DIM_V)
+    if PAGE_SIZE > 0:
+        v = _load_tile(v_blk + (page * stride_vp + rows * stride_vs)[:, None] + offs_dv[None, :] * stride_vd,
+                       key_ok[:, None], offs_dv[None, :] < HEAD_DIM_V,
+                       MASKED, BLOCK_DV != HEAD_DIM_V)
+    else:
+        v = _load_tile(v_blk + offs_n[:, None] * stride_vs + offs_dv[None, :] * stride_vd,
+                       key_ok[:, None], offs_dv[None, :] < HEAD_DIM_V,
+                       MASKED, BLOCK_DV != HEAD_DIM_V)
     if IS_FP8:
         p8 = to_e4m3(p, False, EXACT_FP8_ROUND)
         # a fresh accumulator per block: the MMA's reduced-precision sum covers one block,
@@ -192,6 +247,7 @@ def _attn_fwd(
     stride_sqb, stride_sqs, stride_sqh, stride_sqd,
     stride_skb, stride_sks, stride_skh, stride_skd,
     stride_svb, stride_svs, stride_svh, stride_svd,
+    PT, stride_ptb, stride_ptn,  # paged K/V's page table; None without paging (no kernel parameters then)
     HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
@@ -202,6 +258,7 @@ def _attn_fwd(
     HAS_USED_Q: tl.constexpr = False, HAS_USED_K: tl.constexpr = False,
     HAS_WINDOW_LEFT: tl.constexpr = False, HAS_WINDOW_RIGHT: tl.constexpr = False,
     HAS_SOFTCAP: tl.constexpr = False,
+    PAGE_SIZE: tl.constexpr = 0, KV_PER_SEQ: tl.constexpr = False,
 ):
     tl.static_assert(SCALE_BLK % BLOCK_N == 0, "a KV tile must lie inside one K scale block")
     P_SHIFT: tl.constexpr = 8.0 if IS_FP8 else 0.0
@@ -211,8 +268,12 @@ def _attn_fwd(
     h = pid_bh % num_heads
     hk = h // group
     q_start, seqlen_q_slot = sequence_span(CU_Q, b, seqlen_q_dense, VARLEN)
-    k_start, seqlen_k = sequence_span(CU_K, b, seqlen_k_dense, VARLEN)
-    v_start, _ = sequence_span(CU_V, b, seqlen_k_dense, VARLEN)  # (packed FP8 V: CU_V may be quantize_fp8's)
+    if KV_PER_SEQ:  # packed queries, K/V per sequence (a dense cache or pages): the key slot is seqlen_k_dense
+        k_start, seqlen_k = sequence_span(CU_K, b, seqlen_k_dense, False)
+        v_start = k_start
+    else:
+        k_start, seqlen_k = sequence_span(CU_K, b, seqlen_k_dense, VARLEN)
+        v_start, _ = sequence_span(CU_V, b, seqlen_k_dense, VARLEN)  # (packed FP8 V: CU_V may be quantize_fp8's)
     start_m = pid_m * BLOCK_M
     if start_m >= seqlen_q_slot:
         return
@@ -232,8 +293,15 @@ def _attn_fwd(
 
     # 64-bit base offsets: B * S * H * D can exceed 2^31 at long context
     q_base = Q + b.to(tl.int64) * stride_qb + (q_start + start_m).to(tl.int64) * stride_qs + h.to(tl.int64) * stride_qh
-    k_base = K + b.to(tl.int64) * stride_kb + k_start.to(tl.int64) * stride_ks + hk.to(tl.int64) * stride_kh
-    v_base = V + b.to(tl.int64) * stride_vb + v_start.to(tl.int64) * stride_vs + hk.to(tl.int64) * stride_vh
+    pages = PT  # (None without paging)
+    if PAGE_SIZE > 0:  # the caches' head; stride_kb/stride_vb are the page strides
+        tl.static_assert(SINK == 0, "BF16 sink keys are not read from paged K/V")
+        pages = PT + b.to(tl.int64) * stride_ptb  # this sequence's row of the page table
+        k_base = K + hk.to(tl.int64) * stride_kh
+        v_base = V + hk.to(tl.int64) * stride_vh
+    else:
+        k_base = K + b.to(tl.int64) * stride_kb + k_start.to(tl.int64) * stride_ks + hk.to(tl.int64) * stride_kh
+        v_base = V + b.to(tl.int64) * stride_vb + v_start.to(tl.int64) * stride_vs + hk.to(tl.int64) * stride_vh
     q = _load_tile(q_base + tl.arange(0, BLOCK_M)[:, None] * stride_qs + offs_dqk[None, :] * stride_qd,
                    row_ok[:, None], offs_dqk[None, :] < HEAD_DIM_QK, True, BLOCK_DQK != HEAD_DIM_QK)
     q = _upcast(q, DOT_UPCAST)
@@ -303,12 +371,13 @@ def _attn_fwd(
             k_scale = tl.load(k_scale_ptr + (start_n // SCALE_BLK) * stride_ksn) if IS_FP8 else 1.0
             acc, l_i, m_i = _attend_kv_block(
                 acc, l_i, m_i, q, c_row,
-                k_base + tl.cast(start_n, tl.int64) * stride_ks, v_base + tl.cast(start_n, tl.int64) * stride_vs,
+                _block_start(k_base, start_n, stride_ks, PAGE_SIZE), _block_start(v_base, start_n, stride_vs, PAGE_SIZE),
                 k_scale, start_n, offs_m, offs_n, offs_dqk, offs_dv, seqlen_k, causal_offset,
                 stride_ks, stride_kd, stride_vs, stride_vd,
                 HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV,
                 True, CAUSAL, IS_FP8, DOT_UPCAST, EXACT_FP8_ROUND, P_SHIFT,
-                lo_offset, cap_shift, cap_log2, two_over_cap, True, HAS_SOFTCAP)
+                lo_offset, cap_shift, cap_log2, two_over_cap, True, HAS_SOFTCAP,
+                pages, stride_ptn, stride_kb, stride_vb, PAGE_SIZE)
         n_begin = n_mid
         n_full = tl.maximum(n_full, n_mid)  # the masked loop below starts past the first one
 
@@ -316,22 +385,24 @@ def _attn_fwd(
         k_scale = tl.load(k_scale_ptr + (start_n // SCALE_BLK) * stride_ksn) if IS_FP8 else 1.0
         acc, l_i, m_i = _attend_kv_block(
             acc, l_i, m_i, q, c_row,
-            k_base + tl.cast(start_n, tl.int64) * stride_ks, v_base + tl.cast(start_n, tl.int64) * stride_vs, k_scale,
-            start_n, offs_m, offs_n, offs_dqk, offs_dv, seqlen_k, causal_offset,
+            _block_start(k_base, start_n, stride_ks, PAGE_SIZE), _block_start(v_base, start_n, stride_vs, PAGE_SIZE),
+            k_scale, start_n, offs_m, offs_n, offs_dqk, offs_dv, seqlen_k, causal_offset,
             stride_ks, stride_kd, stride_vs, stride_vd,
             HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV,
             False, CAUSAL, IS_FP8, DOT_UPCAST, EXACT_FP8_ROUND, P_SHIFT,
-            lo_offset, cap_shift, cap_log2, two_over_cap, False, HAS_SOFTCAP)
+            lo_offset, cap_shift, cap_log2, two_over_cap, False, HAS_SOFTCAP,
+            pages, stride_ptn, stride_kb, stride_vb, PAGE_SIZE)
     for start_n in range(n_full, n_end, BLOCK_N):
         k_scale = tl.load(k_scale_ptr + (start_n // SCALE_BLK) * stride_ksn) if IS_FP8 else 1.0
         acc, l_i, m_i = _attend_kv_block(
             acc, l_i, m_i, q, c_row,
-            k_base + tl.cast(start_n, tl.int64) * stride_ks, v_base + tl.cast(start_n, tl.int64) * stride_vs, k_scale,
-            start_n, offs_m, offs_n, offs_dqk, offs_dv, seqlen_k, causal_offset,
+            _block_start(k_base, start_n, stride_ks, PAGE_SIZE), _block_start(v_base, start_n, stride_vs, PAGE_SIZE),
+            k_scale, start_n, offs_m, offs_n, offs_dqk, offs_dv, seqlen_k, causal_offset,
             stride_ks, stride_kd, stride_vs, stride_vd,
             HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV,
             True, CAUSAL, IS_FP8, DOT_UPCAST, EXACT_FP8_ROUND, P_SHIFT,
-            lo_offset, cap_shift, cap_log2, two_over_cap, HAS_WINDOW_LEFT, HAS_SOFTCAP)
+            lo_offset, cap_shift, cap_log2, two_over_cap, HAS_WINDOW_LEFT, HAS_SOFTCAP,
+            pages, stride_ptn, stride_kb, stride_vb, PAGE_SIZE)
     if SINK > 0:
         # BF16 sink keys, last: the FP8 blocks' P was scaled by their own running max (as if
         # the sink were a separate call), and the online softmax merges the two exactly
@@ -407,7 +478,7 @@ def _prune_configs(configs, named_args, **kwargs):
 _attn_fwd_tuned = triton.autotune(
     configs=_configs(),
     key=["HEAD_DIM_QK", "HEAD_DIM_V", "IS_FP8", "CAUSAL", "VARLEN", "group", "seq_bucket", "RETURN_LSE", "SINK",
-         "HAS_WINDOW_LEFT", "HAS_WINDOW_RIGHT", "HAS_SOFTCAP"],
+         "HAS_WINDOW_LEFT", "HAS_WINDOW_RIGHT", "HAS_SOFTCAP", "PAGE_SIZE", "KV_PER_SEQ"],
     prune_configs_by={"early_config_prune": _prune_configs},
 )(_attn_fwd)
 
@@ -452,7 +523,7 @@ def _launch(problem, out, lse):
     km = k_mean if k_mean is not None else q_scale
     km_strides = k_mean.stride() if k_mean is not None else (0, 0, 0)
     cu_q = p.cu_seqlens_q if p.varlen else q_scale
-    cu_k = p.cu_seqlens_k if p.varlen else q_scale
+    cu_k = p.cu_seqlens_k if p.cu_seqlens_k is not None else q_scale
     cu_v = p.cu_seqlens_v if p.cu_seqlens_v is not None else cu_k  # where each sequence's V starts
     sink = p.sink_keys > 0
     sq, sk, sv = (p.sink_q, p.sink_k, p.sink_v) if sink else (q, k, v)
@@ -476,6 +547,19 @@ def _launch(problem, out, lse):
         args.update(CAUSAL=True, HAS_WINDOW_RIGHT=True)
     if p.softcap > 0:
         args["HAS_SOFTCAP"] = True
+    # paged K/V and packed queries over per-sequence K/V: switched on only where a call has them, as above
+    if p.paged:
+        args["PAGE_SIZE"] = p.page_size
+    if p.kv_per_sequence:
+        args["KV_PER_SEQ"] = True
+    if p.cu_seqlens_k is not None:
+        seqlen_k_dense = 0
+    else:  # a dense key slot per sequence: the tensor's, or the page table row's capacity
+        seqlen_k_dense = p.page_table.shape[1] * p.page_size if p.paged else k.shape[1]
+    # the page table and its strides; None without paging: Triton makes None arguments constexprs, so the kernels
+    # without paging keep their parameter list and compile to the same TTGIR as before paging existed
+    pt = p.page_table if p.paged else None
+    pt_strides = p.page_table.stride() if p.paged else (None, None)
     if interp:
         kernel = _attn_fwd
         args.update(INTERPRETER_TILE)
@@ -492,10 +576,10 @@ def _launch(problem, out, lse):
         q, k, v, out, lse if lse is not None else out, q_scale, k_scale, p.v_scale, km, cu_q, cu_k, cu_v, sq, sk, sv,
         p.seqused_q if p.seqused_q is not None else cu_q, p.seqused_k if p.seqused_k is not None else cu_k,
         p.softmax_scale * LOG2E, p.softmax_scale,
-        p.max_seqlen_q if not p.varlen else 0, k.shape[1] if not p.varlen else 0, p.heads,
+        p.max_seqlen_q if not p.varlen else 0, seqlen_k_dense, p.heads,
         p.heads // p.kv_heads, min(triton.next_power_of_2(p.max_seqlen_q), 1 << 15),
         max(p.window_left, 0), max(p.window_right, 0), float(p.softcap),
-        *_strides4(q, p.varlen), *_strides4(k, p.varlen), *_strides4(v, p.varlen), *_strides4(out, p.varlen),
-        *lse_strides, *qs_strides, *ks_strides, *p.v_scale.stride(), *km_strides, *sink_strides,
+        *_strides4(q, p.varlen), *_strides4(k, k.dim() == 3), *_strides4(v, v.dim() == 3), *_strides4(out, p.varlen),
+        *lse_strides, *qs_strides, *ks_strides, *p.v_scale.stride(), *km_strides, *sink_strides, pt, *pt_strides,
         **args,
     )

@@ -82,7 +82,8 @@ def _summary(name, ck, arch):
 def _attn_types(elem: str, out: str):
     t = {n: "i32" for n in portable._attn_fwd.arg_names if n.startswith("stride_")}
     t.update(Q=f"*{elem}", K=f"*{elem}", V=f"*{elem}", O=f"*{out}", LSE="*fp32", QS="*fp32", KS="*fp32",
-             VS="*fp32", KMEAN="*fp32", CU_Q="*i32", CU_K="*i32", CU_V="*i32", USED_Q="*i32", USED_K="*i32", qk_scale="fp32",
+             VS="*fp32", KMEAN="*fp32", CU_Q="*i32", CU_K="*i32", CU_V="*i32", USED_Q="*i32", USED_K="*i32",
+             PT="*i32", qk_scale="fp32",
              sm_scale="fp32",
              SQ=f"*{'bf16' if elem == 'fp8e4nv' else elem}", SK=f"*{'bf16' if elem == 'fp8e4nv' else elem}",
              SV=f"*{'bf16' if elem == 'fp8e4nv' else elem}",
@@ -133,6 +134,18 @@ def attention_variants(quick: bool = False, fp8: bool = True):
                    IS_FP8=True, DOT_UPCAST=0, EXACT_FP8_ROUND=False, RETURN_LSE=True, HAS_KMEAN=True,
                    SCALE_BLK=128, SINK=0, SINK_SHIFT=False, BLOCK_M=128, BLOCK_N=128, HAS_WINDOW_LEFT=True,
                    HAS_WINDOW_RIGHT=True, HAS_SOFTCAP=True), "fp8e4nv"
+    # paged K/V (issue 25): BF16 packed q over pages (vLLM's call: seqused_k, no cu_seqlens_k) of 16 keys (one page
+    # id per key) and of 128 (one per tile); FP8 dense q over 64-key pages (two ids per 128-key tile) with a window
+    for page, varlen in ((16, True), (128, True)):
+        yield dict(HEAD_DIM_QK=128, HEAD_DIM_V=128, BLOCK_DQK=128, BLOCK_DV=128, CAUSAL=True, VARLEN=varlen,
+                   IS_FP8=False, DOT_UPCAST=0, EXACT_FP8_ROUND=False, RETURN_LSE=True, HAS_KMEAN=False,
+                   SCALE_BLK=128, SINK=0, SINK_SHIFT=False, BLOCK_M=128, BLOCK_N=128, HAS_USED_K=True,
+                   PAGE_SIZE=page, KV_PER_SEQ=varlen, stride_ptn=1), "bf16"
+    if fp8:
+        yield dict(HEAD_DIM_QK=128, HEAD_DIM_V=128, BLOCK_DQK=128, BLOCK_DV=128, CAUSAL=True, VARLEN=False,
+                   IS_FP8=True, DOT_UPCAST=0, EXACT_FP8_ROUND=False, RETURN_LSE=True, HAS_KMEAN=False,
+                   SCALE_BLK=128, SINK=0, SINK_SHIFT=False, BLOCK_M=128, BLOCK_N=128, HAS_USED_K=True,
+                   HAS_WINDOW_LEFT=True, PAGE_SIZE=64, stride_ptn=1), "fp8e4nv"
 
 
 def quant_variants(quick: bool = False):
@@ -186,7 +199,10 @@ def compile_all(target=GPUTarget("cuda", 90, 32), limit=None, verbose=True, quic
         if limit is not None and i >= limit:
             break
         c = {"HAS_USED_Q": False, "HAS_USED_K": False, "HAS_WINDOW_LEFT": False, "HAS_WINDOW_RIGHT": False,
-             "HAS_SOFTCAP": False, **c, **_unit_strides(elem),
+             "HAS_SOFTCAP": False, "PAGE_SIZE": 0, "KV_PER_SEQ": False,
+             # without paging the launch passes the page table and its strides as None (constexprs)
+             **({} if c.get("PAGE_SIZE") else {"PT": None, "stride_ptb": None, "stride_ptn": None}),
+             **c, **_unit_strides(elem),
              **({"stride_sqd": 1, "stride_skd": 1, "stride_svd": 1} if c["SINK"] else {})}
         # the largest tile the autotuner may pick for this head-dim class (portable._configs):
         # 128x128, 3 stages up to d128; 128x64, 2 stages above
@@ -199,7 +215,9 @@ def compile_all(target=GPUTarget("cuda", 90, 32), limit=None, verbose=True, quic
                                 + (" seqused" if c.get("HAS_USED_Q") else "")
                                 + (" window" if c["HAS_WINDOW_LEFT"] else "")
                                 + (" right" if c["HAS_WINDOW_RIGHT"] else "")
-                                + (" softcap" if c["HAS_SOFTCAP"] else ""), ck, target.arch))
+                                + (" softcap" if c["HAS_SOFTCAP"] else "")
+                                + (f" paged={c['PAGE_SIZE']}" if c["PAGE_SIZE"] else "")
+                                + (" kv_per_seq" if c["KV_PER_SEQ"] else ""), ck, target.arch))
     qtypes = {n: "i32" for n in quantize.quantize_blocks.arg_names if n.startswith("stride_")}
     for c, elem in quant_variants(quick) if fp8 else ():
         qtypes.update(X=f"*{elem}", Y="*fp8e4nv", CU="*i32", MEAN="*fp32", SCALE="*fp32", CH_SCALE="*fp32",
