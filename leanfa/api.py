@@ -40,8 +40,10 @@ def _check_inputs(q, k, v, ranks: int) -> None:
             raise TypeError(
                 f"{name} has dtype {t.dtype}; expected torch.bfloat16, torch.float16 or torch.float8_e4m3fn"
             )
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    mixed = q.dtype == k.dtype == FP8_DTYPE and v.dtype in HALF_DTYPES  # the fp8qk mode: 16-bit V
+    if not (q.dtype == k.dtype == v.dtype or mixed):
+        raise TypeError(f"q, k, v must share one dtype (or be float8_e4m3fn q and k with a bf16/fp16 v: the "
+                        f"mixed mode), got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     check_device(q)
@@ -66,6 +68,7 @@ def _check_inputs(q, k, v, ranks: int) -> None:
 
 
 def _resolve_out_dtype(dtype: torch.dtype, out_dtype) -> torch.dtype:
+    """``out_dtype``, or the default for V's ``dtype``: bf16 for FP8, else V's own (the mixed mode's 16-bit V)."""
     if out_dtype is None:
         return torch.bfloat16 if dtype == FP8_DTYPE else dtype
     if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -73,11 +76,14 @@ def _resolve_out_dtype(dtype: torch.dtype, out_dtype) -> torch.dtype:
     return out_dtype
 
 
-def _check_half_descales(dtype, q_descale, k_descale, v_descale, k_mean=None):
+def _check_half_descales(dtype, q_descale, k_descale, v_descale, v_dtype=None):
     if dtype != FP8_DTYPE:
         for name, d in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
             if d is not None:
                 raise ValueError(f"{name} is only meaningful for float8_e4m3fn inputs (got {dtype} inputs)")
+    elif v_dtype is not None and v_dtype != FP8_DTYPE and v_descale is not None:
+        raise ValueError(f"v_descale is only meaningful for a float8_e4m3fn v (got a {v_dtype} v: the mixed mode "
+                         "reads V as it is)")
 
 
 def _check_k_mean(k_mean, batch: int, kv_heads: int, head_dim: int, device) -> None:
@@ -126,7 +132,7 @@ def _build_problem(q, k, v, *, varlen, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     left, right, softcap = _check_window_softcap(window_size, softcap)
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
-    _check_half_descales(q.dtype, q_descale, k_descale, v_descale)
+    _check_half_descales(q.dtype, q_descale, k_descale, v_descale, v.dtype)
     heads, kv_heads = q.shape[-2], k.shape[-2]
     dqk, dv = q.shape[-1], v.shape[-1]
     if varlen:
@@ -167,7 +173,7 @@ def _build_problem(q, k, v, *, varlen, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         cu_seqlens_q=cu_seqlens_q if varlen else None, cu_seqlens_k=cu_seqlens_k if varlen else None,
         causal=causal, softmax_scale=_resolve_scale(softmax_scale, dqk),
         q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, k_mean=k_mean,
-        out_dtype=_resolve_out_dtype(q.dtype, out_dtype), return_lse=return_lse,
+        out_dtype=_resolve_out_dtype(v.dtype, out_dtype), return_lse=return_lse,
         seqused_q=seqused_q, seqused_k=seqused_k, window_left=left, window_right=right, softcap=softcap,
     )
 
@@ -304,7 +310,8 @@ def flash_attn_varlen_func(
     return _run(problem, backend)
 
 
-PRECISIONS = ("fp8", "bf16")
+#: ``attention``'s precisions: FP8 Q, K, V and P; "fp8qk" FP8 Q·K with P·V in 16 bits (the mixed mode); 16 bits
+PRECISIONS = ("fp8", "fp8qk", "bf16")
 
 
 def _attention_fp8_in_kernel_sink(q, k, v, sink_keys, causal, softmax_scale, return_lse, granularity,
@@ -349,6 +356,10 @@ def attention(
 
     ``precision="fp8"`` quantizes Q/K/V with the accurate scheme (per-block Q/K scales,
     K smoothing, per-channel V scales, V stored transposed) and runs the FP8 kernel;
+    ``precision="fp8qk"`` (the mixed mode) quantizes Q and K the same way but leaves V in 16 bits: the
+    scores come from FP8 Q·K, and P (in V's dtype) times V is a 16-bit product with fp32 accumulation, so the
+    e4m3 rounding of P and V (a relative error near 2^-4/sqrt(3) on diffuse attention, whatever the length)
+    is gone, at 1.5x the tensor work of full FP8 (docs/accuracy-notes.md);
     ``precision="bf16"`` runs the 16-bit kernel on the inputs as they are. Pass
     ``cu_seqlens_*``/``max_seqlen_*`` for packed varlen inputs.
 
@@ -400,15 +411,17 @@ def attention(
                                    return_lse=return_lse, backend=backend,
                                    quantize_kwargs=dict(granularity=granularity, smooth_k=smooth_k),
                                    flash_attn_func=flash_attn_func)
-    if precision == "fp8":
+    if precision in ("fp8", "fp8qk"):
         from . import ops
         from .quant import _check as _check_quantize
 
-        # checked here, quantized by the leanfa::quantize_fp8 op (traceable by torch.compile)
-        _check_quantize(q, k, v, granularity, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        # checked here, quantized by the leanfa::quantize_fp8 op (traceable by torch.compile); "fp8qk" leaves V
+        # as it is (16-bit), and the kernels run P.V in 16 bits
+        quantize_v = precision == "fp8"
+        _check_quantize(q, k, v, granularity, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, quantize_v)
         quant = ops.quantize_fp8(q, k, v, granularity=granularity, smooth_k=smooth_k,
                                  cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                                 max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+                                 max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, quantize_v=quantize_v)
         args = dict(softmax_scale=softmax_scale, causal=causal, return_lse=return_lse,
                     out_dtype=q.dtype, backend=backend, window_size=window_size, softcap=softcap)
         if varlen:

@@ -210,24 +210,33 @@ def quantize_fp8_op(
     cu_seqlens_k: Optional[torch.Tensor],
     max_seqlen_q: Optional[int],
     max_seqlen_k: Optional[int],
+    quantize_v: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`leanfa.quantize_fp8` as an op: ``(q8, k8, v8, q_descale, k_descale, v_descale,
-    k_mean)``; ``k_mean`` has zero elements when ``smooth_k`` is False."""
-    return _quantize_fp8_impl(q, k, v, granularity, smooth_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    k_mean)``; ``k_mean`` has zero elements when ``smooth_k`` is False, ``v8`` and ``v_descale`` when
+    ``quantize_v`` is False (V stays the caller's: an op's output may not alias its input)."""
+    return _quantize_fp8_impl(q, k, v, granularity, smooth_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                              quantize_v)
 
 
-def _quantize_fp8_impl(q, k, v, granularity, smooth_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+def _quantize_fp8_impl(q, k, v, granularity, smooth_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                       quantize_v=True):
     from .quant import quantize_checked
 
     # every caller checked the arguments (quant._check) before this op
-    r = quantize_checked(q, k, v, granularity, smooth_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    r = quantize_checked(q, k, v, granularity, smooth_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                         quantize_v=quantize_v)
     k_mean = r.k_mean if r.k_mean is not None else q.new_empty((0,), dtype=torch.float32)
+    if not quantize_v:
+        none = q.new_empty((0,), dtype=torch.float32)
+        return r.q, r.k, none, r.q_descale, r.k_descale, none.clone(), k_mean
     # outputs must not alias each other: a 0-d "tensor" descale is a fresh tensor already
     return r.q, r.k, r.v, r.q_descale, r.k_descale, r.v_descale, k_mean
 
 
 @quantize_fp8_op.register_fake
-def _quantize_fp8_fake(q, k, v, granularity, smooth_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+def _quantize_fp8_fake(q, k, v, granularity, smooth_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                       quantize_v=True):
     from .scales import num_scale_blocks
 
     varlen = cu_seqlens_q is not None
@@ -253,19 +262,26 @@ def _quantize_fp8_fake(q, k, v, granularity, smooth_k, cu_seqlens_q, cu_seqlens_
         qd, kd = q.new_empty((), **f32), q.new_empty((), **f32)
     vd = q.new_empty((), **f32) if granularity == "tensor" else q.new_empty((batch, hkv, dv), **f32)
     k_mean = q.new_empty((batch, hkv, dqk) if smooth_k else (0,), **f32)
+    if not quantize_v:
+        v8, vd = q.new_empty((0,), **f32), q.new_empty((0,), **f32)
     return q8, k8, v8, qd, kd, vd, k_mean
 
 
 def quantize_fp8(q, k, v, granularity="block", smooth_k=True, *, cu_seqlens_q=None, cu_seqlens_k=None,
-                 max_seqlen_q=None, max_seqlen_k=None):
+                 max_seqlen_q=None, max_seqlen_k=None, quantize_v=True):
     """:func:`leanfa.quantize_fp8` through the ``leanfa::quantize_fp8`` op (arguments already
-    checked by the caller); returns an :class:`leanfa.FP8QKV`."""
+    checked by the caller); returns an :class:`leanfa.FP8QKV` (with ``quantize_v=False``: Q and K in FP8,
+    ``v`` the given 16-bit one)."""
     from .quant import FP8QKV
 
     args = (q, k, v, granularity, smooth_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if not quantize_v:  # (the op's default stays out of the call: its traced signature is unchanged)
+        args += (False,)
     if _plain_eager(q, k, v, cu_seqlens_q, cu_seqlens_k):
         q8, k8, v8, qd, kd, vd, k_mean = _quantize_fp8_impl(*args)
     else:
         q8, k8, v8, qd, kd, vd, k_mean = torch.ops.leanfa.quantize_fp8(*args)
+    if not quantize_v:
+        v8, vd = v, None
     return FP8QKV(q=q8, k=k8, v=v8, q_descale=qd, k_descale=kd, v_descale=vd,
                   k_mean=k_mean if smooth_k else None, granularity=granularity)
