@@ -214,8 +214,9 @@ def flash_attn_func(
         q: ``(B, Sq, Hq, Dqk)`` bf16, fp16 or float8_e4m3fn; or an :class:`FP8QKV` from
             :func:`quantize_fp8` (then ``k`` and ``v`` are ``None``).
         k: ``(B, Sk, Hkv, Dqk)``, same dtype; ``Hq % Hkv == 0`` (GQA/MQA).
-        v: ``(B, Sk, Hkv, Dv)``, same dtype. ``(Dqk, Dv)`` is one of 64/64, 128/128,
-            192/128 (MLA), 256/256.
+        v: ``(B, Sk, Hkv, Dv)``, same dtype; or bf16/fp16 with float8_e4m3fn ``q``/``k`` (the mixed mode of
+            ``attention(precision="fp8qk")``: FP8 Q·K, P·V in V's dtype, no ``v_descale``). ``(Dqk, Dv)`` is one of
+            64/64, 128/128, 192/128 (MLA), 256/256.
         softmax_scale: defaults to ``1/sqrt(Dqk)``.
         causal: mask keys after the query; with ``Sq != Sk`` the mask is aligned to the
             bottom-right corner (query ``i`` sees keys ``j <= i + Sk - Sq``), as in flash-attn.
@@ -224,7 +225,7 @@ def flash_attn_func(
             :mod:`leanfa.scales` for the accepted shapes (per tensor, per head ``(B, Hkv)``,
             per 128-token block, per V channel).
         return_lse: also return the log-sum-exp ``(B, Hq, Sq)`` float32, natural log.
-        out_dtype: output dtype; default bf16 for FP8 inputs, else the input dtype.
+        out_dtype: output dtype; default bf16 for an FP8 ``v``, else ``v``'s dtype.
         k_mean: the per-channel mean that was subtracted from K before quantizing (K smoothing);
             only needed to make the returned LSE exact. Set automatically for an FP8QKV.
         backend: ``"auto"`` (Hopper kernel where it applies, else portable: decided by

@@ -295,13 +295,13 @@ def _check(q, k, v, granularity, cu_q, cu_k, max_q, max_k, quantize_v=True):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise TypeError(f"quantize_fp8 takes bf16/fp16/fp32 {name}, got {t.dtype}")
-    if not quantize_v and v.dtype not in (torch.bfloat16, torch.float16):
-        raise TypeError(f"quantize_fp8(quantize_v=False) leaves V as the kernels read it: a bf16/fp16 v, got "
-                        f"{v.dtype}")
         if t.dim() != (3 if varlen else 4):
             raise ValueError(f"{name} must have rank {3 if varlen else 4}, got shape {tuple(t.shape)}")
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+    if not quantize_v and v.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"quantize_fp8(quantize_v=False) leaves V as the kernels read it: a bf16/fp16 v, got "
+                        f"{v.dtype}")
     if varlen:
         if cu_q is None or cu_k is None or max_q is None or max_k is None:
             raise ValueError("varlen quantization needs cu_seqlens_q, cu_seqlens_k, max_seqlen_q and max_seqlen_k")
