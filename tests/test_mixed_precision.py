@@ -156,7 +156,8 @@ def test_quantize_op_without_v(device):
     """The ``leanfa::quantize_fp8`` op with ``quantize_v=False``: schema and fake shapes (its V outputs are empty:
     an op's output may not alias its input, the wrapper puts the caller's V back)."""
     q, k, v = _diffuse(1, 20, 2, 1, 64, 64, seed=0, device=device)
-    torch.library.opcheck(torch.ops.leanfa.quantize_fp8.default, (q, k, v, "block", True, None, None, None, None, False),
+    torch.library.opcheck(torch.ops.leanfa.quantize_fp8.default,
+                          (q, k, v, "block", True, None, None, None, None, False),
                           test_utils=("test_schema", "test_faketensor"))
     from leanfa import ops
 

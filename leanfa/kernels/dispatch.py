@@ -194,8 +194,8 @@ def config_key(problem) -> tuple:
     """The kernel configuration a self-check verdict holds for: input (Q/K and V: the mixed mode) and output
     dtype, head dims, causal, varlen, BF16 sink keys, LSE and its K-mean term."""
     p = problem
-    return (p.q.dtype, p.v.dtype, p.out_dtype, p.head_dim_qk, p.head_dim_v, p.causal, p.varlen, p.sink_keys, p.return_lse,
-            p.k_mean is not None)
+    return (p.q.dtype, p.v.dtype, p.out_dtype, p.head_dim_qk, p.head_dim_v, p.causal, p.varlen, p.sink_keys,
+            p.return_lse, p.k_mean is not None)
 
 
 def _self_checked(problem) -> bool:

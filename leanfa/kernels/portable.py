@@ -410,8 +410,8 @@ def _prune_configs(configs, named_args, **kwargs):
 
 _attn_fwd_tuned = triton.autotune(
     configs=_configs(),
-    key=["HEAD_DIM_QK", "HEAD_DIM_V", "IS_FP8", "MIXED", "CAUSAL", "VARLEN", "group", "seq_bucket", "RETURN_LSE", "SINK",
-         "HAS_WINDOW_LEFT", "HAS_WINDOW_RIGHT", "HAS_SOFTCAP"],
+    key=["HEAD_DIM_QK", "HEAD_DIM_V", "IS_FP8", "MIXED", "CAUSAL", "VARLEN", "group", "seq_bucket", "RETURN_LSE",
+         "SINK", "HAS_WINDOW_LEFT", "HAS_WINDOW_RIGHT", "HAS_SOFTCAP"],
     prune_configs_by={"early_config_prune": _prune_configs},
 )(_attn_fwd)
 

@@ -171,9 +171,9 @@ def fused_quant_compiles(target, dqk: int, dv: int, varlen: bool, smooth: bool, 
     dims = dict(DQK=dqk, BLOCK_DQK=triton.next_power_of_2(dqk), DV=dv, BLOCK_DV=triton.next_power_of_2(dv))
     t = {n: "i32" for n in quantize.kv_stats.arg_names if n.startswith("stride_") or n in ("seqlen_dense", "num_heads", "batch", "nblk")}
     t.update(K="*bf16", V="*bf16", CU="*i32", KSUM="*fp32", VAMAX="*fp32")
-    yield "kv_stats", _compile(quantize.kv_stats, t, dict(**dims, BLOCK_S=SCALE_BLOCK, VARLEN=varlen, WANT_KSUM=smooth,
-                                                          PACKED=varlen, WANT_V=want_v, stride_kd=1, stride_vd=1), target,
-                            num_warps=STATS_WARPS)
+    yield "kv_stats", _compile(quantize.kv_stats, t,
+                               dict(**dims, BLOCK_S=SCALE_BLOCK, VARLEN=varlen, WANT_KSUM=smooth, PACKED=varlen,
+                                    WANT_V=want_v, stride_kd=1, stride_vd=1), target, num_warps=STATS_WARPS)
     t = dict(KSUM="*fp32", VAMAX="*fp32", CU="*i32", KMEAN="*fp32", VS="*fp32", seqlen_dense="i32", num_heads="i32",
              nblk="i32")
     yield "finish_kv_stats", _compile(quantize.finish_kv_stats, t,
