@@ -47,8 +47,10 @@ def _check_inputs(q, k, v, ranks: int, kv_ranks: int | None = None, kv_layout: s
             raise TypeError(
                 f"{name} has dtype {t.dtype}; expected torch.bfloat16, torch.float16 or torch.float8_e4m3fn"
             )
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    mixed = q.dtype == k.dtype == FP8_DTYPE and v.dtype in HALF_DTYPES  # the fp8qk mode: 16-bit V
+    if not (q.dtype == k.dtype == v.dtype or mixed):
+        raise TypeError(f"q, k, v must share one dtype (or be float8_e4m3fn q and k with a bf16/fp16 v: the "
+                        f"mixed mode), got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     check_device(q)
@@ -73,6 +75,7 @@ def _check_inputs(q, k, v, ranks: int, kv_ranks: int | None = None, kv_layout: s
 
 
 def _resolve_out_dtype(dtype: torch.dtype, out_dtype) -> torch.dtype:
+    """``out_dtype``, or the default for V's ``dtype``: bf16 for FP8, else V's own (the mixed mode's 16-bit V)."""
     if out_dtype is None:
         return torch.bfloat16 if dtype == FP8_DTYPE else dtype
     if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -80,11 +83,14 @@ def _resolve_out_dtype(dtype: torch.dtype, out_dtype) -> torch.dtype:
     return out_dtype
 
 
-def _check_half_descales(dtype, q_descale, k_descale, v_descale, k_mean=None):
+def _check_half_descales(dtype, q_descale, k_descale, v_descale, v_dtype=None):
     if dtype != FP8_DTYPE:
         for name, d in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
             if d is not None:
                 raise ValueError(f"{name} is only meaningful for float8_e4m3fn inputs (got {dtype} inputs)")
+    elif v_dtype is not None and v_dtype != FP8_DTYPE and v_descale is not None:
+        raise ValueError(f"v_descale is only meaningful for a float8_e4m3fn v (got a {v_dtype} v: the mixed mode "
+                         "reads V as it is)")
 
 
 def _check_k_mean(k_mean, batch: int, kv_heads: int, head_dim: int, device) -> None:
@@ -128,9 +134,9 @@ def _check_v_tokens(q, k, v, batch: int, cu_seqlens_v) -> None:
     if cu_seqlens_v.numel() != batch + 1 or cu_seqlens_v.device != q.device:
         raise ValueError(f"cu_seqlens_v must have batch + 1 = {batch + 1} entries on {q.device}, got "
                          f"{cu_seqlens_v.numel()} on {cu_seqlens_v.device}")
-    if v.shape[0] != room:
-        raise ValueError(f"a V with cu_seqlens_v has quantize_fp8's {room} token columns for {k.shape[0]} keys in "
-                         f"{batch} sequences, got {v.shape[0]}")
+    if v.shape[0] != room or (v.stride(0) != 1 and v.numel() > 0):
+        raise ValueError(f"a V with cu_seqlens_v is quantize_fp8's: {room} token columns for {k.shape[0]} keys in "
+                         f"{batch} sequences, tokens innermost; got shape {tuple(v.shape)}, strides {v.stride()}")
 
 
 def _normalize_window(causal: bool, left: int, right: int, max_seqlen_q: int, max_seqlen_k: int):
@@ -165,7 +171,7 @@ def _build_problem(q, k, v, *, varlen, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     left, right, softcap = _check_window_softcap(window_size, softcap)
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
-    _check_half_descales(q.dtype, q_descale, k_descale, v_descale)
+    _check_half_descales(q.dtype, q_descale, k_descale, v_descale, v.dtype)
     heads, kv_heads = q.shape[-2], k.shape[-2]
     dqk, dv = q.shape[-1], v.shape[-1]
     dev = q.device
@@ -231,7 +237,7 @@ def _build_problem(q, k, v, *, varlen, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         cu_seqlens_q=cu_seqlens_q if varlen else None, cu_seqlens_k=cu_seqlens_k if varlen else None,
         causal=causal, softmax_scale=_resolve_scale(softmax_scale, dqk),
         q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, k_mean=k_mean,
-        out_dtype=_resolve_out_dtype(q.dtype, out_dtype), return_lse=return_lse,
+        out_dtype=_resolve_out_dtype(v.dtype, out_dtype), return_lse=return_lse,
         seqused_q=seqused_q, seqused_k=seqused_k, window_left=left, window_right=right, softcap=softcap,
         page_table=page_table, cu_seqlens_v=cu_seqlens_v if varlen else None,
         scheduler_metadata=scheduler_metadata if varlen else None,
@@ -275,8 +281,9 @@ def flash_attn_func(
         q: ``(B, Sq, Hq, Dqk)`` bf16, fp16 or float8_e4m3fn; or an :class:`FP8QKV` from
             :func:`quantize_fp8` (then ``k`` and ``v`` are ``None``).
         k: ``(B, Sk, Hkv, Dqk)``, same dtype; ``Hq % Hkv == 0`` (GQA/MQA).
-        v: ``(B, Sk, Hkv, Dv)``, same dtype. ``(Dqk, Dv)`` is one of 64/64, 128/128,
-            192/128 (MLA), 256/256.
+        v: ``(B, Sk, Hkv, Dv)``, same dtype; or bf16/fp16 with float8_e4m3fn ``q``/``k`` (the mixed mode of
+            ``attention(precision="fp8qk")``: FP8 Q·K, P·V in V's dtype, no ``v_descale``). ``(Dqk, Dv)`` is one of
+            64/64, 128/128, 192/128 (MLA), 256/256.
         softmax_scale: defaults to ``1/sqrt(Dqk)``.
         causal: mask keys after the query; with ``Sq != Sk`` the mask is aligned to the
             bottom-right corner (query ``i`` sees keys ``j <= i + Sk - Sq``), as in flash-attn.
@@ -285,7 +292,7 @@ def flash_attn_func(
             :mod:`leanfa.scales` for the accepted shapes (per tensor, per head ``(B, Hkv)``,
             per 128-token block, per V channel).
         return_lse: also return the log-sum-exp ``(B, Hq, Sq)`` float32, natural log.
-        out_dtype: output dtype; default bf16 for FP8 inputs, else the input dtype.
+        out_dtype: output dtype; default bf16 for an FP8 ``v``, else ``v``'s dtype.
         k_mean: the per-channel mean that was subtracted from K before quantizing (K smoothing);
             only needed to make the returned LSE exact. Set automatically for an FP8QKV.
         backend: ``"auto"`` (Hopper kernel where it applies, else portable: decided by
@@ -441,7 +448,8 @@ def _check_schedule(table, q, batch: int, max_seqlen_k: int) -> None:
                          f"max_seqlen_k={max_seqlen_k} (made for another batch?)")
 
 
-PRECISIONS = ("fp8", "bf16")
+#: ``attention``'s precisions: FP8 Q, K, V and P; "fp8qk" FP8 Q·K with P·V in 16 bits (the mixed mode); 16 bits
+PRECISIONS = ("fp8", "fp8qk", "bf16")
 
 
 def _attention_fp8_in_kernel_sink(q, k, v, sink_keys, causal, softmax_scale, return_lse, granularity,
@@ -488,6 +496,10 @@ def attention(
 
     ``precision="fp8"`` quantizes Q/K/V with the accurate scheme (per-block Q/K scales,
     K smoothing, per-channel V scales, V stored transposed) and runs the FP8 kernel;
+    ``precision="fp8qk"`` (the mixed mode) quantizes Q and K the same way but leaves V in 16 bits: the
+    scores come from FP8 Q·K, and P (in V's dtype) times V is a 16-bit product with fp32 accumulation, so the
+    e4m3 rounding of P and V (a relative error near 2^-4/sqrt(3) on diffuse attention, whatever the length)
+    is gone, at 1.5x the tensor work of full FP8 (docs/accuracy-notes.md);
     ``precision="bf16"`` runs the 16-bit kernel on the inputs as they are. Pass
     ``cu_seqlens_*``/``max_seqlen_*`` for packed varlen inputs.
 
@@ -540,15 +552,17 @@ def attention(
                                    return_lse=return_lse, backend=backend,
                                    quantize_kwargs=dict(granularity=granularity, smooth_k=smooth_k),
                                    flash_attn_func=flash_attn_func)
-    if precision == "fp8":
+    if precision in ("fp8", "fp8qk"):
         from . import ops
         from .quant import _check as _check_quantize
 
-        # checked here, quantized by the leanfa::quantize_fp8 op (traceable by torch.compile)
-        _check_quantize(q, k, v, granularity, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        # checked here, quantized by the leanfa::quantize_fp8 op (traceable by torch.compile); "fp8qk" leaves V
+        # as it is (16-bit), and the kernels run P.V in 16 bits
+        quantize_v = precision == "fp8"
+        _check_quantize(q, k, v, granularity, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, quantize_v)
         quant = ops.quantize_fp8(q, k, v, granularity=granularity, smooth_k=smooth_k,
                                  cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                                 max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+                                 max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, quantize_v=quantize_v)
         args = dict(softmax_scale=softmax_scale, causal=causal, return_lse=return_lse,
                     out_dtype=q.dtype, backend=backend, window_size=window_size, softcap=softcap)
         if varlen:

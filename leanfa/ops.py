@@ -224,27 +224,36 @@ def quantize_fp8_op(
     cu_seqlens_k: Optional[torch.Tensor],
     max_seqlen_q: Optional[int],
     max_seqlen_k: Optional[int],
+    quantize_v: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor]:
     """:func:`leanfa.quantize_fp8` as an op: ``(q8, k8, v8, q_descale, k_descale, v_descale,
     k_mean, cu_seqlens_v)``; ``k_mean`` has zero elements when ``smooth_k`` is False, ``cu_seqlens_v``
-    when the inputs are dense."""
-    return _quantize_fp8_impl(q, k, v, granularity, smooth_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    when the inputs are dense or ``quantize_v`` is False, and so do ``v8`` and ``v_descale`` when ``quantize_v``
+    is False (V stays the caller's: an op's output may not alias its input)."""
+    return _quantize_fp8_impl(q, k, v, granularity, smooth_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                              quantize_v)
 
 
-def _quantize_fp8_impl(q, k, v, granularity, smooth_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+def _quantize_fp8_impl(q, k, v, granularity, smooth_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                       quantize_v=True):
     from .quant import quantize_checked
 
     # every caller checked the arguments (quant._check) before this op
-    r = quantize_checked(q, k, v, granularity, smooth_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    r = quantize_checked(q, k, v, granularity, smooth_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                         quantize_v=quantize_v)
     k_mean = r.k_mean if r.k_mean is not None else q.new_empty((0,), dtype=torch.float32)
     cu_v = r.cu_seqlens_v if r.cu_seqlens_v is not None else q.new_empty((0,), dtype=torch.int32)
+    if not quantize_v:
+        none = q.new_empty((0,), dtype=torch.float32)
+        return r.q, r.k, none, r.q_descale, r.k_descale, none.clone(), k_mean, cu_v
     # outputs must not alias each other: a 0-d "tensor" descale is a fresh tensor already
     return r.q, r.k, r.v, r.q_descale, r.k_descale, r.v_descale, k_mean, cu_v
 
 
 @quantize_fp8_op.register_fake
-def _quantize_fp8_fake(q, k, v, granularity, smooth_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+def _quantize_fp8_fake(q, k, v, granularity, smooth_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                       quantize_v=True):
     from .kernels.varlen_v import repacked_tokens
     from .scales import num_scale_blocks
 
@@ -256,13 +265,14 @@ def _quantize_fp8_fake(q, k, v, granularity, smooth_k, cu_seqlens_q, cu_seqlens_
     f32 = dict(dtype=torch.float32)
     q8 = torch.empty_like(q, dtype=FP8_DTYPE, memory_format=torch.contiguous_format)
     k8 = torch.empty_like(k, dtype=FP8_DTYPE, memory_format=torch.contiguous_format)
+    cu_v = q.new_empty((0,), dtype=torch.int32)
     if varlen:
         v8 = v.new_empty((hkv, dv, repacked_tokens(v.shape[0], batch)), dtype=FP8_DTYPE).permute(2, 0, 1)
-        cu_v = q.new_empty((batch + 1,), dtype=torch.int32)
+        if quantize_v:
+            cu_v = q.new_empty((batch + 1,), dtype=torch.int32)
     else:
         tokens = v.shape[1]
         padded = (tokens + V_TOKEN_ALIGN - 1) // V_TOKEN_ALIGN * V_TOKEN_ALIGN
-        cu_v = q.new_empty((0,), dtype=torch.int32)
         v8 = v.new_empty((batch, hkv, dv, padded), dtype=FP8_DTYPE).permute(0, 3, 1, 2)[:, :tokens]
     if granularity == "block":
         qd = q.new_empty((batch, hq, num_scale_blocks(sq)), **f32)
@@ -273,20 +283,27 @@ def _quantize_fp8_fake(q, k, v, granularity, smooth_k, cu_seqlens_q, cu_seqlens_
         qd, kd = q.new_empty((), **f32), q.new_empty((), **f32)
     vd = q.new_empty((), **f32) if granularity == "tensor" else q.new_empty((batch, hkv, dv), **f32)
     k_mean = q.new_empty((batch, hkv, dqk) if smooth_k else (0,), **f32)
+    if not quantize_v:
+        v8, vd = q.new_empty((0,), **f32), q.new_empty((0,), **f32)
     return q8, k8, v8, qd, kd, vd, k_mean, cu_v
 
 
 def quantize_fp8(q, k, v, granularity="block", smooth_k=True, *, cu_seqlens_q=None, cu_seqlens_k=None,
-                 max_seqlen_q=None, max_seqlen_k=None):
+                 max_seqlen_q=None, max_seqlen_k=None, quantize_v=True):
     """:func:`leanfa.quantize_fp8` through the ``leanfa::quantize_fp8`` op (arguments already
-    checked by the caller); returns an :class:`leanfa.FP8QKV`."""
+    checked by the caller); returns an :class:`leanfa.FP8QKV` (with ``quantize_v=False``: Q and K in FP8,
+    ``v`` the given 16-bit one)."""
     from .quant import FP8QKV
 
     args = (q, k, v, granularity, smooth_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if not quantize_v:  # (the op's default stays out of the call: its traced signature is unchanged)
+        args += (False,)
     if _plain_eager(q, k, v, cu_seqlens_q, cu_seqlens_k):
         q8, k8, v8, qd, kd, vd, k_mean, cu_v = _quantize_fp8_impl(*args)
     else:
         q8, k8, v8, qd, kd, vd, k_mean, cu_v = torch.ops.leanfa.quantize_fp8(*args)
+    if not quantize_v:
+        v8, vd = v, None
     return FP8QKV(q=q8, k=k8, v=v8, q_descale=qd, k_descale=kd, v_descale=vd,
                   k_mean=k_mean if smooth_k else None, granularity=granularity,
-                  cu_seqlens_v=cu_v if cu_seqlens_q is not None else None)
+                  cu_seqlens_v=cu_v if cu_seqlens_q is not None and quantize_v else None)

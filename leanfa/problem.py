@@ -115,4 +115,17 @@ class Problem:
 
     @property
     def is_fp8(self) -> bool:
+        """Q and K are FP8 (e4m3, with their descales): the QK side of the call."""
         return self.q.dtype == FP8_DTYPE
+
+    @property
+    def pv_fp8(self) -> bool:
+        """V is FP8 too (P is rounded to e4m3 for the PV product); False for 16-bit calls and for the mixed
+        mode (:attr:`is_mixed`)."""
+        return self.v.dtype == FP8_DTYPE
+
+    @property
+    def is_mixed(self) -> bool:
+        """The mixed-precision mode (``attention(precision="fp8qk")``): FP8 Q and K, a 16-bit V, and P in
+        V's dtype for the PV product."""
+        return self.is_fp8 and not self.pv_fp8

@@ -12,6 +12,8 @@
   batch's V is written in the layout the Hopper kernel's TMA loads read (every sequence from a
   multiple of 16 tokens, ``FP8QKV.cu_seqlens_v``), so a varlen FP8 call copies nothing.
 * Conversion saturates: values beyond ±448 clamp, never become NaN.
+* ``quantize_v=False`` (the mixed mode, ``attention(precision="fp8qk")``): Q and K exactly as above, V
+  left as given (16-bit, token-major, no descale): the kernels then compute P·V in 16 bits.
 * Rotation (``rotate=True``, opt-in, off by default): Q and K are multiplied by the same
   random-sign Hadamard matrix ``R`` (``D x D``, orthogonal) on the head dim before quantizing,
   so ``(QR)(KR)ᵀ = QKᵀ`` and the kernels need no change. It helps only where Q *and* K
@@ -60,7 +62,8 @@ class FP8QKV:
     logical shape, stored transposed. Packed: ``(room, Hkv, Dv)``, stored transposed (tokens innermost), in
     the layout the Hopper kernel's TMA loads read: sequence ``b`` from token ``cu_seqlens_v[b]`` (a multiple of
     16), zeros up to the next multiple of 16 and after the last sequence (``packed_v()`` gives the
-    ``(total, Hkv, Dv)`` tensor without the gaps). Descales: per-block ``(B, H, ceil(S/128))``, per-head
+    ``(total, Hkv, Dv)`` tensor without the gaps); or, from ``quantize_fp8(..., quantize_v=False)``, the
+    caller's 16-bit V itself (then ``v_descale`` and ``cu_seqlens_v`` are None). Descales: per-block ``(B, H, ceil(S/128))``, per-head
     ``(B, H)`` or a 0-d tensor (in a packed batch, the blocks past a shorter sequence's end hold 1);
     ``v_descale`` ``(B, Hkv, Dv)`` or 0-d. ``k_mean``:
     ``(B, Hkv, Dqk)`` float32 mean subtracted from K (in the rotated space when ``rotation``
@@ -72,7 +75,7 @@ class FP8QKV:
     v: torch.Tensor
     q_descale: torch.Tensor
     k_descale: torch.Tensor
-    v_descale: torch.Tensor
+    v_descale: torch.Tensor | None
     k_mean: torch.Tensor | None
     granularity: str
     #: ``(D, D)`` float32 orthogonal matrix applied to Q and K (and so to ``k_mean``) before
@@ -264,9 +267,11 @@ _DIRECT_FINISH_KV_STATS = DirectLaunch(finish_kv_stats)
 _DIRECT_QUANTIZE_QKV = DirectLaunch(quantize_qkv)
 
 
-def _quantize_block_fused(q, k, v, sq: _Seqs, sk: _Seqs, smooth_k: bool):
+def _quantize_block_fused(q, k, v, sq: _Seqs, sk: _Seqs, smooth_k: bool, quantize_v: bool = True):
     """``granularity="block"`` in three launches: per-block K/V statistics, their reduction to
-    the K mean and V descales, then Q, K, V together."""
+    the K mean and V descales, then Q, K, V together. Without ``quantize_v`` (V stays 16-bit: ``v8`` and
+    ``v_descale`` are None) the statistics pass reads K alone (and is skipped without ``smooth_k``) and the
+    quantize pass launches no V programs."""
     dev = q.device
     n_kv = sk.batch * sk.heads
     dqk, dv = q.shape[-1], v.shape[-1]
@@ -275,10 +280,15 @@ def _quantize_block_fused(q, k, v, sq: _Seqs, sk: _Seqs, smooth_k: bool):
     # per-block partials; kv_stats writes only the blocks inside each sequence, the only ones
     # finish_kv_stats reads
     ksum = torch.empty((n_kv, nblk_k, dqk) if smooth_k else (1,), **f32)
-    vamax = torch.empty((n_kv, nblk_k, dv), **f32)
+    vamax = torch.empty((n_kv, nblk_k, dv) if quantize_v else (1,), **f32)
     q8 = torch.empty(q.shape, dtype=FP8_DTYPE, device=dev)
     k8 = torch.empty(k.shape, dtype=FP8_DTYPE, device=dev)
-    v8, cu_v = _aligned_fp8_like(v, sk) if sk.varlen else (_transposed_fp8_like(v, sk), None)
+    if not quantize_v:
+        v8, cu_v = k8, None  # (k8: an unused stand-in for the launches)
+    elif sk.varlen:
+        v8, cu_v = _aligned_fp8_like(v, sk)
+    else:
+        v8, cu_v = _transposed_fp8_like(v, sk), None
     slots_q, slots_k = (block_slots(t.shape[0], s.batch, SCALE_BLOCK) if s.varlen else 0
                         for t, s in ((q, sq), (k, sk)))
     packed = sq.varlen and packed_grid(max(nblk_q, nblk_k), sq.batch, max(slots_q, slots_k))
@@ -288,25 +298,27 @@ def _quantize_block_fused(q, k, v, sq: _Seqs, sk: _Seqs, smooth_k: bool):
     q_descale = scales((sq.batch, sq.heads, nblk_q), **f32)
     k_descale = scales((sk.batch, sk.heads, nblk_k), **f32)
     k_mean = torch.empty((sk.batch, sk.heads, dqk), **f32) if smooth_k else None
-    v_descale = torch.empty((sk.batch, sk.heads, dv), **f32)
+    v_descale = torch.empty((sk.batch, sk.heads, dv) if quantize_v else (1,), **f32)
     bd_qk, bd_v = triton.next_power_of_2(dqk), triton.next_power_of_2(dv)
     cu_k = sk.cu_arg(vamax)
-    if n_kv:
+    if n_kv and (smooth_k or quantize_v):
         _DIRECT_KV_STATS[(slots_k, sk.heads) if packed else (nblk_k, n_kv)](
             k, v, cu_k, ksum, vamax, sk.seqlen_dense, sk.heads, sk.batch, nblk_k,
             *_strides(k, sk.varlen), *_strides(v, sk.varlen),
             DQK=dqk, BLOCK_DQK=bd_qk, DV=dv, BLOCK_DV=bd_v, BLOCK_S=SCALE_BLOCK, VARLEN=sk.varlen,
-            WANT_KSUM=smooth_k, PACKED=packed, num_warps=STATS_WARPS)
+            WANT_KSUM=smooth_k, PACKED=packed, WANT_V=quantize_v, num_warps=STATS_WARPS)
         v8_bytes = v8.view(torch.uint8)
         _DIRECT_FINISH_KV_STATS[(n_kv, triton.cdiv(max(dqk, dv), FINISH_CHANNELS))](
             ksum, vamax, cu_k, k_mean if k_mean is not None else v_descale, v_descale,
             cu_v if cu_v is not None else cu_k, v8_bytes, sk.seqlen_dense, sk.heads, nblk_k, sk.batch,
             v8.shape[0], v8_bytes.stride(1), v8_bytes.stride(2),
             DQK=dqk, DV=dv, BLOCK_C=FINISH_CHANNELS, ROWS=FINISH_ROWS, BLOCK_S=SCALE_BLOCK, VARLEN=sk.varlen,
-            WANT_KSUM=smooth_k, ALIGN_V=V_TOKEN_ALIGN if sk.varlen else 0, TAIL=ALIGNED_V_TAIL)
-    programs = sq.batch * sq.heads + 2 * n_kv
+            WANT_KSUM=smooth_k, WANT_V=quantize_v, ALIGN_V=V_TOKEN_ALIGN if cu_v is not None else 0,
+            TAIL=ALIGNED_V_TAIL)
+    tensors = 2 if quantize_v else 1  # K and V, or K alone: the V programs come last
+    programs = sq.batch * sq.heads + tensors * n_kv
     if programs:
-        _DIRECT_QUANTIZE_QKV[(max(slots_q, slots_k), sq.heads + 2 * sk.heads) if packed
+        _DIRECT_QUANTIZE_QKV[(max(slots_q, slots_k), sq.heads + tensors * sk.heads) if packed
                              else (max(nblk_q, nblk_k), programs)](
             q, k, v, q8, k8, v8, sq.cu_arg(vamax), cu_k, cu_v if cu_v is not None else cu_k, q_descale, k_descale,
             k_mean if k_mean is not None else v_descale, v_descale,
@@ -315,10 +327,12 @@ def _quantize_block_fused(q, k, v, sq: _Seqs, sk: _Seqs, smooth_k: bool):
             *_strides(q8, sq.varlen), *_strides(k8, sk.varlen), *_strides(v8, sk.varlen),
             DQK=dqk, BLOCK_DQK=bd_qk, DV=dv, BLOCK_DV=bd_v, BLOCK_S=SCALE_BLOCK, V_PAD=V_TOKEN_ALIGN,
             VARLEN=sq.varlen, SMOOTH_K=smooth_k, EXACT_ROUND=dev.type == "cpu", PACKED=packed, num_warps=FUSED_WARPS)
+    if not quantize_v:
+        return q8, q_descale, k8, k_descale, k_mean, None, None, None
     return q8, q_descale, k8, k_descale, k_mean, v8, v_descale, cu_v
 
 
-def _check(q, k, v, granularity, cu_q, cu_k, max_q, max_k):
+def _check(q, k, v, granularity, cu_q, cu_k, max_q, max_k, quantize_v=True):
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
     if isinstance(q, torch.Tensor):
@@ -334,6 +348,9 @@ def _check(q, k, v, granularity, cu_q, cu_k, max_q, max_k):
             raise ValueError(f"{name} must have rank {3 if varlen else 4}, got shape {tuple(t.shape)}")
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+    if not quantize_v and v.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"quantize_fp8(quantize_v=False) leaves V as the kernels read it: a bf16/fp16 v, got "
+                        f"{v.dtype}")
     if varlen:
         if cu_q is None or cu_k is None or max_q is None or max_k is None:
             raise ValueError("varlen quantization needs cu_seqlens_q, cu_seqlens_k, max_seqlen_q and max_seqlen_k")
@@ -390,6 +407,7 @@ def quantize_fp8(
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
     rotate: bool = False,
+    quantize_v: bool = True,
 ) -> FP8QKV:
     """Quantize BF16/FP16/FP32 Q, K, V to float8_e4m3fn for :func:`leanfa.flash_attn_func`.
 
@@ -397,14 +415,16 @@ def quantize_fp8(
     ``cu_seqlens_*``/``max_seqlen_*`` (scales and means are then per sequence).
     ``rotate``: rotate Q and K's head dim by :func:`rotation_matrix` first (scores unchanged;
     see the module docstring for when it helps).
+    ``quantize_v=False``: Q and K only; the result's ``v`` is the given bf16/fp16 ``v`` (no copy, no
+    descale), for the mixed mode (FP8 Q·K, 16-bit P·V; ``attention(precision="fp8qk")``).
     """
-    _check(q, k, v, granularity, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    _check(q, k, v, granularity, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, quantize_v)
     return quantize_checked(q, k, v, granularity, smooth_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                            rotate)
+                            rotate, quantize_v)
 
 
 def quantize_checked(q, k, v, granularity, smooth_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                     rotate=False) -> FP8QKV:
+                     rotate=False, quantize_v=True) -> FP8QKV:
     """:func:`quantize_fp8` on arguments its checks already passed (``leanfa.attention`` checks
     once, then quantizes through :mod:`leanfa.ops`: a second check costs ~3% of the end-to-end
     call's host time under cProfile; docs/perf-notes.md, "host time of the FP8 end-to-end call")."""
@@ -416,11 +436,14 @@ def quantize_checked(q, k, v, granularity, smooth_k, cu_seqlens_q, cu_seqlens_k,
     sk = _Seqs(k, cu_seqlens_k, max_seqlen_k)
     sv = _Seqs(v, cu_seqlens_k, max_seqlen_k)
     if granularity == "block" and max(q.shape[-1], v.shape[-1]) <= FUSED_MAX_DIM:
-        q8, q_descale, k8, k_descale, k_mean, v8, v_descale, cu_v = _quantize_block_fused(q, k, v, sq, sk, smooth_k)
+        q8, q_descale, k8, k_descale, k_mean, v8, v_descale, cu_v = _quantize_block_fused(q, k, v, sq, sk, smooth_k,
+                                                                                          quantize_v)
     else:
         k_mean = _channel_stats_launch(k, sk, want_sum=True, want_amax=False)[0] if smooth_k else None
         q8, q_descale = _quantize_qk(q, sq, granularity, None)
         k8, k_descale = _quantize_qk(k, sk, granularity, k_mean)
-        v8, v_descale, cu_v = _quantize_v(v, sv, granularity)
+        v8, v_descale, cu_v = _quantize_v(v, sv, granularity) if quantize_v else (None, None, None)
+    if not quantize_v:
+        v8 = v
     return FP8QKV(q=q8, k=k8, v=v8, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
                   k_mean=k_mean, granularity=granularity, rotation=rotation, cu_seqlens_v=cu_v)

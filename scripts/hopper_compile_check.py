@@ -39,6 +39,12 @@ def variants():
     out.append(Variant("bf16", 128, 128, True, return_lse=True))
     out.append(Variant("bf16", 128, 128, True, v_kmajor=True))
     out.append(Variant("fp8", 192, 128, True, return_lse=True, out_dtype=torch.float32))
+    # the mixed mode (FP8 Q·K, BF16 P·V: attention(precision="fp8qk")), what backend="auto" runs of it
+    for (dqk, dv), causal in itertools.product(((128, 128), (192, 128)), (True, False)):
+        out.append(Variant("mixed", dqk, dv, causal))
+    out.append(Variant("mixed", 128, 128, True, return_lse=True, k_mean=True))
+    for (dqk, dv), causal in (((64, 64), True), ((256, 256), True), ((128, 128), True), ((192, 128), False)):
+        out.append(Variant("mixed", dqk, dv, causal, return_lse=dqk == 256, varlen=dqk in (128, 192)))
     # the default knobs above; below varlen, the other head dims, the sink and the measured options
     for dtype, causal in (("fp8", True), ("fp8", False), ("bf16", True), ("bf16", False)):  # head dim 64
         out.append(Variant(dtype, 64, 64, causal))
@@ -82,7 +88,7 @@ def spill_budget(v: Variant) -> int:
     env = dict(v.env)
     persistent = env.get("LEANFA_HOPPER_PERSISTENT")
     if persistent is None:  # the default (launch.persistent_default)
-        persistent = L.persistent_default(v.dtype == "fp8", int(v.sink), v.dv,
+        persistent = L.persistent_default(v.dtype in ("fp8", "mixed"), int(v.sink), v.dv,
                                           has_kmean=v.k_mean and v.return_lse, dqk=v.dqk)
     return 400 if persistent else 64
 

@@ -494,13 +494,14 @@ def test_v3_fp8_token_major_v(varlen, d):
         q, k, v = _inputs(2, 200, 333, 2, 1, d, d)
         kw = {}
     qq = leanfa.quantize_fp8(q, k, v, **kw)
-    token_major = qq.v.contiguous()
+    token_major = qq.packed_v(kw["cu_seqlens_k"]) if varlen else qq.v.contiguous()  # (packed: without the gaps)
     assert not L.v_is_kmajor(L.as_bshd(token_major)) and L.v_is_kmajor(L.as_bshd(qq.v))
     outs = []
     for vv in (qq.v, token_major):
+        desc = {n: d for n, d in qq.descales().items() if vv is qq.v or n != "cu_seqlens_v"}
         p = _build_problem(qq.q, qq.k, vv, varlen=varlen, **(kw or dict(cu_seqlens_q=None, cu_seqlens_k=None,
                            max_seqlen_q=None, max_seqlen_k=None)), softmax_scale=None, causal=True,
-                           return_lse=False, out_dtype=None, **qq.descales())
+                           return_lse=False, out_dtype=None, **desc)
         outs.append(emulate(p)[0])
     assert not torch.isnan(outs[0]).any()
     assert torch.equal(outs[0], outs[1])
@@ -910,3 +911,113 @@ def test_v3_early_q_release_mutation_caught(monkeypatch):
         assert _caught_against(p, ref_out), "release before the loop not caught"
     finally:
         reset_shadows()
+
+
+# ----------------------------------------------------------------------------- the mixed mode (FP8 QK, 16-bit PV)
+
+def _mixed_diffuse(shape, dims, seed=0):
+    """Diffuse attention (small queries), where FP8's error is the e4m3 rounding of P and V: the mixed mode's FP8 Q
+    and K (quantize_fp8(quantize_v=False)) with the 16-bit V, and the 16-bit inputs."""
+    B, Sq, Sk, Hq, Hkv = shape
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(B, Sq, Hq, dims[0], generator=g) * 0.05).to(torch.bfloat16)
+    k = (torch.randn(B, Sk, Hkv, dims[0], generator=g) + 0.5).to(torch.bfloat16)
+    v = torch.randn(B, Sk, Hkv, dims[1], generator=g).to(torch.bfloat16)
+    return q, k, v
+
+
+MIXED_CASES = [((1, 300, 700, 2, 1), (128, 128), True), ((1, 700, 300, 2, 2), (192, 128), False),
+               ((1, 1, 600, 2, 1), (64, 64), True), ((1, 300, 300, 2, 1), (256, 256), False)]
+
+
+@pytest.mark.parametrize("shape,dims,causal", MIXED_CASES)
+def test_v3_mixed_matches_reference(shape, dims, causal):
+    """The mixed mode on the Hopper kernel's default plan (MIXED: P in bf16, a BF16 PV wgmma into O, V token-major):
+    output and LSE against the float64 reference of its own (dequantized) inputs within a 16-bit kernel's error,
+    and against the 16-bit inputs' reference well below the FP8 mode's error (a V or P still rounded to e4m3
+    fails this)."""
+    reset_shadows()
+    q, k, v = _mixed_diffuse(shape, dims)
+    qq = leanfa.quantize_fp8(q, k, v, quantize_v=False)
+    kw = dict(q_descale=qq.q_descale, k_descale=qq.k_descale, k_mean=qq.k_mean)
+    p = _problem(qq.q, qq.k, v, causal, **kw)
+    assert p.is_mixed
+    plan = emulate_mod._make_plan_cpu(L, p, torch.empty(*p.q.shape[:3], dims[1], dtype=torch.bfloat16), None)
+    assert plan.constexprs["MIXED"] and plan.constexprs["IS_FP8"] and not plan.constexprs["V_KMAJOR"]
+    _check(p, 1e-2, **kw)
+    out, _, _ = emulate(p)
+    ref16 = attention_ref(q, k, v, causal=causal)
+    qf = leanfa.quantize_fp8(q, k, v)
+    out8, _, _ = emulate(_problem(qf.q, qf.k, qf.v, causal, **qf.descales()))
+    err, err8 = (float((o.double() - ref16).norm() / ref16.norm()) for o in (out, out8))
+    assert err < 0.35 * err8, (err, err8)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("persistent", ["0", "1"])
+def test_v3_mixed_varlen(causal, persistent, monkeypatch):
+    """Packed varlen in the mixed mode: the 16-bit V is read as the BF16 path reads it (no re-pack), every sequence
+    against the float64 reference, every output row written."""
+    from leanfa.api import _build_problem
+
+    monkeypatch.setenv("LEANFA_HOPPER_PERSISTENT", persistent)
+    reset_shadows()
+    lq, lk = [0, 1, 130, 300, 77], [16, 48, 304, 128, 77]
+    g = torch.Generator().manual_seed(5)
+    cu_q, cu_k = cu_seqlens(lq), cu_seqlens(lk)
+    q = (torch.randn(int(cu_q[-1]), 2, 128, generator=g) * 0.05).to(torch.bfloat16)
+    k = (torch.randn(int(cu_k[-1]), 1, 128, generator=g) + 1).to(torch.bfloat16)
+    v = torch.randn(int(cu_k[-1]), 1, 128, generator=g).to(torch.bfloat16)
+    cu = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lq), max_seqlen_k=max(lk))
+    qq = leanfa.quantize_fp8(q, k, v, quantize_v=False, **cu)
+    p = _build_problem(qq.q, qq.k, qq.v, varlen=True, **cu, softmax_scale=None, causal=causal, return_lse=True,
+                       out_dtype=None, **qq.descales())
+    out, lse, _ = emulate(p)
+    ref, ref_lse = attention_ref(p.q, p.k, p.v, causal=causal, return_lse=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                 q_descale=p.q_scale, k_descale=p.k_scale, k_mean=p.k_mean)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    for i in range(len(lq)):
+        rows = slice(int(cu_q[i]), int(cu_q[i + 1]))
+        o, r = out[rows].double(), ref[rows]
+        if r.numel() and r.norm() > 0:
+            assert float((o - r).norm() / r.norm()) < 1e-2, f"sequence {i}"
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isinf(lse), ~fin)
+    assert float((lse.double() - ref_lse)[fin].abs().max()) < 1e-2
+
+
+def test_v3_mixed_plan():
+    """The mixed mode's plan: FP8 Q/K descriptors, a token-major BF16 V, the ring sized for 1-byte K and 2-byte V
+    rows, the FP8 grid and epilogue where the output boxes leave three slots (d128), register stores at MLA."""
+    for dims, stages, tma_store in (((128, 128), 3, True), ((192, 128), 3, False), ((64, 64), 4, True)):
+        q, k, v = _mixed_diffuse((1, 256, 256, 2, 1), dims)
+        qq = leanfa.quantize_fp8(q, k, v, quantize_v=False)
+        p = _problem(qq.q, qq.k, v, True, lse=False, q_descale=qq.q_descale, k_descale=qq.k_descale)
+        plan = emulate_mod._make_plan_cpu(L, p, torch.empty(1, 256, 2, dims[1], dtype=torch.bfloat16), None)
+        c = plan.constexprs
+        assert c["MIXED"] and not c["V_KMAJOR"] and c["STAGES"] == stages and c["STORE_TMA"] == tma_store, (dims, c)
+        assert c["PERSISTENT"] and plan.args[2].base.dtype == torch.bfloat16
+        assert L._smem_bytes(dims[0], dims[1], 1, stages, extra=128 * dims[1] * 2 * tma_store, v_elt=2) <= L.SMEM_LIMIT
+
+
+@pytest.mark.parametrize("old,new", [
+    # P rounded to e4m3 (the FP8 path's P) instead of V's 16-bit dtype
+    ("v_bufs.dtype, p_layout, o_layout", "k_bufs.dtype, p_layout, o_layout"),
+])
+def test_v3_mixed_mutation_caught(old, new):
+    """A mixed kernel that still rounds P to e4m3 fails the mixed accuracy check."""
+    reset_shadows()
+    try:
+        _mutated(KP._consumer_block, old, new)
+        with pytest.raises(AssertionError) as caught:
+            _mixed_check_mutated(*MIXED_CASES[0])
+        assert not isinstance(caught.value, EmulationError)  # the numbers, not the protocol
+    finally:
+        reset_shadows()
+
+
+def _mixed_check_mutated(shape, dims, causal):
+    q, k, v = _mixed_diffuse(shape, dims)
+    qq = leanfa.quantize_fp8(q, k, v, quantize_v=False)
+    kw = dict(q_descale=qq.q_descale, k_descale=qq.k_descale, k_mean=qq.k_mean)
+    _check(_problem(qq.q, qq.k, v, causal, **kw), 1e-2, **kw)

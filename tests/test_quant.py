@@ -93,6 +93,26 @@ def test_varlen_means_are_per_sequence(device):
     assert qt.packed_v(cu).shape == k.shape
 
 
+def test_aligned_v_needs_its_starts(device):
+    """A packed FP8QKV's V passed tensor by tensor: without cu_seqlens_v (the hint names it), in another layout
+    with it, or cu_seqlens_v on 16-bit inputs: a ValueError, never a silent misread."""
+    lens = [3, 40]
+    cu = cu_seqlens(lens, device)
+    q, k, v = (torch.randn(43, 2, 64).to(torch.bfloat16).to(device) for _ in range(3))
+    qt = leanfa.quantize_fp8(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=40, max_seqlen_k=40)
+    d = qt.descales()
+    out = leanfa.flash_attn_varlen_func(qt.q, qt.k, qt.v, cu, cu, 40, 40, causal=True, **d)
+    torch.testing.assert_close(out, leanfa.flash_attn_varlen_func(qt, None, None, cu, cu, 40, 40, causal=True))
+    no_starts = {n: t for n, t in d.items() if n != "cu_seqlens_v"}
+    with pytest.raises(ValueError, match="cu_seqlens_v"):
+        leanfa.flash_attn_varlen_func(qt.q, qt.k, qt.v, cu, cu, 40, 40, **no_starts)
+    with pytest.raises(ValueError, match="tokens innermost"):
+        leanfa.flash_attn_varlen_func(qt.q, qt.k, qt.v.contiguous(), cu, cu, 40, 40, **d)
+    with pytest.raises(ValueError, match="not FP8"):
+        leanfa.flash_attn_varlen_func(q, k, torch.zeros_like(qt.v, dtype=q.dtype), cu, cu, 40, 40,
+                                      cu_seqlens_v=qt.cu_seqlens_v)
+
+
 @pytest.mark.parametrize("packed", [False, True])  # (the fused quantizer's two grids, quant.packed_grid)
 @pytest.mark.parametrize("dim", [128, 256])  # the fused quantizer, and the per-tensor kernels plus the re-pack
 def test_packed_v_in_the_aligned_layout(device, monkeypatch, dim, packed):

@@ -13,7 +13,7 @@ import leanfa.integrations.transformers as lt  # noqa: E402
 
 # relative L2 error of the logits vs eager attention (float32 model): bf16 attention rounds
 # Q/K/V/P to 8 mantissa bits (measured ~3.5e-3), FP8 e4m3 to 4 (measured ~3e-2)
-TOL = {"leanfa": 1.5e-2, "leanfa_fp8": 8e-2}
+TOL = {"leanfa": 1.5e-2, "leanfa_fp8": 8e-2, "leanfa_fp8qk": 8e-2}
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +48,7 @@ def calls(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("impl", ["leanfa", "leanfa_fp8"])
+@pytest.mark.parametrize("impl", ["leanfa", "leanfa_fp8", "leanfa_fp8qk"])
 def test_logits_match_eager(model, impl, calls, device):
     ids = torch.randint(0, 100, (1, 20), generator=torch.Generator().manual_seed(1))
     ref = _logits(model, "eager", ids, device=device)
@@ -86,7 +86,7 @@ def test_registered_names():
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    for name in ("leanfa", "leanfa_fp8"):
+    for name in ("leanfa", "leanfa_fp8", "leanfa_fp8qk"):
         assert name in AttentionInterface._global_mapping
         assert name in AttentionMaskInterface._global_mapping
 

@@ -10,6 +10,8 @@ Rows:
 
 * ``leanfa-<backend>-fp8``: :func:`leanfa.attention` with ``precision="fp8"``: BF16 in, BF16
   out, the quantization (per-block Q/K scales, K smoothing, per-channel V) inside the timing;
+* ``leanfa-<backend>-fp8qk``: :func:`leanfa.attention` with ``precision="fp8qk"`` (the mixed mode: Q and K
+  quantized as above, V left in BF16, P·V in BF16), end to end; an FP8 row (compared to cuDNN FP8);
 * ``leanfa-<backend>-fp8-kernel``: ``flash_attn_func(quantize_fp8(q, k, v))``, the kernel
   alone on inputs quantized beforehand;
 * ``leanfa-<backend>-bf16``: ``flash_attn_func`` on the BF16 inputs;
@@ -136,12 +138,13 @@ def _leanfa_bf16(backend: str):
     return prepare
 
 
-def _leanfa_fp8_e2e(backend: str):
+def _leanfa_fp8_e2e(backend: str, precision: str = "fp8"):
+    """attention(precision="fp8"), or "fp8qk" (the mixed mode: FP8 Q·K, BF16 P·V)."""
     def prepare(case: Case, x: Inputs) -> Prepared:
         lf = _leanfa()
         kw = _varlen_kw(x) if x.varlen else {}
         return Prepared(_leanfa_call(lambda: lf.attention(x.q, x.k, x.v, causal=case.causal,
-                                                          precision="fp8", backend=backend, **kw)))
+                                                          precision=precision, backend=backend, **kw)))
     return prepare
 
 
@@ -422,6 +425,9 @@ def all_impls() -> list[Impl]:
                  f"leanfa.attention(precision='fp8', bf16_sink_keys=128, backend='{b}'): "
                  + ("sink keys inside the FP8 kernel" if b == "portable" else "BF16 and FP8 calls merged by LSE"),
                  _leanfa_fp8_sink(b), ok),
+            Impl(f"leanfa-{b}-fp8qk", "leanfa", "fp8", "e2e",
+                 f"leanfa.attention(precision='fp8qk', backend='{b}'): FP8 Q·K, BF16 P·V (the mixed mode)",
+                 _leanfa_fp8_e2e(b, "fp8qk"), ok),
             Impl(f"leanfa-{b}-fp8-kernel", "leanfa", "fp8", "kernel",
                  f"flash_attn_func(quantize_fp8(q, k, v), backend='{b}'): kernel alone",
                  _leanfa_fp8_kernel(b), ok),

@@ -1,4 +1,4 @@
-"""Hugging Face transformers attention implementations ``"leanfa"`` (BF16) and ``"leanfa_fp8"``.
+"""Hugging Face transformers attention implementations ``"leanfa"`` (BF16), ``"leanfa_fp8"`` and ``"leanfa_fp8qk"``.
 
     import leanfa.integrations.transformers as lt
     lt.register()                                   # idempotent; done on import too
@@ -13,7 +13,8 @@ Behaviour:
   (so prefill and prefill-with-cache both work); ``scaling`` is passed as ``softmax_scale``.
 * ``"leanfa"`` runs the 16-bit kernel: float32 models are cast to bf16 for the attention
   only (fp16/bf16 models run in their own dtype). ``"leanfa_fp8"`` quantizes Q/K/V with
-  :func:`leanfa.quantize_fp8` (per-block scales, K smoothing) and runs the FP8 kernel.
+  :func:`leanfa.quantize_fp8` (per-block scales, K smoothing) and runs the FP8 kernel;
+  ``"leanfa_fp8qk"`` the mixed mode (``attention(precision="fp8qk")``: FP8 Q·K, P·V in BF16).
 * Masks: the mask function registered for these names is transformers' flash-attention one,
   so no dense mask is built: without padding the attention gets ``attention_mask=None`` and runs
   leanfa. **With padding** (a 2-D mask with zeros, or any 4-D mask) leanfa has no kernel for
@@ -29,7 +30,7 @@ import warnings
 
 import torch
 
-NAMES = {"leanfa": "bf16", "leanfa_fp8": "fp8"}
+NAMES = {"leanfa": "bf16", "leanfa_fp8": "fp8", "leanfa_fp8qk": "fp8qk"}
 _warned_fallback = False
 
 
@@ -90,7 +91,7 @@ ATTENTION_FUNCTIONS = {name: _attention(precision) for name, precision in NAMES.
 
 
 def register() -> None:
-    """Register ``"leanfa"`` and ``"leanfa_fp8"`` with ``transformers.AttentionInterface`` and
+    """Register ``"leanfa"``, ``"leanfa_fp8"`` and ``"leanfa_fp8qk"`` with ``transformers.AttentionInterface`` and
     ``AttentionMaskInterface`` (flash-attention style masks: None unless there is padding)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask

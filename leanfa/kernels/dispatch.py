@@ -95,9 +95,9 @@ def _hopper():
 
 def portable_faster(problem) -> bool:
     """Whether ``backend="auto"`` runs this call on the portable kernel, measured faster there
-    (:data:`PORTABLE_FASTER_FP8`), although the Hopper kernel supports it (``backend="hopper"`` still runs it
-    there)."""
-    return problem.is_fp8 and (problem.head_dim_qk, problem.head_dim_v) in PORTABLE_FASTER_FP8
+    (:data:`PORTABLE_FASTER_FP8`: full FP8; the mixed mode's 16-bit PV was not measured there and stays on the
+    Hopper kernel), although the Hopper kernel supports it (``backend="hopper"`` still runs it there)."""
+    return problem.pv_fp8 and (problem.head_dim_qk, problem.head_dim_v) in PORTABLE_FASTER_FP8
 
 
 def hopper_sink_enabled(dims=None, sink_keys=None) -> bool:
@@ -198,11 +198,11 @@ def run(problem, backend: str):
 # ----------------------------------------------------------------------------- self-check
 
 def config_key(problem) -> tuple:
-    """The kernel configuration a self-check verdict holds for: input and output dtype, head dims, causal,
-    varlen, BF16 sink keys, LSE and its K-mean term."""
+    """The kernel configuration a self-check verdict holds for: input (Q/K and V: the mixed mode) and output
+    dtype, head dims, causal, varlen, BF16 sink keys, LSE and its K-mean term."""
     p = problem
-    return (p.q.dtype, p.out_dtype, p.head_dim_qk, p.head_dim_v, p.causal, p.varlen, p.sink_keys, p.return_lse,
-            p.k_mean is not None)
+    return (p.q.dtype, p.v.dtype, p.out_dtype, p.head_dim_qk, p.head_dim_v, p.causal, p.varlen, p.sink_keys,
+            p.return_lse, p.k_mean is not None)
 
 
 def _self_checked(problem) -> bool:
@@ -271,7 +271,8 @@ def probe_problem(problem):
     """A small problem of ``problem``'s configuration (:func:`config_key`) on its device, from seeded random
     inputs: one sequence of :data:`SELF_CHECK_TOKENS` tokens (varlen: :data:`SELF_CHECK_VARLEN`), two query
     heads (sharing one KV head where ``problem`` has grouped KV heads), unit descales; FP8 V stored
-    transposed (tokens innermost), as :func:`leanfa.quantize_fp8` writes it."""
+    transposed (tokens innermost), as :func:`leanfa.quantize_fp8` writes it (the mixed mode's 16-bit V
+    token-major)."""
     p = problem
     dev = p.q.device
     g = torch.Generator(device=dev).manual_seed(0)
@@ -289,12 +290,15 @@ def probe_problem(problem):
     def rand(*shape, dtype):
         return torch.randn(*shape, generator=g, device=dev).to(dtype)
 
-    sixteen = p.sink_q.dtype if p.sink_keys else torch.bfloat16 if p.is_fp8 else p.q.dtype
+    sixteen = (p.sink_q.dtype if p.sink_keys else p.v.dtype if p.is_mixed else torch.bfloat16 if p.is_fp8
+               else p.q.dtype)
     q, k, v = (rand(*lead, tokens, h, d, dtype=sixteen) for h, d in ((hq, dqk), (hkv, dqk), (hkv, dv)))
     sink = dict(sink_q=q, sink_k=k, sink_v=v) if p.sink_keys else {}
-    if p.is_fp8:  # V stored (.., H, D, S), viewed as (.., S, H, D)
+    if p.is_fp8:
+        q, k = q.to(p.q.dtype), k.to(p.q.dtype)
+    if p.pv_fp8:  # V stored (.., H, D, S), viewed as (.., S, H, D)
         to_hds, to_shd = ((1, 2, 0), (2, 0, 1)) if p.varlen else ((0, 2, 3, 1), (0, 3, 1, 2))
-        q, k, v = q.to(p.q.dtype), k.to(p.q.dtype), v.permute(*to_hds).contiguous().to(p.q.dtype).permute(*to_shd)
+        v = v.permute(*to_hds).contiguous().to(p.q.dtype).permute(*to_shd)
     ones = torch.ones((1, 1, 1), dtype=torch.float32, device=dev)
     k_mean = rand(batch, hkv, dqk, dtype=torch.float32) * 0.1 if p.k_mean is not None else None
     return dataclasses.replace(
@@ -305,7 +309,8 @@ def probe_problem(problem):
 
 def _describe(problem) -> str:
     p = problem
-    dtype = str(p.q.dtype).replace("torch.", "")
+    dtype = str(p.q.dtype).replace("torch.", "") + (f" with a {str(p.v.dtype).replace('torch.', '')} v (the mixed "
+                                                     "mode)" if p.is_mixed else "")
     return (f"{dtype} head dims {p.head_dim_qk}/{p.head_dim_v}, {'causal' if p.causal else 'non-causal'}"
             f"{', varlen' if p.varlen else ''}{f', {p.sink_keys} BF16 sink keys' if p.sink_keys else ''}"
             f"{', with LSE' if p.return_lse else ''} -> {str(p.out_dtype).replace('torch.', '')}")

@@ -10,8 +10,10 @@ The algorithm (one program = one block of BLOCK_M query rows of one head):
     O      = O * exp2(m - m_new) + P V  (FP8: P in e4m3, each block's P V added in fp32)
 
 P_SHIFT = 8 for FP8 scales P by 256 into the e4m3 range at no cost (l carries the same
-factor, so O / l is unchanged); 0 for BF16/FP16. At the end O / l is multiplied by the
-per-channel V descale, and LSE = (m - P_SHIFT + log2 l) * ln 2 (plus softmax_scale * q·k_mean
+factor, so O / l is unchanged); 0 for BF16/FP16. The mixed mode (MIXED: FP8 Q and K with their
+descales, a 16-bit V; ``attention(precision="fp8qk")``) takes the FP8 path for S and the 16-bit one
+for P V: P in V's dtype, accumulated into O by the MMA, P_SHIFT 0, no V descale. At the end O / l is
+multiplied by the per-channel V descale (FP8 V), and LSE = (m - P_SHIFT + log2 l) * ln 2 (plus softmax_scale * q·k_mean
 when K was smoothed). Causal programs skip KV blocks entirely above the diagonal and mask only
 the blocks that cross it; the grid launches the heaviest query blocks first.
 
@@ -142,7 +144,7 @@ def _attend_kv_block(
     HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-    IS_FP8: tl.constexpr, DOT_UPCAST: tl.constexpr, EXACT_FP8_ROUND: tl.constexpr,
+    PV_FP8: tl.constexpr, DOT_UPCAST: tl.constexpr, EXACT_FP8_ROUND: tl.constexpr,
     P_SHIFT: tl.constexpr,
     lo_offset, cap_shift, cap_log2, two_over_cap,
     WINDOW_LEFT: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -153,7 +155,8 @@ def _attend_kv_block(
     left side (keys ``>= r + lo_offset``). SOFTCAP caps the scores (``cap_shift``: per row, what K
     smoothing took out of them, in log2 units) before the softmax. With PAGE_SIZE > 0 (paged K/V) ``k_blk``/
     ``v_blk`` point at the caches' head and the block's keys are gathered through ``pages`` (the sequence's row
-    of the page table; pages ``stride_kp``/``stride_vp`` apart)."""
+    of the page table; pages ``stride_kp``/``stride_vp`` apart). PV_FP8: P rounded to e4m3 for an FP8
+    V; otherwise P in V's (16-bit) dtype."""
     cols = start_n + offs_n
     key_ok = cols < seqlen_k
     if PAGE_SIZE > 0:
@@ -186,7 +189,7 @@ def _attend_kv_block(
         v = _load_tile(v_blk + offs_n[:, None] * stride_vs + offs_dv[None, :] * stride_vd,
                        key_ok[:, None], offs_dv[None, :] < HEAD_DIM_V,
                        MASKED, BLOCK_DV != HEAD_DIM_V)
-    if IS_FP8:
+    if PV_FP8:
         p8 = to_e4m3(p, False, EXACT_FP8_ROUND)
         # a fresh accumulator per block: the MMA's reduced-precision sum covers one block,
         # and the running sum stays in fp32
@@ -257,11 +260,13 @@ def _attn_fwd(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_USED_Q: tl.constexpr = False, HAS_USED_K: tl.constexpr = False,
     HAS_WINDOW_LEFT: tl.constexpr = False, HAS_WINDOW_RIGHT: tl.constexpr = False,
-    HAS_SOFTCAP: tl.constexpr = False,
+    HAS_SOFTCAP: tl.constexpr = False, MIXED: tl.constexpr = False,
     PAGE_SIZE: tl.constexpr = 0, KV_PER_SEQ: tl.constexpr = False,
 ):
     tl.static_assert(SCALE_BLK % BLOCK_N == 0, "a KV tile must lie inside one K scale block")
-    P_SHIFT: tl.constexpr = 8.0 if IS_FP8 else 0.0
+    tl.static_assert(IS_FP8 or not MIXED, "the mixed mode has FP8 Q and K")
+    PV_FP8: tl.constexpr = IS_FP8 and not MIXED  # IS_FP8: the QK side; PV_FP8: P and V in e4m3
+    P_SHIFT: tl.constexpr = 8.0 if PV_FP8 else 0.0
     pid_bh = tl.program_id(0)
     pid_m = tl.num_programs(1) - 1 - tl.program_id(1)  # heaviest (last) query blocks first
     b = pid_bh // num_heads
@@ -375,7 +380,7 @@ def _attn_fwd(
                 k_scale, start_n, offs_m, offs_n, offs_dqk, offs_dv, seqlen_k, causal_offset,
                 stride_ks, stride_kd, stride_vs, stride_vd,
                 HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV,
-                True, CAUSAL, IS_FP8, DOT_UPCAST, EXACT_FP8_ROUND, P_SHIFT,
+                True, CAUSAL, PV_FP8, DOT_UPCAST, EXACT_FP8_ROUND, P_SHIFT,
                 lo_offset, cap_shift, cap_log2, two_over_cap, True, HAS_SOFTCAP,
                 pages, stride_ptn, stride_kb, stride_vb, PAGE_SIZE)
         n_begin = n_mid
@@ -389,7 +394,7 @@ def _attn_fwd(
             k_scale, start_n, offs_m, offs_n, offs_dqk, offs_dv, seqlen_k, causal_offset,
             stride_ks, stride_kd, stride_vs, stride_vd,
             HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV,
-            False, CAUSAL, IS_FP8, DOT_UPCAST, EXACT_FP8_ROUND, P_SHIFT,
+            False, CAUSAL, PV_FP8, DOT_UPCAST, EXACT_FP8_ROUND, P_SHIFT,
             lo_offset, cap_shift, cap_log2, two_over_cap, False, HAS_SOFTCAP,
             pages, stride_ptn, stride_kb, stride_vb, PAGE_SIZE)
     for start_n in range(n_full, n_end, BLOCK_N):
@@ -400,13 +405,13 @@ def _attn_fwd(
             k_scale, start_n, offs_m, offs_n, offs_dqk, offs_dv, seqlen_k, causal_offset,
             stride_ks, stride_kd, stride_vs, stride_vd,
             HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV,
-            True, CAUSAL, IS_FP8, DOT_UPCAST, EXACT_FP8_ROUND, P_SHIFT,
+            True, CAUSAL, PV_FP8, DOT_UPCAST, EXACT_FP8_ROUND, P_SHIFT,
             lo_offset, cap_shift, cap_log2, two_over_cap, HAS_WINDOW_LEFT, HAS_SOFTCAP,
             pages, stride_ptn, stride_kb, stride_vb, PAGE_SIZE)
     if SINK > 0:
         # BF16 sink keys, last: the FP8 blocks' P was scaled by their own running max (as if
         # the sink were a separate call), and the online softmax merges the two exactly
-        tl.static_assert(IS_FP8, "BF16 sink keys are part of an FP8 call")
+        tl.static_assert(PV_FP8, "BF16 sink keys are part of an FP8 call")
         tl.static_assert(SINK % BLOCK_N == 0, "the sink is whole KV tiles")
         qb = _load_tile(SQ + b.to(tl.int64) * stride_sqb + (q_start + start_m).to(tl.int64) * stride_sqs
                         + h.to(tl.int64) * stride_sqh + tl.arange(0, BLOCK_M)[:, None] * stride_sqs
@@ -434,7 +439,7 @@ def _attn_fwd(
     # epilogue: normalize, V per-channel descale, store O (and LSE)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]
-    if IS_FP8:
+    if PV_FP8:
         v_scale = tl.load(VS + b * stride_vsb + hk * stride_vsh + offs_dv * stride_vsd,
                           mask=offs_dv < HEAD_DIM_V, other=1.0)
         out = out * v_scale[None, :]
@@ -477,8 +482,8 @@ def _prune_configs(configs, named_args, **kwargs):
 
 _attn_fwd_tuned = triton.autotune(
     configs=_configs(),
-    key=["HEAD_DIM_QK", "HEAD_DIM_V", "IS_FP8", "CAUSAL", "VARLEN", "group", "seq_bucket", "RETURN_LSE", "SINK",
-         "HAS_WINDOW_LEFT", "HAS_WINDOW_RIGHT", "HAS_SOFTCAP", "PAGE_SIZE", "KV_PER_SEQ"],
+    key=["HEAD_DIM_QK", "HEAD_DIM_V", "IS_FP8", "MIXED", "CAUSAL", "VARLEN", "group", "seq_bucket", "RETURN_LSE",
+         "SINK", "HAS_WINDOW_LEFT", "HAS_WINDOW_RIGHT", "HAS_SOFTCAP", "PAGE_SIZE", "KV_PER_SEQ"],
     prune_configs_by={"early_config_prune": _prune_configs},
 )(_attn_fwd)
 
@@ -537,7 +542,7 @@ def _launch(problem, out, lse):
         EXACT_FP8_ROUND=interp,
         RETURN_LSE=p.return_lse, HAS_KMEAN=has_kmean, SCALE_BLK=SCALE_BLOCK,
         SINK=p.sink_keys, SINK_SHIFT=sink and k_mean is not None,
-        HAS_USED_Q=p.seqused_q is not None, HAS_USED_K=p.seqused_k is not None,
+        HAS_USED_Q=p.seqused_q is not None, HAS_USED_K=p.seqused_k is not None, MIXED=p.is_mixed,
     )
     # sliding windows and softcap: switched on only where a call has them (the default kernels are unchanged);
     # a window's right side runs on the causal path with the diagonal moved right by window_right

@@ -222,9 +222,10 @@ def kv_stats(
     stride_vb, stride_vs, stride_vh, stride_vd,
     DQK: tl.constexpr, BLOCK_DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_S: tl.constexpr, VARLEN: tl.constexpr, WANT_KSUM: tl.constexpr, PACKED: tl.constexpr,
+    WANT_V: tl.constexpr = True,
 ):
     """Per (block of BLOCK_S tokens, batch * KV head): the sum of each K channel over the block
-    (when WANT_KSUM) and the max |v| of each V channel, to ``KSUM[pid, blk, :]`` /
+    (when WANT_KSUM) and the max |v| of each V channel (when WANT_V: V is quantized), to ``KSUM[pid, blk, :]`` /
     ``VAMAX[pid, blk, :]``; :func:`finish_kv_stats` reduces them over each sequence.
 
     One program per block (thousands at prefill sizes, not a loop over a long chunk) with both
@@ -251,13 +252,15 @@ def kv_stats(
     inside = s0 + local < seqlen
     offs_k = tl.arange(0, BLOCK_DQK)
     offs_v = tl.arange(0, BLOCK_DV)
-    v = tl.load(_head_base(V, b, h, start + s0, stride_vb, stride_vs, stride_vh)
-                + local * stride_vs + offs_v[None, :] * stride_vd, mask=inside & (offs_v[None, :] < DV), other=0.0)
+    if WANT_V:
+        v = tl.load(_head_base(V, b, h, start + s0, stride_vb, stride_vs, stride_vh)
+                    + local * stride_vs + offs_v[None, :] * stride_vd, mask=inside & (offs_v[None, :] < DV), other=0.0)
     if WANT_KSUM:
         k = tl.load(_head_base(K, b, h, start + s0, stride_kb, stride_ks, stride_kh)
                     + local * stride_ks + offs_k[None, :] * stride_kd, mask=inside & (offs_k[None, :] < DQK), other=0.0)
         tl.store(KSUM + slot * DQK + offs_k, tl.sum(k.to(tl.float32), 0), mask=offs_k < DQK)
-    tl.store(VAMAX + slot * DV + offs_v, tl.max(tl.abs(v.to(tl.float32)), 0), mask=offs_v < DV)
+    if WANT_V:
+        tl.store(VAMAX + slot * DV + offs_v, tl.max(tl.abs(v.to(tl.float32)), 0), mask=offs_v < DV)
 
 
 @triton.jit(do_not_specialize=["seqlen_dense", "num_heads", "nblk", "batch", "room"])
@@ -265,10 +268,11 @@ def finish_kv_stats(
     KSUM, VAMAX, CU, KMEAN, VS, CU_V, V8, seqlen_dense, num_heads, nblk, batch, room, stride_v8h, stride_v8d,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_C: tl.constexpr, ROWS: tl.constexpr, BLOCK_S: tl.constexpr,
     VARLEN: tl.constexpr, WANT_KSUM: tl.constexpr, ALIGN_V: tl.constexpr, TAIL: tl.constexpr,
+    WANT_V: tl.constexpr = True,
 ):
     """Per (batch * KV head, group of BLOCK_C channels): reduce :func:`kv_stats`' partials over
     the sequence's own ``ceil(seqlen / BLOCK_S)`` blocks (``nblk`` slots per head) into
-    KMEAN ``(B*Hkv, DQK)`` = sum / max(seqlen, 1) (when WANT_KSUM) and the V descale
+    KMEAN ``(B*Hkv, DQK)`` = sum / max(seqlen, 1) (when WANT_KSUM) and (when WANT_V) the V descale
     VS ``(B*Hkv, DV)`` = amax / 448 (1 for an all-zero channel).
 
     The K sum runs in a fixed order (ROWS slots accumulated elementwise per step, then one tree
@@ -292,13 +296,15 @@ def finish_kv_stats(
         valid = (r0 + rows < nb)[:, None]
         if WANT_KSUM:
             ksum += tl.load(KSUM + slot * DQK + offs_c[None, :], mask=valid & (offs_c[None, :] < DQK), other=0.0)
-        vamax = tl.maximum(vamax, tl.load(VAMAX + slot * DV + offs_c[None, :],
-                                          mask=valid & (offs_c[None, :] < DV), other=0.0))
+        if WANT_V:
+            vamax = tl.maximum(vamax, tl.load(VAMAX + slot * DV + offs_c[None, :],
+                                              mask=valid & (offs_c[None, :] < DV), other=0.0))
     if WANT_KSUM:
         mean = tl.sum(ksum, 0) / tl.maximum(seqlen, 1).to(tl.float32)
         tl.store(KMEAN + pid * DQK + offs_c, mean, mask=offs_c < DQK)
-    amax = tl.max(vamax, 0)
-    tl.store(VS + pid * DV + offs_c, tl.where(amax > 0.0, amax / E4M3_MAX_C, 1.0), mask=offs_c < DV)
+    if WANT_V:
+        amax = tl.max(vamax, 0)
+        tl.store(VS + pid * DV + offs_c, tl.where(amax > 0.0, amax / E4M3_MAX_C, 1.0), mask=offs_c < DV)
     if ALIGN_V:
         b = pid // num_heads
         h = pid % num_heads
@@ -336,7 +342,8 @@ def quantize_qkv(
     ``[0, B*Hq)`` quantize Q (block scales to QS, contiguous ``(B, Hq, nblk_q)``), the next
     ``B*Hkv`` K (the finished mean KMEAN ``(B*Hkv, Dqk)`` is subtracted; block scales to KS),
     the last ``B*Hkv`` V (divided by the finished per-channel descale VS ``(B*Hkv, Dv)``; V8
-    is the transposed storage's view). With PACKED (varlen), programs ``(i, head)``: head ``[0, Hq)`` of Q,
+    is the transposed storage's view). A grid without the V programs quantizes Q and K only (the mixed
+    mode: V stays in 16 bits). With PACKED (varlen), programs ``(i, head)``: head ``[0, Hq)`` of Q,
     then ``Hkv`` of K and ``Hkv`` of V, each on the ``i``-th block of its batch (:func:`packed_block`), so no
     program is launched for a block past a short sequence's end (their scale entries are left as the
     caller made them: ones).

@@ -27,6 +27,9 @@ from .varlen_v import ALIGNED_V_TAIL
 
 
 def _compile(fn, types: dict, constexprs: dict, target, num_warps=4, num_stages=2, divisible=()):
+    # a constexpr parameter with a default (a feature switch) that the variant leaves out takes its default,
+    # as a launch that does not pass it does
+    constexprs = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **constexprs}
     sig = {name: "constexpr" if name in constexprs else types.get(name) for name in fn.arg_names}
     missing = [n for n, t in sig.items() if t is None]
     if missing:
@@ -79,9 +82,11 @@ def _summary(name, ck, arch):
     return name, regs, stores + loads, ck.metadata.shared
 
 
-def _attn_types(elem: str, out: str):
+def _attn_types(elem: str, out: str, v_elem: str | None = None):
+    """Argument types of the portable kernel: Q/K of ``elem``, V of ``v_elem`` (default ``elem``; the mixed
+    mode's FP8 Q/K take a BF16 V)."""
     t = {n: "i32" for n in portable._attn_fwd.arg_names if n.startswith("stride_")}
-    t.update(Q=f"*{elem}", K=f"*{elem}", V=f"*{elem}", O=f"*{out}", LSE="*fp32", QS="*fp32", KS="*fp32",
+    t.update(Q=f"*{elem}", K=f"*{elem}", V=f"*{v_elem or elem}", O=f"*{out}", LSE="*fp32", QS="*fp32", KS="*fp32",
              VS="*fp32", KMEAN="*fp32", CU_Q="*i32", CU_K="*i32", CU_V="*i32", USED_Q="*i32", USED_K="*i32",
              PT="*i32", qk_scale="fp32",
              sm_scale="fp32",
@@ -92,11 +97,12 @@ def _attn_types(elem: str, out: str):
     return t
 
 
-def _unit_strides(elem: str) -> dict:
+def _unit_strides(elem: str, mixed: bool = False) -> dict:
     """Strides equal to 1 are specialized by Triton at launch; mirror what real inputs give:
-    contiguous head_dim, and for FP8 a V stored transposed (token axis contiguous)."""
+    contiguous head_dim, and for FP8 a V stored transposed (token axis contiguous; the mixed mode's
+    16-bit V is token-major)."""
     unit = {"stride_qd": 1, "stride_kd": 1, "stride_od": 1, "stride_kmd": 1, "stride_vsd": 1}
-    unit["stride_vs" if elem == "fp8e4nv" else "stride_vd"] = 1
+    unit["stride_vs" if elem == "fp8e4nv" and not mixed else "stride_vd"] = 1
     return unit
 
 
@@ -118,6 +124,12 @@ def attention_variants(quick: bool = False, fp8: bool = True):
                    BLOCK_DV=triton.next_power_of_2(dv), CAUSAL=True, VARLEN=False, IS_FP8=True, DOT_UPCAST=0,
                    EXACT_FP8_ROUND=False, RETURN_LSE=True, HAS_KMEAN=True, SCALE_BLK=128, SINK=128,
                    SINK_SHIFT=True, BLOCK_M=128, BLOCK_N=64 if dqk > 128 else 128), "fp8e4nv"
+    for (dqk, dv), varlen in (((128, 128), False), ((192, 128), True)) if fp8 else ():
+        # the mixed mode (attention(precision="fp8qk")): FP8 Q and K, a BF16 V (its types: _attn_types)
+        yield dict(HEAD_DIM_QK=dqk, HEAD_DIM_V=dv, BLOCK_DQK=triton.next_power_of_2(dqk),
+                   BLOCK_DV=triton.next_power_of_2(dv), CAUSAL=True, VARLEN=varlen, IS_FP8=True, DOT_UPCAST=0,
+                   EXACT_FP8_ROUND=False, RETURN_LSE=True, HAS_KMEAN=True, SCALE_BLK=128, SINK=0, SINK_SHIFT=False,
+                   BLOCK_M=128, BLOCK_N=64 if dqk > 128 else 128, MIXED=True), "fp8e4nv"
     for varlen in (False, True):  # FA3's seqused_q/seqused_k (BF16, causal, with LSE)
         yield dict(HEAD_DIM_QK=128, HEAD_DIM_V=128, BLOCK_DQK=128, BLOCK_DV=128, CAUSAL=True, VARLEN=varlen,
                    IS_FP8=False, DOT_UPCAST=0, EXACT_FP8_ROUND=False, RETURN_LSE=True, HAS_KMEAN=False,
@@ -166,21 +178,26 @@ def fused_quant_variants(quick: bool = False):
         yield dims, varlen, smooth
 
 
-def fused_quant_compiles(target, dqk: int, dv: int, varlen: bool, smooth: bool):
+def fused_quant_compiles(target, dqk: int, dv: int, varlen: bool, smooth: bool, want_v: bool = True):
     """(name, compiled kernel) of each fused quantizer kernel for bf16 inputs of head dims
-    ``dqk``/``dv``, with the launch parameters :func:`leanfa.quant._quantize_block_fused` uses."""
+    ``dqk``/``dv``, with the launch parameters :func:`leanfa.quant._quantize_block_fused` uses (``want_v``
+    False: the mixed mode's statistics without V, and no quantize pass: its V programs are not launched)."""
     dims = dict(DQK=dqk, BLOCK_DQK=triton.next_power_of_2(dqk), DV=dv, BLOCK_DV=triton.next_power_of_2(dv))
     t = {n: "i32" for n in quantize.kv_stats.arg_names if n.startswith("stride_") or n in ("seqlen_dense", "num_heads", "batch", "nblk")}
     t.update(K="*bf16", V="*bf16", CU="*i32", KSUM="*fp32", VAMAX="*fp32")
-    yield "kv_stats", _compile(quantize.kv_stats, t, dict(**dims, BLOCK_S=SCALE_BLOCK, VARLEN=varlen, WANT_KSUM=smooth,
-                                                          PACKED=varlen, stride_kd=1, stride_vd=1), target, num_warps=STATS_WARPS)
+    yield "kv_stats", _compile(quantize.kv_stats, t,
+                               dict(**dims, BLOCK_S=SCALE_BLOCK, VARLEN=varlen, WANT_KSUM=smooth, PACKED=varlen,
+                                    WANT_V=want_v, stride_kd=1, stride_vd=1), target, num_warps=STATS_WARPS)
     t = dict(KSUM="*fp32", VAMAX="*fp32", CU="*i32", KMEAN="*fp32", VS="*fp32", CU_V="*i32", V8="*u8",
              seqlen_dense="i32", num_heads="i32", nblk="i32", batch="i32", room="i32", stride_v8h="i32",
              stride_v8d="i32")
     yield "finish_kv_stats", _compile(quantize.finish_kv_stats, t,
                                       dict(DQK=dqk, DV=dv, BLOCK_C=FINISH_CHANNELS, ROWS=FINISH_ROWS,
-                                           BLOCK_S=SCALE_BLOCK, VARLEN=varlen, WANT_KSUM=smooth,
-                                           ALIGN_V=V_TOKEN_ALIGN if varlen else 0, TAIL=ALIGNED_V_TAIL), target)
+                                           BLOCK_S=SCALE_BLOCK, VARLEN=varlen, WANT_KSUM=smooth, WANT_V=want_v,
+                                           ALIGN_V=V_TOKEN_ALIGN if varlen and want_v else 0, TAIL=ALIGNED_V_TAIL),
+                                      target)
+    if not want_v:
+        return
     t = {n: "i32" for n in quantize.quantize_qkv.arg_names}
     t.update({n: "*bf16" for n in ("Q", "K", "V")}, **{n: "*fp8e4nv" for n in ("Q8", "K8", "V8")},
              CU_Q="*i32", CU_K="*i32", CU_V="*i32", **{n: "*fp32" for n in ("QS", "KS", "KMEAN", "VS")})
@@ -202,15 +219,16 @@ def compile_all(target=GPUTarget("cuda", 90, 32), limit=None, verbose=True, quic
              "HAS_SOFTCAP": False, "PAGE_SIZE": 0, "KV_PER_SEQ": False,
              # without paging the launch passes the page table and its strides as None (constexprs)
              **({} if c.get("PAGE_SIZE") else {"PT": None, "stride_ptb": None, "stride_ptn": None}),
-             **c, **_unit_strides(elem),
+             **c, **_unit_strides(elem, c.get("MIXED", False)),
              **({"stride_sqd": 1, "stride_skd": 1, "stride_svd": 1} if c["SINK"] else {})}
         # the largest tile the autotuner may pick for this head-dim class (portable._configs):
         # 128x128, 3 stages up to d128; 128x64, 2 stages above
         wide = max(c["BLOCK_DQK"], c["BLOCK_DV"]) > 128
-        ck = _compile(portable._attn_fwd, _attn_types(elem, "bf16"), c, target, num_warps=8,
-                      num_stages=2 if wide else 3)
-        results.append(_summary(f"attn {elem} d{c['HEAD_DIM_QK']}/{c['HEAD_DIM_V']} causal={c['CAUSAL']} "
-                                f"varlen={c['VARLEN']} lse={c['RETURN_LSE']}"
+        mixed = c.get("MIXED", False)
+        ck = _compile(portable._attn_fwd, _attn_types(elem, "bf16", "bf16" if mixed else None), c, target,
+                      num_warps=8, num_stages=2 if wide else 3)
+        results.append(_summary(f"attn {elem}{' mixed' if mixed else ''} d{c['HEAD_DIM_QK']}/{c['HEAD_DIM_V']} "
+                                f"causal={c['CAUSAL']} varlen={c['VARLEN']} lse={c['RETURN_LSE']}"
                                 + (f" sink={c['SINK']}" if c["SINK"] else "")
                                 + (" seqused" if c.get("HAS_USED_Q") else "")
                                 + (" window" if c["HAS_WINDOW_LEFT"] else "")
@@ -233,6 +251,8 @@ def compile_all(target=GPUTarget("cuda", 90, 32), limit=None, verbose=True, quic
     for (dqk, dv), varlen, smooth in fused_quant_variants(quick) if fp8 else ():
         for name, ck in fused_quant_compiles(target, dqk, dv, varlen, smooth):
             results.append(_summary(f"{name} bf16 d{dqk}/{dv} varlen={varlen} smooth_k={smooth}", ck, target.arch))
+    for name, ck in fused_quant_compiles(target, 128, 128, True, True, want_v=False) if fp8 else ():
+        results.append(_summary(f"{name} bf16 d128/128 varlen=True smooth_k=True without V (mixed)", ck, target.arch))
     if verbose:
         for name, regs, spills, smem in results:
             print(f"{name:<90} regs={regs:4d} spills={spills:4d} smem={smem}")

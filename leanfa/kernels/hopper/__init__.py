@@ -77,15 +77,15 @@ def _supports(problem) -> tuple[bool, str]:
     if dims not in HEAD_DIMS:
         return False, (f"head dims {dims[0]}/{dims[1]} are not implemented in the Hopper kernel "
                        f"({', '.join(f'{a}/{b}' for a, b in HEAD_DIMS)})")
-    if q.dtype not in IN_DTYPES:
-        return False, f"dtype {q.dtype} is not supported by the Hopper kernel"
+    if q.dtype not in IN_DTYPES or v.dtype not in IN_DTYPES:
+        return False, f"dtype {q.dtype} (v {v.dtype}) is not supported by the Hopper kernel"
     if problem.out_dtype not in OUT_DTYPES:
         return False, f"out_dtype {problem.out_dtype} is not supported by the Hopper kernel"
     kmajor = _launch.v_is_kmajor(v)
     # FP8 V in any layout but the transposed one quantize_fp8 writes (e.g. token-major, FA3 style; and a
     # packed FP8 V without quantize_fp8's aligned starts, cu_seqlens_v) is copied by the plan into that layout,
     # 16-byte aligned (launch.transpose_fp8_v, align_varlen_v): only the copy's layout reaches TMA
-    repacked = problem.is_fp8 and ((problem.varlen and problem.cu_seqlens_v is None) or not kmajor)
+    repacked = problem.pv_fp8 and ((problem.varlen and problem.cu_seqlens_v is None) or not kmajor)
     views = [("q", q, *_launch._bshd_as_bhsd(q)), ("k", k, *_launch._bshd_as_bhsd(k))]
     if not repacked:
         views.append(("v", v, *(_launch._v_kmajor_dims(v) if kmajor else _launch._bshd_as_bhsd(v))))
@@ -100,7 +100,7 @@ def _supports(problem) -> tuple[bool, str]:
         if why:
             return False, why
     if problem.sink_keys:
-        why = _launch.sink_problem(problem.is_fp8, dims, problem.sink_keys,
+        why = _launch.sink_problem(problem.pv_fp8, dims, problem.sink_keys,
                                    (("q", problem.sink_q), ("k", problem.sink_k), ("v", problem.sink_v)))
         if why:
             return False, why
@@ -143,7 +143,7 @@ def _signature(problem):
         return last[1]
     key = None
     knobs = plan_cache.knob_values()
-    prepared = problem.varlen or problem.is_fp8 and not _launch.v_is_kmajor(problem.v)
+    prepared = problem.varlen or problem.pv_fp8 and not _launch.v_is_kmajor(problem.v)
     if plan_cache.enabled(knobs) and (not prepared or plan_cache.prepared_enabled(knobs)):
         scalars = (problem.causal, problem.softmax_scale, problem.return_lse, problem.sink_keys, problem.out_dtype,
                    problem.max_seqlen_q, problem.max_seqlen_k)

@@ -26,13 +26,13 @@ TARGET = GPUTarget("cuda", 90, 32)
 
 @dataclass
 class Variant:
-    dtype: str = "fp8"  # "fp8" | "bf16"
+    dtype: str = "fp8"  # "fp8" | "bf16" | "mixed" (FP8 Q and K, a BF16 V: attention(precision="fp8qk"))
     dqk: int = 128
     dv: int = 128
     causal: bool = True
     return_lse: bool = False
     k_mean: bool = False
-    v_kmajor: bool | None = None  # default: True for fp8, False for bf16
+    v_kmajor: bool | None = None  # default: True for fp8, False for bf16 and mixed
     out_dtype: torch.dtype = torch.bfloat16
     env: tuple = ()  # ((name, value), ...) LEANFA_HOPPER_* knobs set while planning
     varlen: bool = False  # packed (total, H, D) inputs with cu_seqlens
@@ -48,15 +48,16 @@ class Variant:
 
 
 def _fake_problem(v: Variant):
-    dt = torch.float8_e4m3fn if v.dtype == "fp8" else torch.bfloat16
+    dt = torch.float8_e4m3fn if v.dtype in ("fp8", "mixed") else torch.bfloat16  # Q and K
+    v_dt = torch.float8_e4m3fn if v.dtype == "fp8" else torch.bfloat16
     kmajor = v.v_kmajor if v.v_kmajor is not None else v.dtype == "fp8"
     B, S, H = 1, 256, 2
     q = torch.zeros(B, S, H, v.dqk, dtype=dt)
     k = torch.zeros(B, S, H, v.dqk, dtype=dt)
     if kmajor:
-        v_ = torch.zeros(B, H, v.dv, S, dtype=dt).permute(0, 3, 1, 2)
+        v_ = torch.zeros(B, H, v.dv, S, dtype=v_dt).permute(0, 3, 1, 2)
     else:
-        v_ = torch.zeros(B, S, H, v.dv, dtype=dt)
+        v_ = torch.zeros(B, S, H, v.dv, dtype=v_dt)
     out = torch.zeros(B, S, H, v.dv, dtype=v.out_dtype)
     lse = torch.zeros(B, H, S, dtype=torch.float32)
     ones = torch.ones(1, 1, 1, dtype=torch.float32)

@@ -16,7 +16,10 @@ one-tile grid at S = 1K, run 48) -- one per round of a tile walk (:mod:`.schedul
   with wgmmas (docs/perf-notes.md, run 10).
 
 Per key block a consumer computes the Lean-P softmax (:mod:`.softmax`: one FFMA and one MUFU
-exponential per score) and issues ``[PV_j, QK_{j+1}]`` together. FP8 PV keeps the two-level
+exponential per score) and issues ``[PV_j, QK_{j+1}]`` together. ``IS_FP8`` decides the QK side (FP8
+Q and K, S from an FP8 wgmma), ``MIXED`` splits the PV side off it: an FP8 call with a 16-bit V (the
+mixed mode, ``attention(precision="fp8qk")``) packs P to V's dtype and runs PV as the 16-bit path does
+(a 16-bit wgmma accumulating into O, V token-major, no P offset). FP8 PV keeps the two-level
 accumulation (a fresh fp32 tile per block, folded into O by one FFMA), so no block's products sit in
 the FP8 wgmma accumulator for long; at head dim 256 (:func:`.launch.wide_head`) O alone takes 128
 registers, so FP8 PV accumulates in O itself (``PV_IN_MMA``, ``acc * alpha`` fed back in) and BF16
@@ -223,8 +226,8 @@ def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, q_empty,
                    out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
                    seqlen_q, seqlen_k, qk_scale, sm_scale,
                    b, h, hkv, q_start, m_start, n_full, n_end, ring, tr, sink_t, qi, ostore,
-                   HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
-                   RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, ABLATE: gl.constexpr,
+                   HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, PV_FP8: gl.constexpr,
+                   V_KMAJOR: gl.constexpr, RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, ABLATE: gl.constexpr,
                    TWO_LEVEL: gl.constexpr, SINK: gl.constexpr, STORE_TMA: gl.constexpr, W: gl.constexpr):
     """Warpgroup ``W`` (of ``WGS``) on one tile: rows ``[m_start + 64 W, + 64)`` of sequence ``b`` against its key
     blocks ``[0, n_end)``, which sit at ring positions ``ring + j``. Output row ``r`` is token ``q_start + r`` of ``out`` (and of the LSE). ``out_t``,
@@ -234,7 +237,10 @@ def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, q_empty,
     its Q box back (``q_empty``) as soon as its last QK retired, so a persistent program's producer loads the
     next tile's Q under this tile's last block and epilogue; with the K-mean LSE term (it reads Q at the
     end) or the sink (its buffers load with Q) only after the epilogue. ``STORE_TMA`` (dense): the output
-    rows leave through ``ostore = (out_desc, o_smem)`` (:func:`.epilogue.stage_and_store`)."""
+    rows leave through ``ostore = (out_desc, o_smem)`` (:func:`.epilogue.stage_and_store`). ``IS_FP8``: S comes
+    from an FP8 wgmma (Q, K in e4m3 with their scales); ``PV_FP8``: P and V are e4m3 too (P scaled by
+    2^P_OFFSET into its range), else P is packed to V's 16-bit dtype for a 16-bit PV wgmma (the mixed mode
+    when IS_FP8)."""
     out_ptr, stride_ob, stride_os, stride_oh = out_t
     lse_ptr, stride_lb, stride_lh = lse_t
     q_scale_ptr, stride_qsb, stride_qsh, stride_qsblk = q_scale_t
@@ -244,11 +250,12 @@ def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, q_empty,
     QK_CHUNKS: gl.constexpr = k_bufs.shape[0] // v_bufs.shape[0]
     BLOCK_N: gl.constexpr = k_bufs.shape[3]
     FIRST: gl.constexpr = 1 if SINK else 0  # the first FP8 key block; ring position ring + j - FIRST
-    BITS: gl.constexpr = 8 if IS_FP8 else 16
-    P_OFFSET: gl.constexpr = 8.0 if IS_FP8 else 0.0
-    s_layout: gl.constexpr = wgmma_layout(WG_WARPS, BLOCK_N, BITS)
-    o_layout: gl.constexpr = wgmma_layout(WG_WARPS, HEAD_DV, BITS)
-    p_layout: gl.constexpr = a_operand_layout(o_layout, BITS)
+    QK_BITS: gl.constexpr = 8 if IS_FP8 else 16  # the operands of S = Q K^T ...
+    PV_BITS: gl.constexpr = 8 if PV_FP8 else 16  # ... and of P V (16 in the mixed mode)
+    P_OFFSET: gl.constexpr = 8.0 if PV_FP8 else 0.0  # (e4m3 P's range; a 16-bit P needs none)
+    s_layout: gl.constexpr = wgmma_layout(WG_WARPS, BLOCK_N, QK_BITS)
+    o_layout: gl.constexpr = wgmma_layout(WG_WARPS, HEAD_DV, PV_BITS)
+    p_layout: gl.constexpr = a_operand_layout(o_layout, PV_BITS)
 
     row0 = m_start + W * WG_ROWS
     # the Q scale block of this warpgroup's rows: the tile's 128 rows are one scale block, m_start's
@@ -349,8 +356,8 @@ def _consumer_step(t, ring, qi, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars,
                    out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
                    seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k, tiles,
                    num_bh, num_heads, group_size, num_m_tiles, num_tiles, trace, sink_t, ostore,
-                   HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
-                   RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, ABLATE: gl.constexpr,
+                   HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, PV_FP8: gl.constexpr,
+                   V_KMAJOR: gl.constexpr, RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, ABLATE: gl.constexpr,
                    TWO_LEVEL: gl.constexpr, VARLEN: gl.constexpr, SINK: gl.constexpr, STORE_TMA: gl.constexpr,
                    W: gl.constexpr):
     """Tile ``t``; ``ring``, ``qi``: key blocks and Q tiles of the program's earlier tiles (ring position,
@@ -370,7 +377,7 @@ def _consumer_step(t, ring, qi, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars,
                    out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
                    sq, sk, qk_scale, sm_scale,
                    b, h, hkv, q_start, m_start, n_full, n_end, ring, tr, sink_t, qi, ostore,
-                   HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, ABLATE,
+                   HEAD_DV, CAUSAL, IS_FP8, PV_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, ABLATE,
                    TWO_LEVEL, SINK, STORE_TMA, W)
     loaded = gl.minimum(n_end, 1)  # this tile had a Q tile
     return ring + _fp8_blocks(n_end, SINK), qi + loaded
@@ -378,9 +385,9 @@ def _consumer_step(t, ring, qi, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars,
 
 @gluon.jit
 def _consumer(args, trace, sink_t, ostore, HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr,
-              V_KMAJOR: gl.constexpr, RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, ABLATE: gl.constexpr,
-              TWO_LEVEL: gl.constexpr, VARLEN: gl.constexpr, PERSISTENT: gl.constexpr, SINK: gl.constexpr,
-              STORE_TMA: gl.constexpr, W: gl.constexpr):
+              PV_FP8: gl.constexpr, V_KMAJOR: gl.constexpr, RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr,
+              ABLATE: gl.constexpr, TWO_LEVEL: gl.constexpr, VARLEN: gl.constexpr, PERSISTENT: gl.constexpr,
+              SINK: gl.constexpr, STORE_TMA: gl.constexpr, W: gl.constexpr):
     """Warpgroup ``W`` over this program's tiles; in each it hands its Q box back (``q_empty``
     counts every consumer warpgroup), so the producer can load the next tile's. Tiles with no key block to
     visit (causal rows before the first key, varlen tiles past a sequence) load no Q. One tile per
@@ -403,7 +410,7 @@ def _consumer(args, trace, sink_t, ostore, HEAD_DV: gl.constexpr, CAUSAL: gl.con
                 out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
                 seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k, tiles,
                 num_bh, num_heads, group_size, num_m_tiles, num_tiles, trace, sink_t, ostore,
-                HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, ABLATE, TWO_LEVEL, VARLEN, SINK,
+                HEAD_DV, CAUSAL, IS_FP8, PV_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, ABLATE, TWO_LEVEL, VARLEN, SINK,
                 STORE_TMA, W)
     else:
         _consumer_step(
@@ -411,25 +418,26 @@ def _consumer(args, trace, sink_t, ostore, HEAD_DV: gl.constexpr, CAUSAL: gl.con
             out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
             seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k, tiles,
             num_bh, num_heads, group_size, num_m_tiles, num_tiles, trace, sink_t, ostore,
-            HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, ABLATE, TWO_LEVEL, VARLEN, SINK, STORE_TMA,
-            W)
+            HEAD_DV, CAUSAL, IS_FP8, PV_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, ABLATE, TWO_LEVEL, VARLEN, SINK,
+            STORE_TMA, W)
     if STORE_TMA:
         tma.store_wait(0)  # the last tile's output store has read its shared memory
 
 
 @gluon.jit
 def _partitions(cargs, pargs, trace, cu_seqlens_v, psink, csink, ostore,
-                HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
+                HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, PV_FP8: gl.constexpr,
+                V_KMAJOR: gl.constexpr,
                 RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, ABLATE: gl.constexpr, TWO_LEVEL: gl.constexpr,
                 VARLEN: gl.constexpr, PERSISTENT: gl.constexpr, CONSUMERS: gl.constexpr, SINK: gl.constexpr,
                 STORE_TMA: gl.constexpr):
     """The warp-specialized body: the two consumer warpgroups (the first in the default partition) and
     the producer warp. ``psink``/``csink``: the BF16 sink keys' tuples, or None."""
     gl.warp_specialize([
-        (_consumer, (cargs, trace, csink, ostore, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN,
-                     ABLATE, TWO_LEVEL, VARLEN, PERSISTENT, SINK, STORE_TMA, 0)),
-        (_consumer, (cargs, trace, csink, ostore, HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN,
-                     ABLATE, TWO_LEVEL, VARLEN, PERSISTENT, SINK, STORE_TMA, 1)),
+        (_consumer, (cargs, trace, csink, ostore, HEAD_DV, CAUSAL, IS_FP8, PV_FP8, V_KMAJOR, RETURN_LSE,
+                     HAS_KMEAN, ABLATE, TWO_LEVEL, VARLEN, PERSISTENT, SINK, STORE_TMA, 0)),
+        (_consumer, (cargs, trace, csink, ostore, HEAD_DV, CAUSAL, IS_FP8, PV_FP8, V_KMAJOR, RETURN_LSE,
+                     HAS_KMEAN, ABLATE, TWO_LEVEL, VARLEN, PERSISTENT, SINK, STORE_TMA, 1)),
         (_producer, (pargs, cu_seqlens_v, psink, CAUSAL, V_KMAJOR, VARLEN, CONSUMERS, SINK)),
     ], [WG_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -466,12 +474,15 @@ def attn_fwd_pingpong_kernel(
     SINK: gl.constexpr,  # 0; BF16 sink keys [0, 128): 1, or 2 when K was smoothed (sink.py)
     STORE_TMA: gl.constexpr,  # dense: the output leaves through shared memory and TMA (epilogue.stage_and_store)
     num_warps: gl.constexpr,
+    MIXED: gl.constexpr = False,  # IS_FP8 with a 16-bit V: FP8 QK, P and V in 16 bits (attention(precision="fp8qk"))
 ):
     gl.static_assert(num_warps == WG_WARPS, "the kernel launches with num_warps=4 (the first consumer warpgroup)")
     gl.static_assert(q_desc.block_type.shape[2] == WG_ROWS, "the kernel loads Q in 64-row boxes")
     DCHUNK: gl.constexpr = q_desc.block_type.shape[3]
     QK_CHUNKS: gl.constexpr = HEAD_DQK // DCHUNK
-    TWO_LEVEL: gl.constexpr = IS_FP8 and not PV_IN_MMA
+    gl.static_assert(IS_FP8 or not MIXED, "the mixed mode has FP8 Q and K")
+    PV_FP8: gl.constexpr = IS_FP8 and not MIXED  # IS_FP8: the QK side; PV_FP8: P and V in e4m3
+    TWO_LEVEL: gl.constexpr = PV_FP8 and not PV_IN_MMA
 
     first_tile, tile_step, num_tiles = program_tiles(num_bh, num_m_tiles, num_heads, tiles, PERSISTENT, VARLEN)
 
@@ -511,13 +522,13 @@ def attn_fwd_pingpong_kernel(
         _partitions(cargs, pargs, trace, cu_seqlens_v,
                     (sink_q_desc, sink_k_desc, sink_v_desc, qs_smem, ks_smem, vs_smem, sink_bar),
                     (qs_smem, ks_smem, vs_smem, sink_bar), ostore,
-                    HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, ABLATE, TWO_LEVEL, VARLEN, PERSISTENT,
-                    CONSUMERS, SINK, STORE_TMA)
+                    HEAD_DV, CAUSAL, IS_FP8, PV_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, ABLATE, TWO_LEVEL, VARLEN,
+                    PERSISTENT, CONSUMERS, SINK, STORE_TMA)
         invalidate_barriers(sink_bar, 1)
     else:  # (the None sink_q_desc stands for both sink tuples: a None made here cannot be passed on)
         _partitions(cargs, pargs, trace, cu_seqlens_v, sink_q_desc, sink_q_desc, ostore,
-                    HEAD_DV, CAUSAL, IS_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, ABLATE, TWO_LEVEL, VARLEN, PERSISTENT,
-                    CONSUMERS, SINK, STORE_TMA)
+                    HEAD_DV, CAUSAL, IS_FP8, PV_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, ABLATE, TWO_LEVEL, VARLEN,
+                    PERSISTENT, CONSUMERS, SINK, STORE_TMA)
 
     invalidate_barriers(q_bars, WGS)
     invalidate_barriers(q_empty, 1)

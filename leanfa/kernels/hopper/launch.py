@@ -91,19 +91,22 @@ def qk_chunk(dqk: int) -> int:
     return dqk if dqk & (dqk - 1) == 0 else 64
 
 
-def stages_for(dqk: int, dv: int, elt: int, block_n: int = BLOCK_N, block_m: int = BLOCK_M, extra: int = 0) -> int:
+def stages_for(dqk: int, dv: int, elt: int, block_n: int = BLOCK_N, block_m: int = BLOCK_M, extra: int = 0,
+               v_elt: int | None = None) -> int:
     """Deepest K/V ring that fits shared memory (with room for layout-conversion scratch) next to Q and
-    ``extra`` bytes (the BF16 sink keys' buffers)."""
+    ``extra`` bytes (the BF16 sink keys' buffers); ``v_elt``: V's element size where it differs from Q/K's
+    ``elt`` (the mixed mode's 16-bit V)."""
     stages = 4
-    while stages > 2 and _smem_bytes(dqk, dv, elt, stages, block_n, block_m, extra) > SMEM_LIMIT:
+    while stages > 2 and _smem_bytes(dqk, dv, elt, stages, block_n, block_m, extra, v_elt) > SMEM_LIMIT:
         stages -= 1
     return stages
 
 
 def _smem_bytes(dqk: int, dv: int, elt: int, stages: int, block_n: int = BLOCK_N, block_m: int = BLOCK_M,
-                extra: int = 0) -> int:
+                extra: int = 0, v_elt: int | None = None) -> int:
     """Shared memory of Q, ``stages`` K/V slots, ``extra`` bytes and 8 KB for layout-conversion scratch."""
-    return block_m * dqk * elt + extra + stages * block_n * (dqk + dv) * elt + 8 * 1024
+    v_elt = elt if v_elt is None else v_elt
+    return block_m * dqk * elt + extra + stages * block_n * (dqk * elt + dv * v_elt) + 8 * 1024
 
 
 def wide_head(dv: int) -> bool:
@@ -120,12 +123,13 @@ def _block_n(is_fp8: bool, dv: int = 128) -> int:
     return 64 if wide_head(dv) and not is_fp8 else BLOCK_N
 
 
-def _stages(dqk: int, dv: int, elt: int, block_n: int = BLOCK_N, block_m: int = BLOCK_M, extra: int = 0) -> int:
+def _stages(dqk: int, dv: int, elt: int, block_n: int = BLOCK_N, block_m: int = BLOCK_M, extra: int = 0,
+            v_elt: int | None = None) -> int:
     """``stages_for``, or ``LEANFA_HOPPER_STAGES`` (2-4) to measure other ring depths on the GPU.
     bf16 d128 gets 2 by default, but 3 fits (229,448 B of 232,448 B: no layout-conversion scratch is
     allocated; see scripts/hopper_compile_check.py)."""
     env = int(os.environ.get("LEANFA_HOPPER_STAGES", "0") or 0)
-    return env if env in (2, 3, 4) else stages_for(dqk, dv, elt, block_n, block_m, extra)
+    return env if env in (2, 3, 4) else stages_for(dqk, dv, elt, block_n, block_m, extra, v_elt)
 
 
 def _flag(name: str, default: bool) -> bool:
@@ -216,18 +220,23 @@ def bf16_tma_default(dqk: int, dv: int) -> bool:
     return BF16_STORE_TMA_VALIDATED and dqk == dv == 128
 
 
-def store_tma(is_fp8: bool, varlen: bool, out: torch.Tensor, sink_mode: int, dqk: int = 128) -> bool:
+def store_tma(is_fp8: bool, varlen: bool, out: torch.Tensor, sink_mode: int, dqk: int = 128,
+              mixed: bool = False) -> bool:
     """Whether the epilogue writes O through shared memory and TMA (:func:`.epilogue.stage_and_store`):
     dense FP8 calls with a 16-bit output of head dim <= 128 whose (B, H, S, D) view TMA can address, no sink
     (its buffers take that shared memory). ``LEANFA_HOPPER_STORE_TMA=0``: the register stores (128
     ``STG.E.U16`` per thread, ~2100-2900 cycles per tile against ~800; validated on the H200 in runs 46-48).
     BF16/FP16 calls at head dim 128 (:func:`bf16_tma_default`); ``=2``: at every head dim where the 64 x Dv output
-    boxes fit next to Q and the two-slot ring (d64 too; not MLA's 192-wide Q)."""
+    boxes fit next to Q and the two-slot ring (d64 too; not MLA's 192-wide Q). The mixed mode (FP8 Q/K, 16-bit V)
+    as FP8, where the output boxes leave room for a ring of three K/V slots (d64, d128; MLA 192/128 keeps its
+    third slot and the register stores). The mixed mode's choice is a prediction, not yet timed."""
     if not _flag("LEANFA_HOPPER_STORE_TMA", True):
         return False
     dv = out.shape[-1]
     if varlen or not _default_tile(sink_mode, dv):
         return False
+    if mixed and _smem_bytes(dqk, dv, 1, 3, BLOCK_N, BLOCK_M, BLOCK_M * dv * 2, 2) > SMEM_LIMIT:
+        return False  # Q, the output boxes and three K/V slots
     if not is_fp8:
         if not (bf16_tma_default(dqk, dv) or os.environ.get("LEANFA_HOPPER_STORE_TMA", "").strip() == "2"):
             return False
@@ -250,7 +259,8 @@ def persistent_default(is_fp8: bool, sink_mode: int, dv: int, has_kmean: bool = 
     sequence's rows), walking the tile table (:mod:`.varlen_tiles`): H200 run 76, five serving batches on Llama-3-8B
     heads, BF16 kernel alone 1.01-1.28x the table's one-program-per-slot grid (FP8 1.00-1.34x). The sink, head
     dim 256, MLA and d64 BF16, the LSE with a smoothed K (its K-mean term reads Q in the epilogue, so Q is handed
-    back late, and AOT spills grow to 440-700 B) keep the one-tile grid."""
+    back late, and AOT spills grow to 440-700 B) keep the one-tile grid. The mixed mode (``is_fp8``: FP8 Q/K with
+    a 16-bit V) takes the FP8 choice (a prediction, not yet timed)."""
     case = is_fp8 or bf16_tma_default(dqk, dv)
     return case and _default_tile(sink_mode, dv) and not has_kmean
 
@@ -289,8 +299,8 @@ def prepare_v(q: torch.Tensor, v: torch.Tensor, cu_seqlens_k=None, max_seqlen_k=
     reads V K-major (tokens innermost), 16-byte aligned. A packed FP8 V in :func:`leanfa.quantize_fp8`'s
     aligned layout (``cu_seqlens_v`` given) is read as it is; any other FP8 varlen V is re-packed into that
     layout (:func:`align_varlen_v`) and a dense token-major one transposed (:func:`transpose_fp8_v`), one copy
-    per call."""
-    if q.dtype != torch.float8_e4m3fn:
+    per call. A 16-bit V (16-bit calls, and the mixed mode's FP8 Q/K with a 16-bit V) is read as it is."""
+    if v.dtype != torch.float8_e4m3fn:
         return v, None
     if cu_seqlens_v is not None:
         return v, cu_seqlens_v
@@ -318,10 +328,12 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
     total_q = q.shape[1]  # (varlen: the packed tokens, viewed as a batch of one)
     if varlen:
         B, Sq, Sk = cu_seqlens_q.shape[0] - 1, int(max_seqlen_q), int(max_seqlen_k)
-    is_fp8 = q.dtype == torch.float8_e4m3fn
+    is_fp8 = q.dtype == torch.float8_e4m3fn  # the QK side ...
+    pv_fp8 = v.dtype == torch.float8_e4m3fn  # ... and the PV side: the mixed mode has FP8 Q/K and a 16-bit V
+    mixed = is_fp8 and not pv_fp8
     kmajor = v_is_kmajor(v)
     dchunk = qk_chunk(Dqk)
-    block_n = _block_n(is_fp8, Dv)
+    block_n = _block_n(pv_fp8, Dv)  # (the PV side's registers decide the key block at head dim 256)
     block_m = BLOCK_M  # query rows per tile
     q_rows = 64  # one 64-row Q box per consumer warpgroup
     q_desc = _desc(q, *_bshd_as_bhsd(q), [1, 1, q_rows, dchunk])
@@ -338,14 +350,14 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
             raise ValueError(f"{name} table has {t.shape[2]} blocks, expected 1 or {n}")
     sink_mode, sink_descs, sink_bytes = 0, (None, None, None), 0
     if sink is not None:
-        why = sink_problem(is_fp8, (Dqk, Dv), sink[0],
+        why = sink_problem(pv_fp8, (Dqk, Dv), sink[0],
                            (("q", sink[1]), ("k", sink[2]), ("v", sink[3])))
         if why:
             raise ValueError(why)
         sink_descs, sink_bytes = _sink_descs(sink, q_rows, block_n)
         sink_mode = 2 if k_mean is not None else 1  # 2: K was smoothed, the sink's scores shift by q . mean
     has_kmean = k_mean is not None and return_lse
-    o_tma = store_tma(is_fp8, varlen, out, sink_mode, Dqk)
+    o_tma = store_tma(is_fp8, varlen, out, sink_mode, Dqk, mixed)
     out_desc = _desc(out, *_bshd_as_bhsd(out), [1, 1, 64, Dv]) if o_tma else None
     out_bytes = block_m * Dv * out.element_size() if o_tma else 0
     km = k_mean if has_kmean or sink_mode == 2 else v_scale  # any float32 pointer; unused
@@ -380,10 +392,10 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
     constexprs = dict(
         HEAD_DQK=Dqk, HEAD_DV=Dv, CAUSAL=bool(causal), IS_FP8=is_fp8, V_KMAJOR=kmajor,
         RETURN_LSE=bool(return_lse), HAS_KMEAN=has_kmean,
-        STAGES=_stages(Dqk, Dv, q.element_size(), block_n, block_m, sink_bytes + out_bytes),
+        STAGES=_stages(Dqk, Dv, q.element_size(), block_n, block_m, sink_bytes + out_bytes, v.element_size()),
         num_warps=WG_WARPS,
         ABLATE=_ablation(), PV_IN_MMA=wide_head(Dv),
-        PERSISTENT=persistent, VARLEN=varlen, SINK=sink_mode, STORE_TMA=o_tma,
+        PERSISTENT=persistent, VARLEN=varlen, SINK=sink_mode, STORE_TMA=o_tma, MIXED=mixed,
     )
     if persistent:  # one program per SM (one CTA fits an SM: > 114 KB of shared memory)
         grid = (max(min(tiles, _num_sms(q.device)), 1), )
