@@ -887,6 +887,56 @@ def test_v3_store_tma_mutations_caught(mod, fn, old, new, monkeypatch):
     _assert_caught(getattr(mod, fn), old, new, p, ref_out)
 
 
+def _varlen_fp8_problem(lens, d=128):
+    """A packed FP8 varlen problem (GQA 2:1) of sequences ``lens``."""
+    from leanfa.api import _build_problem
+
+    cu = cu_seqlens(lens)
+    g = torch.Generator().manual_seed(len(lens))
+    q = torch.randn(int(cu[-1]), 2, d, generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(int(cu[-1]), 1, d, generator=g).to(torch.bfloat16) for _ in range(2))
+    kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens), max_seqlen_k=max(lens))
+    qq = leanfa.quantize_fp8(q, k, v, **kw)
+    return _build_problem(qq.q, qq.k, qq.v, varlen=True, **kw, softmax_scale=None, causal=True, return_lse=False,
+                          out_dtype=None, **qq.descales())
+
+
+STAGED_LENS = [70, 200, 1, 129]  # (a tile of 6 rows, a partial last tile, one token, 129 = 128 + 1)
+
+
+def test_v3_staged_varlen_epilogue_equals_register_stores(monkeypatch):
+    """Varlen output staged in shared memory and copied out 16 bytes per thread (STORE_STAGED, the default) gives the
+    register stores' output bit for bit (every row written, no row of the next sequence touched)."""
+    monkeypatch.setenv("LEANFA_HOPPER_PERSISTENT", "1")
+    p = _varlen_fp8_problem(STAGED_LENS)
+    monkeypatch.setenv("LEANFA_HOPPER_STORE_TMA", "0")
+    off = emulate_mod._make_plan_cpu(L, p, torch.empty(p.q.shape[0], 2, 128, dtype=torch.bfloat16), None)
+    ref_out, _, _ = emulate(p)
+    monkeypatch.setenv("LEANFA_HOPPER_STORE_TMA", "1")
+    on = emulate_mod._make_plan_cpu(L, p, torch.empty(p.q.shape[0], 2, 128, dtype=torch.bfloat16), None)
+    assert on.constexprs["STORE_STAGED"] and not off.constexprs["STORE_STAGED"] and not on.constexprs["STORE_TMA"]
+    out, _, _ = emulate(p)
+    assert not torch.isnan(out).any() and torch.equal(out, ref_out)
+
+
+@pytest.mark.parametrize("fn,old,new", [
+    # the rows read back before the other warps finished writing them
+    ("stage_and_copy", "    gl.thread_barrier()\n    vals = o_buf.load(c_layout)", "    vals = o_buf.load(c_layout)"),
+    # the rows past the sequence's end written (into the next sequence's rows)
+    ("stage_and_copy", "vals, mask=offs_m[:, None] < seqlen_q)", "vals, mask=offs_m[:, None] < seqlen_q + 64)"),
+])
+def test_v3_staged_varlen_epilogue_mutations_caught(fn, old, new, monkeypatch):
+    """(The barrier before the buffer is written again is not mutated here: between two tiles with key blocks the
+    key loop's own barriers (``release_slot``) already order it; only a tile with no key block after one with keys
+    relies on it.)"""
+    monkeypatch.setenv("LEANFA_HOPPER_PERSISTENT", "1")
+    p = _varlen_fp8_problem(STAGED_LENS)
+    monkeypatch.setenv("LEANFA_HOPPER_STORE_TMA", "0")
+    ref_out, _, _ = emulate(p)
+    monkeypatch.setenv("LEANFA_HOPPER_STORE_TMA", "1")
+    _assert_caught(getattr(EP, fn), old, new, p, ref_out)
+
+
 def test_v3_early_q_release_mutation_caught(monkeypatch):
     """The Q box goes back to the producer after a warpgroup's last QK (persistent: the next tile's Q loads
     under this tile's last block). Released before the key loop instead, the next Q overwrites it while

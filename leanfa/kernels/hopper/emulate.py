@@ -74,6 +74,7 @@ class _Buf:
     fence_epoch: int = -1
     store_reader: object = None  # the partition whose TMA store is still reading this buffer
     store_done_epoch: int = -1  # the epoch of the store_wait that retired the last store
+    store_epoch: int = -1  # the epoch of the last generic store (a generic load of it needs a barrier after)
 
     def reader(self, part):
         return self.read_parts.setdefault(part, [0, 0, -1, False])
@@ -246,7 +247,12 @@ class SmemView:
 
     def read(self, what):
         b = self.buf()
-        if b.state != "visible" and what.startswith("wgmma") and b.staged:
+        if what == "a generic load" and b.staged == "written":
+            # a staged output tile read back (the varlen epilogue): every warp's rows only after a barrier
+            if b.store_epoch >= M.epoch:
+                M.err("a generic load of shared memory written by generic stores with no barrier over the warps "
+                      "in between")
+        elif b.state != "visible" and what.startswith("wgmma") and b.staged:
             # written by the warpgroup's own generic stores: the async proxy sees them only
             # after fence_async_shared, and every warp's rows only after a barrier behind the fence
             if b.staged == "written":
@@ -274,8 +280,12 @@ class SmemView:
         if b.store_done_epoch >= M.epoch:
             M.err("a generic store into shared memory right after tma.store_wait with no barrier over the "
                   "warps in between (only the issuing thread saw the store finish)")
+        r = b.read_parts.get(M.part)
+        if r is not None and r[2] >= M.epoch:
+            M.err("a generic store into shared memory that its warps may still be reading (a generic load with "
+                  "no barrier over the warps since)")
         self._tensor().copy_(torch.as_tensor(value).to(self.alloc.dtype))
-        b.staged, b.fence_epoch = "written", -1
+        b.staged, b.fence_epoch, b.store_epoch = "written", -1, M.epoch
 
 
 class Barrier:

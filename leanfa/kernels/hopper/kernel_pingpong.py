@@ -39,8 +39,8 @@ from __future__ import annotations
 from .gluon_compat import gl, gluon, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from .ablation import ABLATE_ONEWG, ablates
-from .epilogue import kmean_lse_term, load_v_scale, stage_and_store, write_rows
-from .layouts import a_operand_layout, p_operand, wgmma_layout
+from .epilogue import kmean_lse_term, load_v_scale, stage_and_copy, stage_and_store, write_rows
+from .layouts import a_operand_layout, p_operand, staged_out_layout, wgmma_layout
 from .masking import kv_block_range, mask_scores
 from .pipeline import alloc_barriers, invalidate_barriers, load_q, produce_kv, qk_async, release_slot, v_tile, wait_k
 from .schedule import program_tiles, round_tile, sequence_bounds, tile_coords, varlen_tile_coords
@@ -228,7 +228,8 @@ def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, q_empty,
                    b, h, hkv, q_start, m_start, n_full, n_end, ring, tr, sink_t, qi, ostore,
                    HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, PV_FP8: gl.constexpr,
                    V_KMAJOR: gl.constexpr, RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, ABLATE: gl.constexpr,
-                   TWO_LEVEL: gl.constexpr, SINK: gl.constexpr, STORE_TMA: gl.constexpr, W: gl.constexpr):
+                   TWO_LEVEL: gl.constexpr, SINK: gl.constexpr, STORE_TMA: gl.constexpr,
+                   STORE_STAGED: gl.constexpr, W: gl.constexpr):
     """Warpgroup ``W`` (of ``WGS``) on one tile: rows ``[m_start + 64 W, + 64)`` of sequence ``b`` against its key
     blocks ``[0, n_end)``, which sit at ring positions ``ring + j``. Output row ``r`` is token ``q_start + r`` of ``out`` (and of the LSE). ``out_t``,
     ``lse_t`` and the ``*_scale_t``/``k_mean_t`` tables are ``(pointer, strides...)`` tuples. ``SINK``
@@ -237,7 +238,9 @@ def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, q_empty,
     its Q box back (``q_empty``) as soon as its last QK retired, so a persistent program's producer loads the
     next tile's Q under this tile's last block and epilogue; with the K-mean LSE term (it reads Q at the
     end) or the sink (its buffers load with Q) only after the epilogue. ``STORE_TMA`` (dense): the output
-    rows leave through ``ostore = (out_desc, o_smem)`` (:func:`.epilogue.stage_and_store`). ``IS_FP8``: S comes
+    rows leave through ``ostore = (out_desc, o_smem)`` (:func:`.epilogue.stage_and_store`); ``STORE_STAGED``
+    (varlen): through ``ostore``, one shared buffer per warpgroup, and 16-byte row-masked stores
+    (:func:`.epilogue.stage_and_copy`). ``IS_FP8``: S comes
     from an FP8 wgmma (Q, K in e4m3 with their scales); ``PV_FP8``: P and V are e4m3 too (P scaled by
     2^P_OFFSET into its range), else P is packed to V's 16-bit dtype for a 16-bit PV wgmma (the mixed mode
     when IS_FP8)."""
@@ -333,6 +336,9 @@ def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, q_empty,
         if row0 < seqlen_q:  # (TMA clips rows past the tensor; a persistent program's empty last round,
             # which reads as the last tile with no rows, must not store at all)
             stage_and_store(acc, inv_l, v_sc, out_desc, o_smem.index(W), b, h, row0)
+    elif STORE_STAGED:  # (varlen: the rows staged in this warpgroup's buffer ``ostore[W]``, copied out 16 B at a time)
+        stage_and_copy(acc, inv_l, v_sc, ostore.index(W), row0, out_seq, stride_ob, stride_os, stride_oh, b, h,
+                       seqlen_q, WG_WARPS)
     else:
         write_rows(acc, inv_l, v_sc, row0, out_seq, stride_ob, stride_os, stride_oh, b, h, seqlen_q)
     if RETURN_LSE:
@@ -359,7 +365,7 @@ def _consumer_step(t, ring, qi, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars,
                    HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, PV_FP8: gl.constexpr,
                    V_KMAJOR: gl.constexpr, RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, ABLATE: gl.constexpr,
                    TWO_LEVEL: gl.constexpr, VARLEN: gl.constexpr, SINK: gl.constexpr, STORE_TMA: gl.constexpr,
-                   W: gl.constexpr):
+                   STORE_STAGED: gl.constexpr, W: gl.constexpr):
     """Tile ``t``; ``ring``, ``qi``: key blocks and Q tiles of the program's earlier tiles (ring position,
     ``q_bars`` phase). Returns them updated.
     ``trace``: the clock-trace buffer (:mod:`.trace`), or ``None``."""
@@ -378,7 +384,7 @@ def _consumer_step(t, ring, qi, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars,
                    sq, sk, qk_scale, sm_scale,
                    b, h, hkv, q_start, m_start, n_full, n_end, ring, tr, sink_t, qi, ostore,
                    HEAD_DV, CAUSAL, IS_FP8, PV_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, ABLATE,
-                   TWO_LEVEL, SINK, STORE_TMA, W)
+                   TWO_LEVEL, SINK, STORE_TMA, STORE_STAGED, W)
     loaded = gl.minimum(n_end, 1)  # this tile had a Q tile
     return ring + _fp8_blocks(n_end, SINK), qi + loaded
 
@@ -387,7 +393,7 @@ def _consumer_step(t, ring, qi, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars,
 def _consumer(args, trace, sink_t, ostore, HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr,
               PV_FP8: gl.constexpr, V_KMAJOR: gl.constexpr, RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr,
               ABLATE: gl.constexpr, TWO_LEVEL: gl.constexpr, VARLEN: gl.constexpr, PERSISTENT: gl.constexpr,
-              SINK: gl.constexpr, STORE_TMA: gl.constexpr, W: gl.constexpr):
+              SINK: gl.constexpr, STORE_TMA: gl.constexpr, STORE_STAGED: gl.constexpr, W: gl.constexpr):
     """Warpgroup ``W`` over this program's tiles; in each it hands its Q box back (``q_empty``
     counts every consumer warpgroup), so the producer can load the next tile's. Tiles with no key block to
     visit (causal rows before the first key, varlen tiles past a sequence) load no Q. One tile per
@@ -411,7 +417,7 @@ def _consumer(args, trace, sink_t, ostore, HEAD_DV: gl.constexpr, CAUSAL: gl.con
                 seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k, tiles,
                 num_bh, num_heads, group_size, num_m_tiles, num_tiles, trace, sink_t, ostore,
                 HEAD_DV, CAUSAL, IS_FP8, PV_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, ABLATE, TWO_LEVEL, VARLEN, SINK,
-                STORE_TMA, W)
+                STORE_TMA, STORE_STAGED, W)
     else:
         _consumer_step(
             first_tile, 0, 0, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars,
@@ -419,7 +425,7 @@ def _consumer(args, trace, sink_t, ostore, HEAD_DV: gl.constexpr, CAUSAL: gl.con
             seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k, tiles,
             num_bh, num_heads, group_size, num_m_tiles, num_tiles, trace, sink_t, ostore,
             HEAD_DV, CAUSAL, IS_FP8, PV_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, ABLATE, TWO_LEVEL, VARLEN, SINK,
-            STORE_TMA, W)
+            STORE_TMA, STORE_STAGED, W)
     if STORE_TMA:
         tma.store_wait(0)  # the last tile's output store has read its shared memory
 
@@ -430,14 +436,14 @@ def _partitions(cargs, pargs, trace, cu_seqlens_v, psink, csink, ostore,
                 V_KMAJOR: gl.constexpr,
                 RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, ABLATE: gl.constexpr, TWO_LEVEL: gl.constexpr,
                 VARLEN: gl.constexpr, PERSISTENT: gl.constexpr, CONSUMERS: gl.constexpr, SINK: gl.constexpr,
-                STORE_TMA: gl.constexpr):
+                STORE_TMA: gl.constexpr, STORE_STAGED: gl.constexpr):
     """The warp-specialized body: the two consumer warpgroups (the first in the default partition) and
     the producer warp. ``psink``/``csink``: the BF16 sink keys' tuples, or None."""
     gl.warp_specialize([
         (_consumer, (cargs, trace, csink, ostore, HEAD_DV, CAUSAL, IS_FP8, PV_FP8, V_KMAJOR, RETURN_LSE,
-                     HAS_KMEAN, ABLATE, TWO_LEVEL, VARLEN, PERSISTENT, SINK, STORE_TMA, 0)),
+                     HAS_KMEAN, ABLATE, TWO_LEVEL, VARLEN, PERSISTENT, SINK, STORE_TMA, STORE_STAGED, 0)),
         (_consumer, (cargs, trace, csink, ostore, HEAD_DV, CAUSAL, IS_FP8, PV_FP8, V_KMAJOR, RETURN_LSE,
-                     HAS_KMEAN, ABLATE, TWO_LEVEL, VARLEN, PERSISTENT, SINK, STORE_TMA, 1)),
+                     HAS_KMEAN, ABLATE, TWO_LEVEL, VARLEN, PERSISTENT, SINK, STORE_TMA, STORE_STAGED, 1)),
         (_producer, (pargs, cu_seqlens_v, psink, CAUSAL, V_KMAJOR, VARLEN, CONSUMERS, SINK)),
     ], [WG_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -475,6 +481,7 @@ def attn_fwd_pingpong_kernel(
     STORE_TMA: gl.constexpr,  # dense: the output leaves through shared memory and TMA (epilogue.stage_and_store)
     num_warps: gl.constexpr,
     MIXED: gl.constexpr = False,  # IS_FP8 with a 16-bit V: FP8 QK, P and V in 16 bits (attention(precision="fp8qk"))
+    STORE_STAGED: gl.constexpr = False,  # varlen: the output staged in shared memory, 16-byte row-masked stores
 ):
     gl.static_assert(num_warps == WG_WARPS, "the kernel launches with num_warps=4 (the first consumer warpgroup)")
     gl.static_assert(q_desc.block_type.shape[2] == WG_ROWS, "the kernel loads Q in 64-row boxes")
@@ -510,6 +517,10 @@ def attn_fwd_pingpong_kernel(
     if STORE_TMA:  # one output box per consumer warpgroup
         o_smem = gl.allocate_shared_memory(out_desc.dtype, [WGS] + out_desc.block_type.shape, out_desc.layout)
         ostore = (out_desc, o_smem)
+    elif STORE_STAGED:  # one 64 x Dv buffer per consumer warpgroup (epilogue.stage_and_copy)
+        o_dtype: gl.constexpr = out_ptr.dtype.element_ty
+        ostore = gl.allocate_shared_memory(o_dtype, [WGS, WG_ROWS, HEAD_DV],
+                                           staged_out_layout(WG_ROWS, HEAD_DV, o_dtype))
     else:
         ostore = out_desc  # (None)
     if SINK:  # the BF16 sink keys' 16-bit Q boxes, K and V blocks, and their barrier (sink.py)
@@ -523,12 +534,12 @@ def attn_fwd_pingpong_kernel(
                     (sink_q_desc, sink_k_desc, sink_v_desc, qs_smem, ks_smem, vs_smem, sink_bar),
                     (qs_smem, ks_smem, vs_smem, sink_bar), ostore,
                     HEAD_DV, CAUSAL, IS_FP8, PV_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, ABLATE, TWO_LEVEL, VARLEN,
-                    PERSISTENT, CONSUMERS, SINK, STORE_TMA)
+                    PERSISTENT, CONSUMERS, SINK, STORE_TMA, STORE_STAGED)
         invalidate_barriers(sink_bar, 1)
     else:  # (the None sink_q_desc stands for both sink tuples: a None made here cannot be passed on)
         _partitions(cargs, pargs, trace, cu_seqlens_v, sink_q_desc, sink_q_desc, ostore,
                     HEAD_DV, CAUSAL, IS_FP8, PV_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, ABLATE, TWO_LEVEL, VARLEN,
-                    PERSISTENT, CONSUMERS, SINK, STORE_TMA)
+                    PERSISTENT, CONSUMERS, SINK, STORE_TMA, STORE_STAGED)
 
     invalidate_barriers(q_bars, WGS)
     invalidate_barriers(q_empty, 1)

@@ -137,8 +137,8 @@ def _flag(name: str, default: bool) -> bool:
 
 
 #: Knobs (env, read at plan time): LEANFA_HOPPER_PERSISTENT (one program per SM looping over the tiles
-#: heaviest first, see schedule.py; default: persistent_default), LEANFA_HOPPER_STORE_TMA (dense output through
-#: shared memory and TMA, see store_tma), LEANFA_HOPPER_STAGES (ring depth, see _stages), LEANFA_HOPPER_TRACE=1
+#: heaviest first, see schedule.py; default: persistent_default), LEANFA_HOPPER_STORE_TMA (the output through
+#: shared memory: dense by TMA, see store_tma; varlen by 16-byte stores, see store_staged; =0 neither), LEANFA_HOPPER_STAGES (ring depth, see _stages), LEANFA_HOPPER_TRACE=1
 #: (each consumer warpgroup records SM clocks at the phases of its key loop into ``Plan.trace``, see trace.py
 #: and scripts/hopper_trace.py; off: without it the PTX is unchanged), LEANFA_HOPPER_ABLATE (timing
 #: ablations, see _ablation). Options measured not to pay were deleted (docs/perf-notes.md).
@@ -245,6 +245,17 @@ def store_tma(is_fp8: bool, varlen: bool, out: torch.Tensor, sink_mode: int, dqk
     if out.dtype not in (torch.bfloat16, torch.float16):
         return False
     return tma_layout_problem("out", out, *_bshd_as_bhsd(out)) is None
+
+
+def store_staged(varlen: bool, out: torch.Tensor, sink_mode: int, dqk: int, q_elt: int, v_elt: int) -> bool:
+    """Whether a varlen call's epilogue stages O in shared memory and copies it out 16 bytes per thread with the row
+    mask (:func:`.epilogue.stage_and_copy`; a TMA box would cross into the next sequence's rows): head dim <= 128, no
+    sink, where the two 64 x Dv buffers fit next to Q and a two-slot ring. ``LEANFA_HOPPER_STORE_TMA=0`` keeps
+    the register stores here too."""
+    dv = out.shape[-1]
+    if not varlen or not _flag("LEANFA_HOPPER_STORE_TMA", True) or not _default_tile(sink_mode, dv):
+        return False
+    return _smem_bytes(dqk, dv, q_elt, 2, BLOCK_N, BLOCK_M, BLOCK_M * dv * out.element_size(), v_elt) <= SMEM_LIMIT
 
 
 def persistent_default(is_fp8: bool, sink_mode: int, dv: int, has_kmean: bool = False,
@@ -359,7 +370,8 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
     has_kmean = k_mean is not None and return_lse
     o_tma = store_tma(is_fp8, varlen, out, sink_mode, Dqk, mixed)
     out_desc = _desc(out, *_bshd_as_bhsd(out), [1, 1, 64, Dv]) if o_tma else None
-    out_bytes = block_m * Dv * out.element_size() if o_tma else 0
+    o_staged = not o_tma and store_staged(varlen, out, sink_mode, Dqk, q.element_size(), v.element_size())
+    out_bytes = block_m * Dv * out.element_size() if o_tma or o_staged else 0
     km = k_mean if has_kmean or sink_mode == 2 else v_scale  # any float32 pointer; unused
     if varlen:  # out (total_q, Hq, Dv): sequence b's rows start at token cu_seqlens_q[b]
         out_strides = (0, out.stride(0), out.stride(1))
@@ -395,7 +407,7 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
         STAGES=_stages(Dqk, Dv, q.element_size(), block_n, block_m, sink_bytes + out_bytes, v.element_size()),
         num_warps=WG_WARPS,
         ABLATE=_ablation(), PV_IN_MMA=wide_head(Dv),
-        PERSISTENT=persistent, VARLEN=varlen, SINK=sink_mode, STORE_TMA=o_tma, MIXED=mixed,
+        PERSISTENT=persistent, VARLEN=varlen, SINK=sink_mode, STORE_TMA=o_tma, MIXED=mixed, STORE_STAGED=o_staged,
     )
     if persistent:  # one program per SM (one CTA fits an SM: > 114 KB of shared memory)
         grid = (max(min(tiles, _num_sms(q.device)), 1), )

@@ -27,6 +27,22 @@ def a_operand_layout(acc_layout, operand_bits):
 
 
 @gluon.constexpr_function
+def staged_out_layout(rows, cols, dtype):
+    """Shared layout of a ``[rows, cols]`` output tile staged for its copy to global memory (the TMA box's)."""
+    return gl.NVMMASharedLayout.get_default_for([rows, cols], dtype)
+
+
+@gluon.constexpr_function
+def copy_layout(num_warps, cols, dtype):
+    """Blocked layout that gives each thread 16 contiguous bytes of a row of ``cols`` elements of ``dtype`` (a warp
+    covers whole rows), for 16-byte global stores."""
+    bits = getattr(dtype, "primitive_bitwidth", None) or dtype.itemsize * 8  # (a torch dtype in the emulator)
+    vec = 128 // bits
+    per_row = min(32, max(cols // vec, 1))
+    return gl.BlockedLayout([1, vec], [32 // per_row, per_row], [num_warps, 1], [1, 0])
+
+
+@gluon.constexpr_function
 def rows_layout(num_warps):
     """A plain blocked layout for reading a Q tile back from shared memory (epilogue only)."""
     return gl.BlockedLayout([1, 4], [4, 8], [num_warps, 1], [1, 0])
