@@ -226,3 +226,24 @@ def test_dropout_in_training_rejected():
     q = torch.zeros(1, 4, 8, 64)
     with pytest.raises(NotImplementedError, match="dropout"):
         fn(module, q, q[:, :2], q[:, :2], None, dropout=0.1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["leanfa", "leanfa_fp8"])
+def test_padded_layers_after_the_first_do_not_sync(impl):
+    """One host sync per padded forward: the first layer's unpad_mask; a later layer's call (same mask
+    object, cached) gathers, attends and re-pads without one."""
+    fn = lt.ATTENTION_FUNCTIONS[impl]
+    module = torch.nn.Module().eval()
+    g = torch.Generator(device="cuda").manual_seed(10)
+    q, k, v = (torch.randn(2, h, 300, 128, device="cuda", dtype=torch.bfloat16, generator=g) for h in (8, 2, 2))
+    mask = torch.ones(2, 300, dtype=torch.long, device="cuda")
+    mask[0, :120] = 0
+    fn(module, q, k, v, mask, is_causal=True)  # first layer: syncs once (and warms up the kernels)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out, _ = fn(module, q, k, v, mask, is_causal=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(out[0, :120], torch.zeros_like(out[0, :120])) and out[0, 120:].abs().sum() > 0
