@@ -90,6 +90,8 @@ _cache: tuple | None = None
 
 def _unpad_cached(mask: torch.Tensor, q_len: int) -> Unpadded:
     global _cache
+    if torch.compiler.is_compiling():  # no Python-side cache inside a traced graph
+        return unpad_mask(mask, q_len)
     if _cache is not None:
         ref, version, cached_q_len, unpadded = _cache
         if ref() is mask and mask._version == version and cached_q_len == q_len:
