@@ -33,7 +33,7 @@ Behaviour:
 * Padded **decoding steps** (``q_len == 1`` with a longer KV cache and a padding mask) fall back to
   transformers' SDPA attention with an equivalent boolean mask and a one-time warning (leanfa is a
   prefill kernel: a 1-query tile would waste its 128-row tiles). Decoding steps without padding run
-  leanfa's dense kernel, as before. Any 4-D mask falls back to SDPA the same way.
+  leanfa's dense kernel. Any 4-D mask falls back to SDPA the same way.
 * Not supported (``NotImplementedError``): ``dropout > 0`` in training mode, ``softcap``,
   ``sliding_window``, ``output_attentions`` (weights are never materialized; returns None).
 """
