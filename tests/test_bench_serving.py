@@ -17,7 +17,7 @@ import torch
 
 from leanfa.bench import commands, cudnn_graphs, errors, fa3, impls as impls_mod, report, shapes
 from leanfa.bench.impls import Impl, NotApplicable, all_impls
-from leanfa.bench.inputs import chunk_query_index, input_bytes, make_inputs
+from leanfa.bench.inputs import PAGE_FILL, chunk_query_index, gather_pages, input_bytes, make_inputs, paged_kv
 from leanfa.bench.runner import BenchConfig, run_bench
 from leanfa.bench.timing import Timing
 from leanfa.reference import attention_ref
@@ -325,6 +325,75 @@ def test_cudnn_ragged_offsets_cut_keys_by_their_lengths(monkeypatch):
     assert plain["seq_kv"].flatten().tolist() == [9, 4, 5]
 
 
+# ------------------------------------------------------------------------------ paged K/V rows
+
+
+@pytest.mark.parametrize("page_size", [4, 8, 64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_paged_inputs_hold_the_same_keys(page_size, dtype):
+    """paged_kv copies the packed K/V into shuffled pages: gathering them through the table gives K/V back;
+    every page but the spare one belongs to exactly one sequence; unused rows hold PAGE_FILL, not zeros."""
+    x = make_inputs(TINY, device="cpu", seed=3)
+    k, v = x.k.to(dtype), x.v.to(dtype)
+    paged = paged_kv(k, v, TINY.seqlens_k, page_size, seed=5)
+    need = [-(-n // page_size) for n in TINY.seqlens_k]
+    assert paged.k_cache.shape == (sum(need) + 1, page_size, 2, 64) and paged.page_size == page_size
+    assert paged.page_table.dtype == torch.int32 and paged.page_table.shape == (3, max(need))
+    assert torch.equal(gather_pages(paged.k_cache, paged.page_table, TINY.seqlens_k).float(), k.float())
+    assert torch.equal(gather_pages(paged.v_cache, paged.page_table, TINY.seqlens_k).float(), v.float())
+    used = [int(p) for b, n in enumerate(need) for p in paged.page_table[b, :n]]
+    assert sorted(used) == sorted(set(used)) and len(used) == sum(need)
+    spare = ({*range(sum(need) + 1)} - set(used)).pop()
+    assert (paged.k_cache[spare].float() == PAGE_FILL[dtype]).all()
+    assert all(int(p) == spare for b, n in enumerate(need) for p in paged.page_table[b, n:])
+    tail = TINY.seqlens_k[0] % page_size
+    if tail:  # the rows past the first sequence's end in its last page
+        last = int(paged.page_table[0, need[0] - 1])
+        assert (paged.v_cache[last, tail:].float() == PAGE_FILL[dtype]).all()
+    if page_size == 4:  # pages really shuffled
+        assert used != sorted(used)
+    with pytest.raises(ValueError, match="seqlens_k"):
+        paged_kv(k, v, TINY.seqlens, page_size)
+
+
+@CPU_ONLY
+def test_paged_rows_run_on_cpu_and_match_contiguous(monkeypatch):
+    """The paged rows in the check-then-time loop on a tiny chunked batch (portable kernel, interpreter): they
+    pass the float64 check with the contiguous rows' FLOP count, and a paged call gives the contiguous call's
+    output exactly (BF16 and FP8, also with 8-token pages: several pages per sequence)."""
+    names = {"leanfa-portable-bf16", "leanfa-portable-bf16-paged64", "leanfa-portable-bf16-paged128",
+             "leanfa-portable-fp8-kvhead-kernel", "leanfa-portable-fp8-paged64-kernel",
+             "leanfa-portable-fp8-paged128-kernel"}
+    chosen = [i for i in all_impls() if i.name in names]
+    assert len(chosen) == len(names)
+    rows = run_bench([TINY], chosen, BenchConfig(device="cpu", max_copies=1), timer=_timer,
+                     sampler_factory=_Sampler, progress=False, log=None)
+    for r in rows:
+        assert r["status"] == "ok", r
+        assert r["check_rel_l2"] < (2e-2 if r["precision"] == "bf16" else 0.12), r
+        assert r["flops"] == shapes.flops(TINY)
+    assert "shuffled" in {r["impl"]: r for r in rows}["leanfa-portable-bf16-paged64"]["note"]
+    x = make_inputs(TINY, device="cpu", seed=4)
+    for contiguous, paged in ((impls_mod._leanfa_bf16("portable"), impls_mod._leanfa_bf16_paged("portable", 8)),
+                              (impls_mod._leanfa_fp8_kvhead_kernel("portable"),
+                               impls_mod._leanfa_fp8_kvhead_kernel("portable", 8))):
+        want = contiguous(TINY, x).run()
+        got = paged(TINY, x).run()
+        assert torch.isfinite(got).all() and torch.equal(got, want)
+    dense = dataclasses.replace(TINY, seqlens=None, seqlens_k=None, batch=2)
+    with pytest.raises(NotApplicable, match="packed"):
+        impls_mod._leanfa_bf16_paged("portable", 64)(dense, make_inputs(dense, device="cpu"))
+
+
+def test_paged_rows_are_opt_in():
+    """The default selection (no --impl) leaves the paged and per-KV-head FP8 rows out; a pattern takes them."""
+    default = {i.name for i in impls_mod.select(all_impls())}
+    assert not any("paged" in n or "kvhead" in n for n in default) and "leanfa-portable-bf16" in default
+    named = {i.name for i in impls_mod.select(all_impls(), ["leanfa-*-paged*"])}
+    assert named == {f"leanfa-{b}-{p}" for b in ("hopper", "portable")
+                     for ps in (64, 128) for p in (f"bf16-paged{ps}", f"fp8-paged{ps}-kernel")}
+
+
 # ------------------------------------------------------------------------------ the CLI
 
 
@@ -337,6 +406,13 @@ def test_dry_run_lists_the_chunked_batches(capsys):
     assert sum("/varlen" in line for line in out) == 6
     assert commands.main("bench", ["--help"]) == 0
     assert "chunked-prefill" in capsys.readouterr().out
+    # the chunked batches alone, with the paged rows beside the contiguous ones and FA3
+    impl = "leanfa-*-bf16*,leanfa-*-fp8-kernel,leanfa-*-kvhead*,leanfa-*-paged*,fa3-*"
+    assert commands.main("bench", ["--dry-run", "--sweep", "chunked", "--quick", "--impl", impl]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 3 and out[-1].startswith("2 cases x 16 implementations")
+    assert all("/chunked" in line for line in out[:2])
+    assert "leanfa-portable-bf16-paged128" in out[-1] and "fa3-fp8" in out[-1]
 
 
 @pytest.mark.parametrize("fp8", [False, True])

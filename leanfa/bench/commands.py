@@ -29,7 +29,9 @@ on model-like activations), "varlen" (one uneven prefill batch) and "serving" (p
 serving engine's flash_attn_varlen_func sees them: six of whole prompts -- one long among many short,
 equal lengths, 64 and 256 chat-length prompts -- and two chunked-prefill batches, whose queries are
 chunks attending causally, aligned bottom-right, to their cached prefix plus the chunk: 8 chunks of 2K
-tokens after prefixes of 1.6K-11.7K, and 3 chunks after 6.5K-28.6K-token prefixes among 12 new prompts).
+tokens after prefixes of 1.6K-11.7K, and 3 chunks after 6.5K-28.6K-token prefixes among 12 new prompts);
+"chunked" is those two chunked-prefill batches alone. Paged K/V rows (K/V in shuffled 64- or 128-token
+pages, the same batch) are opt-in: name them, e.g. --impl 'leanfa-*-paged*'.
 
 Each leanfa row is reported in TFLOP/s and as a ratio to the best peer of its precision on
 the same shape (FP8: cuDNN FP8 and FA3 FP8; BF16: cuDNN and FA3 BF16), naming that peer.
@@ -65,6 +67,8 @@ EXAMPLES = {
                --impl 'leanfa-hopper-*,cudnn-*,fa3-*'
   leanfa bench --sweep models --models llama3.1-70b --seqlens 8k
   leanfa bench --sweep serving          # packed serving batches, chunked prefill included
+  leanfa bench --sweep chunked --quick --impl 'leanfa-*-bf16*,leanfa-*-fp8-kernel,leanfa-*-kvhead*,leanfa-*-paged*,fa3-*'
+                                        # chunked prefill: paged K/V beside contiguous, and FA3
   leanfa bench --list                   # implementations, and why any cannot run here
   leanfa bench --dry-run --quick        # the cases, without running anything
 """,
@@ -125,7 +129,8 @@ def build_parser(command: str) -> argparse.ArgumentParser:
     if command == "bench":
         _common(p)
         p.add_argument("--sweep", default="standard,models,varlen",
-                       help="comma list of standard,models,varlen,serving (default standard,models,varlen)")
+                       help="comma list of standard,models,varlen,serving,chunked (default standard,models,varlen; "
+                            "chunked: the serving sweep's chunked-prefill batches alone)")
         p.add_argument("--seqlens", help="comma list overriding the sweeps' sequence lengths "
                                          "(e.g. 1k,4k,16k)")
         p.add_argument("--causal", choices=("both", "true", "false"),

@@ -15,6 +15,13 @@ Rows:
 * ``leanfa-<backend>-fp8-kernel``: ``flash_attn_func(quantize_fp8(q, k, v))``, the kernel
   alone on inputs quantized beforehand;
 * ``leanfa-<backend>-bf16``: ``flash_attn_func`` on the BF16 inputs;
+* paged K/V (opt-in: ``--impl`` must name them, e.g. ``'leanfa-*-paged*'``; packed batches only):
+  ``leanfa-<backend>-bf16-paged<P>`` is ``flash_attn_varlen_func(q, k_cache, v_cache, ..., page_table=)`` with
+  the same K/V copied into caches of ``P``-token pages (``P`` in :data:`PAGE_SIZES`) in a shuffled order
+  (:func:`leanfa.bench.inputs.paged_kv`, built before the timing); ``leanfa-<backend>-fp8-paged<P>-kernel`` the
+  same on e4m3 Q and caches with FA3's per-(sequence, KV head) descales (a KV cache's FP8 format), and
+  ``leanfa-<backend>-fp8-kvhead-kernel`` those FP8 inputs with contiguous K/V (the paged FP8 rows' baseline).
+  Paged calls run on the portable kernel: the ``hopper`` paged rows are "n/a" with leanfa's reason;
 * ``cudnn-bf16``: torch SDPA forced to ``SDPBackend.CUDNN_ATTENTION`` (varlen: cuDNN
   frontend graph with ragged offsets; a chunked-prefill batch, ``Sq < Sk``, with the
   bottom-right causal mask) — the BF16 baseline;
@@ -53,7 +60,7 @@ import torch
 
 from ..kernels.device import capability
 from . import cudnn_graphs, fa3
-from .inputs import Inputs
+from .inputs import Inputs, PagedKV, paged_kv
 from .shapes import Case
 
 FP8 = torch.float8_e4m3fn
@@ -82,6 +89,8 @@ class Impl:
     available: Callable[[], tuple[bool, str]] = field(default=lambda: (True, ""))
     #: the row that same-precision rows are compared to (cuDNN)
     baseline: bool = False
+    #: in the default selection (no ``--impl``); False: only when ``--impl`` names it (a pattern matches it)
+    default: bool = True
 
     def to_dict(self) -> dict:
         return {"impl": self.name, "family": self.family, "precision": self.precision,
@@ -172,6 +181,62 @@ def _leanfa_fp8_kernel(backend: str):
         quant = lf.quantize_fp8(x.q, x.k, x.v, granularity="block", smooth_k=True)
         return Prepared(_leanfa_call(lambda: lf.flash_attn_func(quant, causal=case.causal,
                                                                 backend=backend)))
+    return prepare
+
+
+#: page sizes of the paged rows
+PAGE_SIZES = (64, 128)
+
+
+def _paged(case: Case, x: Inputs, k: torch.Tensor, v: torch.Tensor, page_size: int) -> PagedKV:
+    if not x.varlen:
+        raise NotApplicable("paged K/V rows run on packed (varlen) batches")
+    return paged_kv(k, v, case.key_seqlens, page_size, seed=page_size)
+
+
+def _leanfa_bf16_paged(backend: str, page_size: int):
+    """flash_attn_varlen_func over paged BF16 caches holding the case's K/V (pages shuffled)."""
+    def prepare(case: Case, x: Inputs) -> Prepared:
+        lf = _leanfa()
+        paged = _paged(case, x, x.k, x.v, page_size)
+        return Prepared(_leanfa_call(lambda: lf.flash_attn_varlen_func(
+            x.q, paged.k_cache, paged.v_cache, x.cu_seqlens, x.cu_seqlens_k, x.max_seqlen, x.max_seqlen_k,
+            causal=case.causal, backend=backend, page_table=paged.page_table)),
+            note=f"paged K/V, {page_size}-token pages in a shuffled order")
+    return prepare
+
+
+def _fp8_per_kv_head(case: Case, x: Inputs):
+    """Q, K, V in e4m3 with FA3's descales, one per (sequence, KV head) (:func:`fa3.quantize_per_kv_head`)."""
+    cu_q = x.cu_seqlens if x.varlen else None
+    cu_k = x.cu_seqlens_k if x.varlen else None
+    q8, dq = fa3.quantize_per_kv_head(x.q, case.kv_heads, cu_q)
+    k8, dk = fa3.quantize_per_kv_head(x.k, case.kv_heads, cu_k)
+    v8, dv = fa3.quantize_per_kv_head(x.v, case.kv_heads, cu_k)
+    return q8, k8, v8, dict(q_descale=dq, k_descale=dk, v_descale=dv)
+
+
+def _leanfa_fp8_kvhead_kernel(backend: str, page_size: int | None = None):
+    """The kernel alone on e4m3 inputs with per-(sequence, KV head) descales, K/V contiguous or (``page_size``)
+    in paged caches."""
+    def prepare(case: Case, x: Inputs) -> Prepared:
+        lf = _leanfa()
+        if page_size is not None and not x.varlen:
+            raise NotApplicable("paged K/V rows run on packed (varlen) batches")
+        q8, k8, v8, desc = _fp8_per_kv_head(case, x)
+        note = "e4m3 with one descale per (sequence, KV head)"
+        if page_size is not None:
+            paged = _paged(case, x, k8, v8, page_size)
+            return Prepared(_leanfa_call(lambda: lf.flash_attn_varlen_func(
+                q8, paged.k_cache, paged.v_cache, x.cu_seqlens, x.cu_seqlens_k, x.max_seqlen, x.max_seqlen_k,
+                causal=case.causal, backend=backend, page_table=paged.page_table, **desc)),
+                note=f"{note}; paged K/V, {page_size}-token pages in a shuffled order")
+        if x.varlen:
+            return Prepared(_leanfa_call(lambda: lf.flash_attn_varlen_func(
+                q8, k8, v8, x.cu_seqlens, x.cu_seqlens_k, x.max_seqlen, x.max_seqlen_k, causal=case.causal,
+                backend=backend, **desc)), note=note)
+        return Prepared(_leanfa_call(lambda: lf.flash_attn_func(q8, k8, v8, causal=case.causal, backend=backend,
+                                                                **desc)), note=note)
     return prepare
 
 
@@ -433,7 +498,20 @@ def all_impls() -> list[Impl]:
                  _leanfa_fp8_kernel(b), ok),
             Impl(f"leanfa-{b}-bf16", "leanfa", "bf16", "kernel",
                  f"flash_attn_func(bf16, backend='{b}')", _leanfa_bf16(b), ok),
+            Impl(f"leanfa-{b}-fp8-kvhead-kernel", "leanfa", "fp8", "kernel",
+                 f"flash_attn_(varlen_)func on e4m3 Q/K/V, descales per (sequence, KV head), backend='{b}': "
+                 "kernel alone (the paged FP8 rows' contiguous baseline; opt-in)",
+                 _leanfa_fp8_kvhead_kernel(b), ok, default=False),
         ]
+        for ps in PAGE_SIZES:
+            impls += [
+                Impl(f"leanfa-{b}-bf16-paged{ps}", "leanfa", "bf16", "kernel",
+                     f"flash_attn_varlen_func(bf16, page_table=, backend='{b}'): K/V in shuffled {ps}-token pages "
+                     "(packed batches; opt-in)", _leanfa_bf16_paged(b, ps), ok, default=False),
+                Impl(f"leanfa-{b}-fp8-paged{ps}-kernel", "leanfa", "fp8", "kernel",
+                     f"as leanfa-{b}-fp8-kvhead-kernel with K/V in shuffled {ps}-token pages (packed batches; "
+                     "opt-in)", _leanfa_fp8_kvhead_kernel(b, ps), ok, default=False),
+            ]
     impls += [
         Impl("cudnn-bf16", "cudnn", "bf16", "kernel", "torch SDPA, CUDNN_ATTENTION backend",
              _sdpa("CUDNN_ATTENTION"), _cuda_sdpa_available, baseline=True),
@@ -463,10 +541,12 @@ def all_impls() -> list[Impl]:
 
 def select(impls: list[Impl], patterns=None, precisions=None) -> list[Impl]:
     """Impls whose name or family matches one of ``patterns`` (shell globs, e.g.
-    ``leanfa-*``; None: all) and whose precision is in ``precisions`` (None: all)."""
+    ``leanfa-*``; None: those with ``default``) and whose precision is in ``precisions`` (None: all)."""
     out = []
     for impl in impls:
         if precisions and impl.precision not in precisions:
+            continue
+        if not patterns and not impl.default:
             continue
         if patterns and not any(fnmatch.fnmatch(impl.name, p) or impl.family == p for p in patterns):
             continue

@@ -125,6 +125,70 @@ def make_inputs(case: Case, *, device="cuda", seed: int = 0) -> Inputs:
     return Inputs(q.contiguous(), k.contiguous(), v.contiguous())
 
 
+#: what the cache rows no sequence uses hold (a page's tail, the spare page): large and finite, so a kernel
+#: that read them would fail the float64 check instead of passing on zeros
+PAGE_FILL = {torch.bfloat16: 8192.0, torch.float16: 8192.0, torch.float8_e4m3fn: 448.0}
+
+
+@dataclass
+class PagedKV:
+    """A packed batch's K and V in paged caches ``(num_pages, page_size, Hkv, D)``, and the int32 page table
+    ``(B, max_pages_per_seq)`` of flash-attn's ``page_table``/``block_table``: key position ``n`` of sequence
+    ``b`` is row ``n % page_size`` of page ``page_table[b, n // page_size]``."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    page_table: torch.Tensor
+
+    @property
+    def page_size(self) -> int:
+        return self.k_cache.shape[1]
+
+
+def paged_kv(k: torch.Tensor, v: torch.Tensor, seqlens_k, page_size: int, *, seed: int = 0) -> PagedKV:
+    """The packed ``k``/``v`` ``(total_k, Hkv, D)`` (sequences of ``seqlens_k`` tokens, in order) copied into
+    paged caches: each sequence gets ``ceil(len / page_size)`` pages, all pages in a random order (``seed``),
+    one spare page filled with :data:`PAGE_FILL`, to which the table's unused entries point. Rows past a
+    sequence's end hold :data:`PAGE_FILL` too. Same dtype and device as ``k``/``v``."""
+    lengths = [int(n) for n in seqlens_k]
+    if sum(lengths) != k.shape[0] or k.shape[0] != v.shape[0]:
+        raise ValueError(f"seqlens_k sum to {sum(lengths)} keys; k has {k.shape[0]}, v {v.shape[0]}")
+    device = k.device
+    need = [-(-n // page_size) for n in lengths]
+    num_pages = sum(need) + 1
+    order = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed))
+    spare = int(order[-1])
+    table = torch.full((len(lengths), max(need + [1])), spare, dtype=torch.int32)
+    start = 0
+    for b, n in enumerate(need):
+        table[b, :n] = order[start:start + n].to(torch.int32)
+        start += n
+    table = table.to(device)
+    fill = PAGE_FILL[k.dtype]
+    k_cache = torch.full((num_pages, page_size, *k.shape[1:]), fill, dtype=k.dtype, device=device)
+    v_cache = torch.full((num_pages, page_size, *v.shape[1:]), fill, dtype=v.dtype, device=device)
+    seq, pos = _token_positions(lengths, device)
+    pages = table[seq, pos // page_size].long()
+    k_cache[pages, pos % page_size] = k
+    v_cache[pages, pos % page_size] = v
+    return PagedKV(k_cache, v_cache, table)
+
+
+def _token_positions(lengths, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sequence, position in the sequence) of every packed token, int64."""
+    n = torch.tensor(lengths, dtype=torch.long, device=device)
+    seq = torch.repeat_interleave(torch.arange(len(lengths), device=device), n)
+    starts = torch.cumsum(n, 0) - n
+    return seq, torch.arange(int(n.sum()), device=device) - starts[seq]
+
+
+def gather_pages(cache: torch.Tensor, page_table: torch.Tensor, seqlens_k) -> torch.Tensor:
+    """The packed ``(total_k, H, D)`` tokens of a paged cache: what :func:`paged_kv` was given."""
+    seq, pos = _token_positions([int(n) for n in seqlens_k], cache.device)
+    page_size = cache.shape[1]
+    return cache[page_table[seq, pos // page_size].long(), pos % page_size]
+
+
 def input_bytes(case: Case) -> int:
     """Bytes of one BF16 Q/K/V set of ``case``."""
     q_token = case.heads * case.head_dim

@@ -88,7 +88,8 @@ SERVING_CHUNKED_BATCHES = {
     "chunks+new": tuple(x + _NEW_PROMPTS for x in _chunks((4096, 4096, 2048), _lengths(7, 3, 4096, 28672))),
 }
 
-SWEEPS = ("standard", "models", "varlen", "serving")
+#: "chunked" is the serving sweep's chunked-prefill batches alone (a subset of "serving")
+SWEEPS = ("standard", "models", "varlen", "serving", "chunked")
 
 
 @dataclass(frozen=True)
@@ -305,4 +306,6 @@ def build_cases(sweeps=SWEEPS, *, quick: bool = False, seqlens=None, causal: str
         cases += varlen_cases(_causal_options(causal, (True,)))
     if "serving" in sweeps:
         cases += serving_cases(_causal_options(causal, (True,)))
+    elif "chunked" in sweeps:
+        cases += serving_cases(_causal_options(causal, (True,)), batches=tuple(SERVING_CHUNKED_BATCHES))
     return cases
