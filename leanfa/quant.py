@@ -19,10 +19,19 @@
   so ``(QR)(KR)ᵀ = QKᵀ`` and the kernels need no change. It helps only where Q *and* K
   concentrate a score on the same few channels; on the model presets the dominant FP8 error
   is the attention sink's score (a key ~4x the typical norm met by *dense* query noise), which
-  a rotation cannot shrink, and the measured effect is 0.95-1.13x (docs/accuracy-notes.md),
+  a rotation cannot shrink, and the measured effect is 0.85-1.73x (docs/accuracy-notes.md),
   so it is not the default. ``q``/``k`` and ``k_mean`` of the result live in the rotated space
   (``FP8QKV.rotation`` is ``R``): ``k_mean`` is the mean of ``KR`` (= ``mean(K) R``), so the
-  LSE correction ``softmax_scale * (dequantized q)·k_mean`` stays exact.
+  LSE correction ``softmax_scale * (dequantized q)·k_mean`` stays exact. With the fused quantizer
+  and a head dim that has a Hadamard matrix and a tile of at most 128 channels the rotation runs
+  inside its quantize programs (a ``[128, D] x [D, D]`` product per block); otherwise as a separate
+  float32 matmul pass.
+* ``rotate="auto"`` (fused quantizer only; elsewhere nothing is rotated): the statistics pass also
+  takes K's channel sums of squares and reads a sample of Q (4 blocks per query head); the reduction
+  rotates a KV head (per sequence) where Q's and the quantized K's channel energies ``a``, ``b`` give
+  ``D * sum(a b) >= 2 * sum(a) * sum(b)`` (:func:`leanfa.kernels.quantize.rotation_wanted`), on the device,
+  and ``FP8QKV.rotated`` (bool ``(B, Hkv)``) says where; ``k_mean`` is in the rotated space on those
+  heads only.
 
 All passes are Triton kernels (:mod:`leanfa.kernels.quantize`): a per-channel statistics pass
 (K mean, V amax) and a quantize pass per 128-token block that also computes the block's scale

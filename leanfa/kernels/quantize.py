@@ -6,7 +6,9 @@ Building blocks, each a ``@triton.jit`` helper:
 * :func:`tile_amax` -- max |x - mean| of a tile (in the input's own dtype when there is no mean);
 * :func:`quantize_tile` -- one block of ``BLOCK_S`` tokens of one head to e4m3, divided by its
   own block scale (computed here), a given per-head/tensor scale, or a per-channel scale,
-  after an optional per-channel mean is subtracted.
+  after an optional per-channel mean is subtracted (and, with ROTATE, an optional Hadamard
+  rotation first, :func:`rotate_tile`);
+* :func:`rotation_wanted` -- the adaptive rotation's per-KV-head choice from channel energies.
 
 They make up two families of kernels:
 
