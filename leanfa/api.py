@@ -491,6 +491,7 @@ def attention(
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     scheduler_metadata: torch.Tensor | None = None,
+    rotate: bool | str = False,
 ):
     """High-level attention for BF16/FP16 callers: BF16/FP16 in, same dtype out.
 
@@ -516,9 +517,20 @@ def attention(
     window and score capping; the portable kernel runs them), in either precision; not with
     ``bf16_sink_keys`` (``ValueError``). ``scheduler_metadata``: packed calls, as in
     :func:`flash_attn_varlen_func` (:func:`varlen_schedule`).
+
+    ``rotate`` (``"fp8"``/``"fp8qk"``): as :func:`quantize_fp8`'s: ``"auto"`` rotates Q and K by a Hadamard
+    matrix on the KV heads whose Q and K share high-energy channels (chosen on the device, inside the
+    quantizer's kernels; head dims 2^k / 12 * 2^k up to 128, else no rotation), ``True`` on every head,
+    ``False`` (default) never. Not with ``bf16_sink_keys`` (``ValueError`` unless False).
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    from .quant import ROTATE_CHOICES
+
+    if rotate not in ROTATE_CHOICES:
+        raise ValueError(f"rotate must be one of {ROTATE_CHOICES}, got {rotate!r}")
+    if rotate and (precision == "bf16" or bf16_sink_keys):
+        raise ValueError("rotate applies to precision='fp8'/'fp8qk' without bf16_sink_keys; pass rotate=False")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -562,7 +574,8 @@ def attention(
         _check_quantize(q, k, v, granularity, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, quantize_v)
         quant = ops.quantize_fp8(q, k, v, granularity=granularity, smooth_k=smooth_k,
                                  cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                                 max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, quantize_v=quantize_v)
+                                 max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, quantize_v=quantize_v,
+                                 rotate=rotate)
         args = dict(softmax_scale=softmax_scale, causal=causal, return_lse=return_lse,
                     out_dtype=q.dtype, backend=backend, window_size=window_size, softcap=softcap)
         if varlen:

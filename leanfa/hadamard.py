@@ -38,8 +38,13 @@ def hadamard_pm1(n: int) -> torch.Tensor:
     raise ValueError(f"no Hadamard matrix of order {n} here (need 2^k or 12*2^k)")
 
 
-def random_hadamard(n: int, seed: int = 0) -> torch.Tensor:
-    """Orthogonal ``diag(±1) H / sqrt(n)`` (float64); ``x @ R`` rotates the head dim."""
+def random_hadamard_pm1(n: int, seed: int = 0) -> torch.Tensor:
+    """``diag(±1) H`` (float64, entries ±1) with seeded random signs: :func:`random_hadamard` times sqrt(n)."""
     g = torch.Generator().manual_seed(seed)
     signs = torch.randint(0, 2, (n,), generator=g).double() * 2 - 1
-    return signs[:, None] * hadamard_pm1(n) / math.sqrt(n)
+    return signs[:, None] * hadamard_pm1(n)
+
+
+def random_hadamard(n: int, seed: int = 0) -> torch.Tensor:
+    """Orthogonal ``diag(±1) H / sqrt(n)`` (float64); ``x @ R`` rotates the head dim."""
+    return random_hadamard_pm1(n, seed) / math.sqrt(n)

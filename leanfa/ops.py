@@ -225,35 +225,43 @@ def quantize_fp8_op(
     max_seqlen_q: Optional[int],
     max_seqlen_k: Optional[int],
     quantize_v: bool = True,
+    rotate: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-           torch.Tensor]:
+           torch.Tensor, torch.Tensor]:
     """:func:`leanfa.quantize_fp8` as an op: ``(q8, k8, v8, q_descale, k_descale, v_descale,
-    k_mean, cu_seqlens_v)``; ``k_mean`` has zero elements when ``smooth_k`` is False, ``cu_seqlens_v``
+    k_mean, cu_seqlens_v, rotated)``; ``k_mean`` has zero elements when ``smooth_k`` is False, ``cu_seqlens_v``
     when the inputs are dense or ``quantize_v`` is False, and so do ``v8`` and ``v_descale`` when ``quantize_v``
-    is False (V stays the caller's: an op's output may not alias its input)."""
+    is False (V stays the caller's: an op's output may not alias its input). ``rotate``: 0, 1 or 2 for
+    ``quantize_fp8``'s ``rotate=False``, ``True``, ``"auto"``; ``rotated`` is ``FP8QKV.rotated`` (bool
+    ``(B, Hkv)``), zero elements when nothing may be rotated."""
     return _quantize_fp8_impl(q, k, v, granularity, smooth_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                              quantize_v)
+                              quantize_v, rotate)
+
+
+#: the op's ``rotate`` codes, in quantize_fp8's terms
+_ROTATE_CODES = (False, True, "auto")
 
 
 def _quantize_fp8_impl(q, k, v, granularity, smooth_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                       quantize_v=True):
+                       quantize_v=True, rotate=0):
     from .quant import quantize_checked
 
     # every caller checked the arguments (quant._check) before this op
     r = quantize_checked(q, k, v, granularity, smooth_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                         quantize_v=quantize_v)
+                         quantize_v=quantize_v, rotate=_ROTATE_CODES[rotate])
     k_mean = r.k_mean if r.k_mean is not None else q.new_empty((0,), dtype=torch.float32)
     cu_v = r.cu_seqlens_v if r.cu_seqlens_v is not None else q.new_empty((0,), dtype=torch.int32)
+    rotated = r.rotated if r.rotated is not None else q.new_empty((0,), dtype=torch.bool)
     if not quantize_v:
         none = q.new_empty((0,), dtype=torch.float32)
-        return r.q, r.k, none, r.q_descale, r.k_descale, none.clone(), k_mean, cu_v
+        return r.q, r.k, none, r.q_descale, r.k_descale, none.clone(), k_mean, cu_v, rotated
     # outputs must not alias each other: a 0-d "tensor" descale is a fresh tensor already
-    return r.q, r.k, r.v, r.q_descale, r.k_descale, r.v_descale, k_mean, cu_v
+    return r.q, r.k, r.v, r.q_descale, r.k_descale, r.v_descale, k_mean, cu_v, rotated
 
 
 @quantize_fp8_op.register_fake
 def _quantize_fp8_fake(q, k, v, granularity, smooth_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                       quantize_v=True):
+                       quantize_v=True, rotate=0):
     from .kernels.varlen_v import repacked_tokens
     from .scales import num_scale_blocks
 
@@ -285,25 +293,40 @@ def _quantize_fp8_fake(q, k, v, granularity, smooth_k, cu_seqlens_q, cu_seqlens_
     k_mean = q.new_empty((batch, hkv, dqk) if smooth_k else (0,), **f32)
     if not quantize_v:
         v8, vd = q.new_empty((0,), **f32), q.new_empty((0,), **f32)
-    return q8, k8, v8, qd, kd, vd, k_mean, cu_v
+    from .kernels.quantize import FUSED_MAX_DIM
+    from .quant import fused_rotation_available
+
+    rotatable = rotate == 1 or (rotate == 2 and granularity == "block" and fused_rotation_available(dqk)
+                                and max(dqk, dv) <= FUSED_MAX_DIM and q.dtype == k.dtype)
+    rotated = q.new_empty((batch, hkv) if rotatable else (0,), dtype=torch.bool)
+    return q8, k8, v8, qd, kd, vd, k_mean, cu_v, rotated
 
 
 def quantize_fp8(q, k, v, granularity="block", smooth_k=True, *, cu_seqlens_q=None, cu_seqlens_k=None,
-                 max_seqlen_q=None, max_seqlen_k=None, quantize_v=True):
+                 max_seqlen_q=None, max_seqlen_k=None, quantize_v=True, rotate=False):
     """:func:`leanfa.quantize_fp8` through the ``leanfa::quantize_fp8`` op (arguments already
     checked by the caller); returns an :class:`leanfa.FP8QKV` (with ``quantize_v=False``: Q and K in FP8,
     ``v`` the given 16-bit one)."""
-    from .quant import FP8QKV
+    from .quant import FP8QKV, ROTATE_CHOICES, rotation_matrix
 
+    if rotate not in ROTATE_CHOICES:
+        raise ValueError(f"rotate must be one of {ROTATE_CHOICES}, got {rotate!r}")
+    code = 2 if rotate == "auto" else int(bool(rotate))
     args = (q, k, v, granularity, smooth_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    if not quantize_v:  # (the op's default stays out of the call: its traced signature is unchanged)
-        args += (False,)
+    # (the op's defaults stay out of the call: its traced signature is unchanged)
+    if not quantize_v or code:
+        args += (quantize_v,)
+    if code:
+        args += (code,)
     if _plain_eager(q, k, v, cu_seqlens_q, cu_seqlens_k):
-        q8, k8, v8, qd, kd, vd, k_mean, cu_v = _quantize_fp8_impl(*args)
+        q8, k8, v8, qd, kd, vd, k_mean, cu_v, rotated = _quantize_fp8_impl(*args)
     else:
-        q8, k8, v8, qd, kd, vd, k_mean, cu_v = torch.ops.leanfa.quantize_fp8(*args)
+        q8, k8, v8, qd, kd, vd, k_mean, cu_v, rotated = torch.ops.leanfa.quantize_fp8(*args)
     if not quantize_v:
         v8, vd = v, None
+    has_rotation = rotated.dim() == 2
     return FP8QKV(q=q8, k=k8, v=v8, q_descale=qd, k_descale=kd, v_descale=vd,
                   k_mean=k_mean if smooth_k else None, granularity=granularity,
+                  rotation=rotation_matrix(q.shape[-1], q.device) if has_rotation else None,
+                  rotated=rotated if has_rotation else None,
                   cu_seqlens_v=cu_v if cu_seqlens_q is not None and quantize_v else None)

@@ -19,10 +19,19 @@
   so ``(QR)(KR)ᵀ = QKᵀ`` and the kernels need no change. It helps only where Q *and* K
   concentrate a score on the same few channels; on the model presets the dominant FP8 error
   is the attention sink's score (a key ~4x the typical norm met by *dense* query noise), which
-  a rotation cannot shrink, and the measured effect is 0.95-1.13x (docs/accuracy-notes.md),
+  a rotation cannot shrink, and the measured effect is 0.85-1.73x (docs/accuracy-notes.md),
   so it is not the default. ``q``/``k`` and ``k_mean`` of the result live in the rotated space
   (``FP8QKV.rotation`` is ``R``): ``k_mean`` is the mean of ``KR`` (= ``mean(K) R``), so the
-  LSE correction ``softmax_scale * (dequantized q)·k_mean`` stays exact.
+  LSE correction ``softmax_scale * (dequantized q)·k_mean`` stays exact. With the fused quantizer
+  and a head dim that has a Hadamard matrix and a tile of at most 128 channels the rotation runs
+  inside its quantize programs (a ``[128, D] x [D, D]`` product per block); otherwise as a separate
+  float32 matmul pass.
+* ``rotate="auto"`` (fused quantizer only; elsewhere nothing is rotated): the statistics pass also
+  takes K's channel sums of squares and reads a sample of Q (4 blocks per query head); the reduction
+  rotates a KV head (per sequence) where Q's and the quantized K's channel energies ``a``, ``b`` give
+  ``D * sum(a b) >= 2 * sum(a) * sum(b)`` (:func:`leanfa.kernels.quantize.rotation_wanted`), on the device,
+  and ``FP8QKV.rotated`` (bool ``(B, Hkv)``) says where; ``k_mean`` is in the rotated space on those
+  heads only.
 
 All passes are Triton kernels (:mod:`leanfa.kernels.quantize`): a per-channel statistics pass
 (K mean, V amax) and a quantize pass per 128-token block that also computes the block's scale
@@ -41,10 +50,11 @@ import torch
 import triton
 
 from .checks import check_cu_seqlens, check_device, check_fp8_device
-from .hadamard import random_hadamard
+from .hadamard import random_hadamard, random_hadamard_pm1
 from .kernels.fp8 import E4M3_MAX
 from .kernels.launcher import DirectLaunch
-from .kernels.quantize import (FINISH_CHANNELS, FINISH_ROWS, FUSED_MAX_DIM, FUSED_WARPS, STATS_WARPS, channel_stats,
+from .kernels.quantize import (FINISH_CHANNELS, FINISH_ROWS, FUSED_MAX_DIM, FUSED_ROTATE_MAX_DIM, FUSED_WARPS,
+                               Q_SAMPLES, ROTATE_FINISH_ROWS, ROTATE_MIN_CONCENTRATION, STATS_WARPS, channel_stats,
                                finish_kv_stats, kv_stats, quantize_blocks, quantize_qkv)
 from .kernels.sequences import block_slots
 from .kernels.varlen_v import ALIGNED_V_TAIL, align_varlen_v, repacked_tokens
@@ -83,6 +93,10 @@ class FP8QKV:
     rotation: torch.Tensor | None = None
     #: packed batches: int32 ``(B + 1)``, where each sequence starts in ``v`` (multiples of 16); dense: None
     cu_seqlens_v: torch.Tensor | None = None
+    #: with ``rotation``: bool ``(B, Hkv)`` on the device, True where KV head ``h`` of sequence ``b`` (its K, its
+    #: query heads' Q, and its ``k_mean``) is in the rotated space; ``rotate="auto"`` chooses it per head. None
+    #: without a rotation.
+    rotated: torch.Tensor | None = None
 
     def descales(self) -> dict:
         """Keyword arguments for ``flash_attn_func(q, k, v, **quantized.descales())`` (packed:
@@ -267,11 +281,18 @@ _DIRECT_FINISH_KV_STATS = DirectLaunch(finish_kv_stats)
 _DIRECT_QUANTIZE_QKV = DirectLaunch(quantize_qkv)
 
 
-def _quantize_block_fused(q, k, v, sq: _Seqs, sk: _Seqs, smooth_k: bool, quantize_v: bool = True):
+def _quantize_block_fused(q, k, v, sq: _Seqs, sk: _Seqs, smooth_k: bool, quantize_v: bool = True,
+                          rotate_mode: int = 0):
     """``granularity="block"`` in three launches: per-block K/V statistics, their reduction to
     the K mean and V descales, then Q, K, V together. Without ``quantize_v`` (V stays 16-bit: ``v8`` and
     ``v_descale`` are None) the statistics pass reads K alone (and is skipped without ``smooth_k``) and the
-    quantize pass launches no V programs."""
+    quantize pass launches no V programs.
+
+    ``rotate_mode`` (the fused rotation, :func:`fused_rotation_available`): 1 rotates Q and K of every head,
+    2 (``rotate="auto"``) of the KV heads :func:`leanfa.kernels.quantize.rotation_wanted` picks from the K
+    statistics (now with sums of squares) and a sample of Q that the statistics pass also reads; the reduction
+    then runs one program per KV head and writes the per-head flags (returned last, int8 ``(B, Hkv)``; None
+    when 0) and the K mean in the rotated space where a head is rotated."""
     dev = q.device
     n_kv = sk.batch * sk.heads
     dqk, dv = q.shape[-1], v.shape[-1]
@@ -301,20 +322,40 @@ def _quantize_block_fused(q, k, v, sq: _Seqs, sk: _Seqs, smooth_k: bool, quantiz
     v_descale = torch.empty((sk.batch, sk.heads, dv) if quantize_v else (1,), **f32)
     bd_qk, bd_v = triton.next_power_of_2(dqk), triton.next_power_of_2(dv)
     cu_k = sk.cu_arg(vamax)
-    if n_kv and (smooth_k or quantize_v):
-        _DIRECT_KV_STATS[(slots_k, sk.heads) if packed else (nblk_k, n_kv)](
+    adaptive = rotate_mode == 2
+    flags = torch.empty((sk.batch, sk.heads), dtype=torch.int8, device=dev) if rotate_mode else None
+    ksq = torch.empty((n_kv, nblk_k, dqk), **f32) if adaptive else vamax
+    qsq = torch.empty((sq.batch * sq.heads * Q_SAMPLES, dqk), **f32) if adaptive else vamax
+    rot = _kernel_rotation(dqk, dev, q.dtype) if rotate_mode else vamax
+    inv_sqrt_d = _inv_sqrt(dqk)
+    if n_kv and (smooth_k or quantize_v or adaptive):
+        if packed:
+            grid = (max(slots_k, sk.batch * Q_SAMPLES) if adaptive else slots_k,
+                    sk.heads + (sq.heads if adaptive else 0))
+        else:
+            grid = (max(nblk_k, Q_SAMPLES) if adaptive else nblk_k, n_kv + (sq.batch * sq.heads if adaptive else 0))
+        _DIRECT_KV_STATS[grid](
             k, v, cu_k, ksum, vamax, sk.seqlen_dense, sk.heads, sk.batch, nblk_k,
             *_strides(k, sk.varlen), *_strides(v, sk.varlen),
+            q, sq.cu_arg(vamax), qsq, ksq, sq.seqlen_dense, sq.heads, *_strides(q, sq.varlen),
             DQK=dqk, BLOCK_DQK=bd_qk, DV=dv, BLOCK_DV=bd_v, BLOCK_S=SCALE_BLOCK, VARLEN=sk.varlen,
-            WANT_KSUM=smooth_k, PACKED=packed, WANT_V=quantize_v, num_warps=STATS_WARPS)
+            WANT_KSUM=smooth_k, PACKED=packed, WANT_V=quantize_v, ADAPTIVE=adaptive, Q_SAMPLES=Q_SAMPLES,
+            num_warps=STATS_WARPS)
+    if n_kv and (smooth_k or quantize_v or rotate_mode):
         v8_bytes = v8.view(torch.uint8)
-        _DIRECT_FINISH_KV_STATS[(n_kv, triton.cdiv(max(dqk, dv), FINISH_CHANNELS))](
+        if rotate_mode:  # one program per head over every channel (the rotated mean needs them all)
+            finish_grid, block_c, rows = (n_kv, 1), max(bd_qk, bd_v), ROTATE_FINISH_ROWS
+        else:
+            finish_grid, block_c, rows = (n_kv, triton.cdiv(max(dqk, dv), FINISH_CHANNELS)), FINISH_CHANNELS, FINISH_ROWS
+        _DIRECT_FINISH_KV_STATS[finish_grid](
             ksum, vamax, cu_k, k_mean if k_mean is not None else v_descale, v_descale,
             cu_v if cu_v is not None else cu_k, v8_bytes, sk.seqlen_dense, sk.heads, nblk_k, sk.batch,
             v8.shape[0], v8_bytes.stride(1), v8_bytes.stride(2),
-            DQK=dqk, DV=dv, BLOCK_C=FINISH_CHANNELS, ROWS=FINISH_ROWS, BLOCK_S=SCALE_BLOCK, VARLEN=sk.varlen,
+            ksq, qsq, flags if flags is not None else v8_bytes, rot, sq.heads // sk.heads, inv_sqrt_d,
+            DQK=dqk, DV=dv, BLOCK_C=block_c, ROWS=rows, BLOCK_S=SCALE_BLOCK, VARLEN=sk.varlen,
             WANT_KSUM=smooth_k, WANT_V=quantize_v, ALIGN_V=V_TOKEN_ALIGN if cu_v is not None else 0,
-            TAIL=ALIGNED_V_TAIL)
+            TAIL=ALIGNED_V_TAIL, ROTATE=rotate_mode, Q_SAMPLES=Q_SAMPLES, BLOCK_R=bd_qk,
+            MIN_CONCENTRATION=ROTATE_MIN_CONCENTRATION, num_warps=8 if rotate_mode else 4)
     tensors = 2 if quantize_v else 1  # K and V, or K alone: the V programs come last
     programs = sq.batch * sq.heads + tensors * n_kv
     if programs:
@@ -325,11 +366,13 @@ def _quantize_block_fused(q, k, v, sq: _Seqs, sk: _Seqs, smooth_k: bool, quantiz
             sq.seqlen_dense, sk.seqlen_dense, sq.batch, sq.heads, sk.heads, nblk_q, nblk_k,
             *_strides(q, sq.varlen), *_strides(k, sk.varlen), *_strides(v, sk.varlen),
             *_strides(q8, sq.varlen), *_strides(k8, sk.varlen), *_strides(v8, sk.varlen),
+            flags if flags is not None else vamax, rot, inv_sqrt_d,
             DQK=dqk, BLOCK_DQK=bd_qk, DV=dv, BLOCK_DV=bd_v, BLOCK_S=SCALE_BLOCK, V_PAD=V_TOKEN_ALIGN,
-            VARLEN=sq.varlen, SMOOTH_K=smooth_k, EXACT_ROUND=dev.type == "cpu", PACKED=packed, num_warps=FUSED_WARPS)
+            VARLEN=sq.varlen, SMOOTH_K=smooth_k, EXACT_ROUND=dev.type == "cpu", PACKED=packed, ROTATE=rotate_mode,
+            num_warps=FUSED_WARPS)
     if not quantize_v:
-        return q8, q_descale, k8, k_descale, k_mean, None, None, None
-    return q8, q_descale, k8, k_descale, k_mean, v8, v_descale, cu_v
+        return q8, q_descale, k8, k_descale, k_mean, None, None, None, flags
+    return q8, q_descale, k8, k_descale, k_mean, v8, v_descale, cu_v, flags
 
 
 def _check(q, k, v, granularity, cu_q, cu_k, max_q, max_k, quantize_v=True):
@@ -390,6 +433,40 @@ def rotation_matrix(dim: int, device, seed: int = 0) -> torch.Tensor:
     return r
 
 
+_KERNEL_ROTATIONS: dict = {}
+
+
+def fused_rotation_available(dim: int) -> bool:
+    """Whether the fused quantizer can rotate head dim ``dim`` itself (``quantize_fp8(rotate=True/"auto")``):
+    a Hadamard matrix of that order (2^k, 12 * 2^k) and a tile of at most FUSED_ROTATE_MAX_DIM channels."""
+    if triton.next_power_of_2(dim) > FUSED_ROTATE_MAX_DIM or dim < 16:
+        return False
+    return dim & (dim - 1) == 0 or (dim % 12 == 0 and (dim // 12) & (dim // 12 - 1) == 0)
+
+
+def _kernel_rotation(dim: int, device, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`rotation_matrix` times sqrt(dim) (entries exactly ±1) in ``dtype``, zero-padded to the kernel's
+    ``[next_pow2(dim)]^2`` tile; cached per (dim, device, dtype)."""
+    key = (dim, str(device), dtype)
+    r = _KERNEL_ROTATIONS.get(key)
+    if r is None:
+        pad = triton.next_power_of_2(dim)
+        r = torch.zeros((pad, pad), dtype=torch.float64)
+        r[:dim, :dim] = random_hadamard_pm1(dim, 0)
+        r = r.to(dtype).to(device).contiguous()
+        _KERNEL_ROTATIONS[key] = r
+    return r
+
+
+def _inv_sqrt(dim: int) -> float:
+    """float32(1 / sqrt(dim)) as a Python float: the magnitude of :func:`rotation_matrix`'s entries."""
+    return float(torch.tensor(dim ** -0.5, dtype=torch.float64).to(torch.float32))
+
+
+#: ``quantize_fp8``'s ``rotate`` values: never, always, per KV head from the statistics
+ROTATE_CHOICES = (False, True, "auto")
+
+
 def _rotate(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     """``x @ r`` over the head dim in float32 (the quantize passes accept float32 input)."""
     return torch.matmul(x.to(torch.float32), r)
@@ -406,15 +483,17 @@ def quantize_fp8(
     cu_seqlens_k: torch.Tensor | None = None,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
-    rotate: bool = False,
+    rotate: bool | str = False,
     quantize_v: bool = True,
 ) -> FP8QKV:
     """Quantize BF16/FP16/FP32 Q, K, V to float8_e4m3fn for :func:`leanfa.flash_attn_func`.
 
     Dense inputs are ``(B, S, H, D)``; packed varlen inputs ``(total, H, D)`` with
     ``cu_seqlens_*``/``max_seqlen_*`` (scales and means are then per sequence).
-    ``rotate``: rotate Q and K's head dim by :func:`rotation_matrix` first (scores unchanged;
-    see the module docstring for when it helps).
+    ``rotate``: ``True`` rotates Q and K's head dim by :func:`rotation_matrix` first (scores unchanged;
+    see the module docstring for when it helps); ``"auto"`` rotates the KV heads (per sequence) whose Q and K
+    concentrate their energy in the same few channels, chosen on the device (``FP8QKV.rotated`` says which);
+    ``False`` (default) never.
     ``quantize_v=False``: Q and K only; the result's ``v`` is the given bf16/fp16 ``v`` (no copy, no
     descale), for the mixed mode (FP8 Q·K, 16-bit P·V; ``attention(precision="fp8qk")``).
     """
@@ -428,16 +507,29 @@ def quantize_checked(q, k, v, granularity, smooth_k, cu_seqlens_q, cu_seqlens_k,
     """:func:`quantize_fp8` on arguments its checks already passed (``leanfa.attention`` checks
     once, then quantizes through :mod:`leanfa.ops`: a second check costs ~3% of the end-to-end
     call's host time under cProfile; docs/perf-notes.md, "host time of the FP8 end-to-end call")."""
-    rotation = None
+    if rotate not in ROTATE_CHOICES:  # (1 == True and 0 == False are accepted)
+        raise ValueError(f"rotate must be one of {ROTATE_CHOICES}, got {rotate!r}")
+    rotation = rotated = None
+    fused = granularity == "block" and max(q.shape[-1], v.shape[-1]) <= FUSED_MAX_DIM
+    rotate_mode = 0
     if rotate and q.shape[-1] > 1:
         rotation = rotation_matrix(q.shape[-1], q.device)
-        q, k = _rotate(q, rotation), _rotate(k, rotation)
+        if fused and fused_rotation_available(q.shape[-1]) and q.dtype == k.dtype:
+            rotate_mode = 2 if rotate == "auto" else 1
+        elif rotate == "auto":  # the adaptive choice runs in the fused quantizer only: no rotation
+            rotation = None
+        else:  # a separate float32 matmul pass
+            q, k = _rotate(q, rotation), _rotate(k, rotation)
+            rotated = torch.ones((q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.numel() - 1, k.shape[-2]),
+                                 dtype=torch.bool, device=q.device)
     sq = _Seqs(q, cu_seqlens_q, max_seqlen_q)
     sk = _Seqs(k, cu_seqlens_k, max_seqlen_k)
     sv = _Seqs(v, cu_seqlens_k, max_seqlen_k)
-    if granularity == "block" and max(q.shape[-1], v.shape[-1]) <= FUSED_MAX_DIM:
-        q8, q_descale, k8, k_descale, k_mean, v8, v_descale, cu_v = _quantize_block_fused(q, k, v, sq, sk, smooth_k,
-                                                                                          quantize_v)
+    if fused:
+        q8, q_descale, k8, k_descale, k_mean, v8, v_descale, cu_v, flags = _quantize_block_fused(
+            q, k, v, sq, sk, smooth_k, quantize_v, rotate_mode)
+        if flags is not None:
+            rotated = flags.view(torch.bool)
     else:
         k_mean = _channel_stats_launch(k, sk, want_sum=True, want_amax=False)[0] if smooth_k else None
         q8, q_descale = _quantize_qk(q, sq, granularity, None)
@@ -446,4 +538,4 @@ def quantize_checked(q, k, v, granularity, smooth_k, cu_seqlens_q, cu_seqlens_k,
     if not quantize_v:
         v8 = v
     return FP8QKV(q=q8, k=k8, v=v8, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
-                  k_mean=k_mean, granularity=granularity, rotation=rotation, cu_seqlens_v=cu_v)
+                  k_mean=k_mean, granularity=granularity, rotation=rotation, cu_seqlens_v=cu_v, rotated=rotated)

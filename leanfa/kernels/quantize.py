@@ -6,7 +6,9 @@ Building blocks, each a ``@triton.jit`` helper:
 * :func:`tile_amax` -- max |x - mean| of a tile (in the input's own dtype when there is no mean);
 * :func:`quantize_tile` -- one block of ``BLOCK_S`` tokens of one head to e4m3, divided by its
   own block scale (computed here), a given per-head/tensor scale, or a per-channel scale,
-  after an optional per-channel mean is subtracted.
+  after an optional per-channel mean is subtracted (and, with ROTATE, an optional Hadamard
+  rotation first, :func:`rotate_tile`);
+* :func:`rotation_wanted` -- the adaptive rotation's per-KV-head choice from channel energies.
 
 They make up two families of kernels:
 
@@ -56,6 +58,17 @@ FINISH_CHANNELS = 32
 FINISH_ROWS = 128
 #: packed batches: sequences summed per step when a program looks up its block (sequences.packed_block)
 PACKED_STEP = tl.constexpr(256)
+#: the fused rotation (quantize_fp8(rotate=True / "auto")): head dims whose padded tile is at most this wide and
+#: that have a Hadamard matrix (2^k, 12 * 2^k); wider ones (MLA's 192) take the torch-matmul rotation or none
+FUSED_ROTATE_MAX_DIM = 128
+#: rotate="auto": Q blocks per query head read for Q's channel energies (kv_stats' Q sample)
+Q_SAMPLES = 4
+#: rotate="auto": rotate a KV head where D * sum(a b) / (sum(a) sum(b)) reaches this (finish_kv_stats,
+#: rotation_wanted); 1 for evenly spread energies. Chosen from the CPU study in docs/accuracy-notes.md
+#: ("Issue 24 item 2"): heads where rotation helped measured 2.1-3.9, heads where it hurt 1.0-1.6
+ROTATE_MIN_CONCENTRATION = 2.0
+#: finish_kv_stats with a rotation: one program per head over every channel, this many partial rows per step
+ROTATE_FINISH_ROWS = 16
 
 
 @triton.jit
@@ -97,10 +110,30 @@ def tile_amax(x, mask, mean, SUBTRACT_MEAN: tl.constexpr):
 
 
 @triton.jit
+def rotate_tile(x, rot_ptr, inv_sqrt_d, BLOCK_D: tl.constexpr, INTERPRETED: tl.constexpr):
+    """``x @ (rot / sqrt(D))`` in float32: ``rot_ptr`` points at a ``[BLOCK_D, BLOCK_D]`` row-major ±1 matrix
+    (zero-padded past the head dim) of ``x``'s dtype, so a 16-bit tile and the matrix enter the tensor-core
+    product exactly and the float32 accumulation is the only rounding; ``inv_sqrt_d`` is float32(1/sqrt(D))
+    (the value ``rotation_matrix``'s float32 entries have). A float32 tile runs as three TF32 products.
+    INTERPRETED (the CPU interpreter, whose ``tl.dot`` of bf16 operands returns garbage in Triton 3.6): both
+    operands in float32, the same exact products."""
+    offs_d = tl.arange(0, BLOCK_D)
+    h = tl.load(rot_ptr + offs_d[:, None] * BLOCK_D + offs_d[None, :])
+    if INTERPRETED:
+        y = tl.dot(x.to(tl.float32), h.to(tl.float32), input_precision="ieee")
+    elif x.dtype == tl.float32:
+        y = tl.dot(x, h, input_precision="tf32x3")
+    else:
+        y = tl.dot(x, h)
+    return y * inv_sqrt_d
+
+
+@triton.jit
 def quantize_tile(xb, yb, s0, seqlen, store_len, stride_xs, stride_xd, stride_ys, stride_yd, scale_ptr, mean, ch,
+                  rot_ptr, rot_flag, inv_sqrt_d,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
                   SUBTRACT_MEAN: tl.constexpr, COMPUTE_SCALE: tl.constexpr,
-                  CHANNEL_SCALE: tl.constexpr, EXACT_ROUND: tl.constexpr):
+                  CHANNEL_SCALE: tl.constexpr, EXACT_ROUND: tl.constexpr, ROTATE: tl.constexpr):
     """Quantize tokens ``[s0, s0 + BLOCK_S)`` of one head (``xb``/``yb`` point at token s0).
     Tokens past ``seqlen`` read as 0; stores stop at ``store_len`` (>= seqlen: a padded
     destination may take zeros past the end).
@@ -109,23 +142,37 @@ def quantize_tile(xb, yb, s0, seqlen, store_len, stride_xs, stride_xd, stride_ys
     CHANNEL_SCALE). Otherwise the block is divided by the scale at ``scale_ptr``: computed
     here as amax / 448 (:func:`tile_amax`) and stored when COMPUTE_SCALE, else read. Without
     a mean the tile is converted to float32 only once the scale is known (fewer live registers).
+
+    ROTATE (with COMPUTE_SCALE, not CHANNEL_SCALE): where ``rot_flag`` is true the tile is first rotated
+    (:func:`rotate_tile`), then ``mean`` (which the caller gives in the rotated space) is subtracted.
     """
     offs_d = tl.arange(0, BLOCK_D)
     local = tl.arange(0, BLOCK_S)  # 32-bit offsets inside the block (the base is 64-bit)
     mask = (s0 + local[:, None] < seqlen) & (offs_d[None, :] < HEAD_DIM)
     x = tl.load(xb + local[:, None] * stride_xs + offs_d[None, :] * stride_xd, mask=mask, other=0.0)
-    if CHANNEL_SCALE:
-        descale = ch[None, :]
-    else:
-        if COMPUTE_SCALE:
-            amax = tile_amax(x, mask, mean, SUBTRACT_MEAN)
-            descale = tl.where(amax > 0.0, amax / E4M3_MAX_C, 1.0)
-            tl.store(scale_ptr, descale)
+    if ROTATE:
+        if rot_flag:
+            xf = rotate_tile(x, rot_ptr, inv_sqrt_d, BLOCK_D, EXACT_ROUND)
         else:
-            descale = tl.load(scale_ptr)
-    xf = x.to(tl.float32)
-    if SUBTRACT_MEAN:
-        xf = tl.where(mask, xf - mean[None, :], 0.0)
+            xf = x.to(tl.float32)
+        if SUBTRACT_MEAN:
+            xf = tl.where(mask, xf - mean[None, :], 0.0)
+        amax = tl.max(tl.max(tl.abs(xf), 1), 0)
+        descale = tl.where(amax > 0.0, amax / E4M3_MAX_C, 1.0)
+        tl.store(scale_ptr, descale)
+    else:
+        if CHANNEL_SCALE:
+            descale = ch[None, :]
+        else:
+            if COMPUTE_SCALE:
+                amax = tile_amax(x, mask, mean, SUBTRACT_MEAN)
+                descale = tl.where(amax > 0.0, amax / E4M3_MAX_C, 1.0)
+                tl.store(scale_ptr, descale)
+            else:
+                descale = tl.load(scale_ptr)
+        xf = x.to(tl.float32)
+        if SUBTRACT_MEAN:
+            xf = tl.where(mask, xf - mean[None, :], 0.0)
     tl.store(yb + local[:, None] * stride_ys + offs_d[None, :] * stride_yd,
              # clamp keeping NaN (a plain clamp maps NaN to +-448 on the GPU: a silent wrong
              # answer); the e4m3 conversion keeps NaN, so a NaN input stays NaN
@@ -208,21 +255,23 @@ def quantize_blocks(
     quantize_tile(_head_base(X, b, h, start + s0, stride_xb, stride_xs, stride_xh),
                   _head_base(Y, b, h, start + s0, stride_yb, stride_ys, stride_yh),
                   s0, seqlen, seqlen, stride_xs, stride_xd, stride_ys, stride_yd,
-                  SCALE + b * stride_sb + h * stride_sh + blk * stride_sn, mean, ch,
-                  HEAD_DIM, BLOCK_D, BLOCK_S, SUBTRACT_MEAN, COMPUTE_SCALE, CHANNEL_SCALE, EXACT_ROUND)
+                  SCALE + b * stride_sb + h * stride_sh + blk * stride_sn, mean, ch, X, False, 1.0,
+                  HEAD_DIM, BLOCK_D, BLOCK_S, SUBTRACT_MEAN, COMPUTE_SCALE, CHANNEL_SCALE, EXACT_ROUND, False)
 
 
 # ------------------------------------------------------------ fused kernels (granularity="block")
 
 
-@triton.jit(do_not_specialize=["seqlen_dense", "num_heads", "batch", "nblk"])
+@triton.jit(do_not_specialize=["seqlen_dense", "num_heads", "batch", "nblk", "seqlen_q_dense", "heads_q"])
 def kv_stats(
     K, V, CU, KSUM, VAMAX, seqlen_dense, num_heads, batch, nblk,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
+    Q, CU_Q, QSQ, KSQ, seqlen_q_dense, heads_q,
+    stride_qb, stride_qs, stride_qh, stride_qd,
     DQK: tl.constexpr, BLOCK_DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_S: tl.constexpr, VARLEN: tl.constexpr, WANT_KSUM: tl.constexpr, PACKED: tl.constexpr,
-    WANT_V: tl.constexpr = True,
+    WANT_V: tl.constexpr = True, ADAPTIVE: tl.constexpr = False, Q_SAMPLES: tl.constexpr = 4,
 ):
     """Per (block of BLOCK_S tokens, batch * KV head): the sum of each K channel over the block
     (when WANT_KSUM) and the max |v| of each V channel (when WANT_V: V is quantized), to ``KSUM[pid, blk, :]`` /
@@ -234,7 +283,40 @@ def kv_stats(
     ``(blk, b * num_heads + h)``; with PACKED (varlen) ``(i, h)``, the ``i``-th block of the batch
     (:func:`packed_block`), so no program is launched for a block past a short sequence's end. Partials of
     head ``pid`` go to slots ``pid * nblk + blk``.
+
+    ADAPTIVE (the adaptive rotation's statistics; the Q arguments are read only then): the K programs also
+    write each channel's sum of squares to ``KSQ[pid, blk, :]``, and further programs read a sample of Q:
+    ``Q_SAMPLES`` blocks of each query head (evenly spread over its sequence; all of them when it has no more),
+    each writing its channels' sums of squares to ``QSQ[(b * heads_q + hq) * Q_SAMPLES + j, :]`` (zeros for a
+    sample past a short sequence's blocks). Their programs: dense ``(j, batch * num_heads + b * heads_q + hq)``
+    (the grid's first axis at least Q_SAMPLES), packed ``(b * Q_SAMPLES + j, num_heads + hq)`` (the first axis
+    at least ``batch * Q_SAMPLES``).
     """
+    if ADAPTIVE:  # the Q sample's programs
+        if PACKED:
+            is_q = tl.program_id(1) >= num_heads
+            qb = tl.program_id(0) // Q_SAMPLES
+            qj = tl.program_id(0) % Q_SAMPLES
+            qh = tl.program_id(1) - num_heads
+        else:
+            is_q = tl.program_id(1) >= batch * num_heads
+            qb = (tl.program_id(1) - batch * num_heads) // heads_q
+            qj = tl.program_id(0)
+            qh = (tl.program_id(1) - batch * num_heads) % heads_q
+        if is_q:
+            if (qb < batch) & (qj < Q_SAMPLES):
+                q_start, q_len = sequence_span(CU_Q, qb, seqlen_q_dense, VARLEN)
+                q_blocks = tl.cdiv(q_len, BLOCK_S)
+                q_blk = tl.where(q_blocks > Q_SAMPLES, ((2 * qj + 1) * q_blocks) // (2 * Q_SAMPLES), qj)
+                qrow = tl.arange(0, BLOCK_S)[:, None]
+                offs_q = tl.arange(0, BLOCK_DQK)
+                xq = tl.load(_head_base(Q, qb, qh, q_start + q_blk * BLOCK_S, stride_qb, stride_qs, stride_qh)
+                             + qrow * stride_qs + offs_q[None, :] * stride_qd,
+                             mask=(q_blk * BLOCK_S + qrow < q_len) & (offs_q[None, :] < DQK), other=0.0)
+                xq = xq.to(tl.float32)
+                tl.store(QSQ + ((qb * heads_q + qh) * Q_SAMPLES + qj) * DQK + offs_q, tl.sum(xq * xq, 0),
+                         mask=offs_q < DQK)
+            return
     if PACKED:
         b, blk = packed_block(tl.program_id(0), CU, batch, BLOCK_S, PACKED_STEP)
         if b >= batch:
@@ -255,20 +337,37 @@ def kv_stats(
     if WANT_V:
         v = tl.load(_head_base(V, b, h, start + s0, stride_vb, stride_vs, stride_vh)
                     + local * stride_vs + offs_v[None, :] * stride_vd, mask=inside & (offs_v[None, :] < DV), other=0.0)
-    if WANT_KSUM:
+    if WANT_KSUM or ADAPTIVE:
         k = tl.load(_head_base(K, b, h, start + s0, stride_kb, stride_ks, stride_kh)
                     + local * stride_ks + offs_k[None, :] * stride_kd, mask=inside & (offs_k[None, :] < DQK), other=0.0)
-        tl.store(KSUM + slot * DQK + offs_k, tl.sum(k.to(tl.float32), 0), mask=offs_k < DQK)
+        kf = k.to(tl.float32)
+        if WANT_KSUM:
+            tl.store(KSUM + slot * DQK + offs_k, tl.sum(kf, 0), mask=offs_k < DQK)
+        if ADAPTIVE:
+            tl.store(KSQ + slot * DQK + offs_k, tl.sum(kf * kf, 0), mask=offs_k < DQK)
     if WANT_V:
         tl.store(VAMAX + slot * DV + offs_v, tl.max(tl.abs(v.to(tl.float32)), 0), mask=offs_v < DV)
 
 
-@triton.jit(do_not_specialize=["seqlen_dense", "num_heads", "nblk", "batch", "room"])
+@triton.jit
+def rotation_wanted(q_energy, k_energy, D: tl.constexpr, MIN_CONCENTRATION: tl.constexpr):
+    """The adaptive rotation's choice for one KV head: whether ``D * sum(a * b) >= MIN_CONCENTRATION *
+    sum(a) * sum(b)``, ``a``/``b`` the per-channel energies (any common scale) of Q (its query heads) and of the
+    K that is quantized (about its mean when smoothed). The ratio is 1 when either spreads its energy evenly and
+    ``D`` when both sit in one channel: the mean square of a score's e4m3 rounding error is proportional to
+    ``sum_d E[q_d^2] E[k_d^2]``, which a Hadamard rotation brings to about ``sum(a) sum(b) / D``."""
+    sab = tl.sum(q_energy * k_energy, 0)
+    return (sab > 0.0) & (D * sab >= MIN_CONCENTRATION * tl.sum(q_energy, 0) * tl.sum(k_energy, 0))
+
+
+@triton.jit(do_not_specialize=["seqlen_dense", "num_heads", "nblk", "batch", "room", "group"])
 def finish_kv_stats(
     KSUM, VAMAX, CU, KMEAN, VS, CU_V, V8, seqlen_dense, num_heads, nblk, batch, room, stride_v8h, stride_v8d,
+    KSQ, QSQ, FLAGS, ROT, group, inv_sqrt_d,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_C: tl.constexpr, ROWS: tl.constexpr, BLOCK_S: tl.constexpr,
     VARLEN: tl.constexpr, WANT_KSUM: tl.constexpr, ALIGN_V: tl.constexpr, TAIL: tl.constexpr,
-    WANT_V: tl.constexpr = True,
+    WANT_V: tl.constexpr = True, ROTATE: tl.constexpr = 0, Q_SAMPLES: tl.constexpr = 4,
+    BLOCK_R: tl.constexpr = 16, MIN_CONCENTRATION: tl.constexpr = 2.0,
 ):
     """Per (batch * KV head, group of BLOCK_C channels): reduce :func:`kv_stats`' partials over
     the sequence's own ``ceil(seqlen / BLOCK_S)`` blocks (``nblk`` slots per head) into
@@ -283,6 +382,14 @@ def finish_kv_stats(
     Head 0's first channel group writes ``CU_V[b]`` (the last sequence's also ``CU_V[batch]``), and the last
     sequence's programs zero their rows' ``TAIL`` tokens after ``CU_V[batch]``: the most any 128-key box of the
     kernel reads past the last sequence (its rows' other entries are written by :func:`quantize_qkv`).
+
+    ROTATE (1: every head, 2: the adaptive choice; the launch then has one program per head, BLOCK_C covering
+    every channel): writes ``FLAGS[pid]`` (int8), 1 where the head's Q and K are to be rotated by the ±1 matrix
+    ``ROT`` (``[BLOCK_R, BLOCK_R]``, zero-padded) times ``inv_sqrt_d``, and then writes the K mean in the
+    rotated space (``mean @ ROT * inv_sqrt_d``: the mean of the rotated K). ROTATE=2 rotates where Q and K
+    concentrate their energy in the same channels (:func:`rotation_wanted`), from the K programs' per-block sums
+    of squares ``KSQ`` (like KSUM) and the Q sample's ``QSQ`` rows (``group`` query heads of ``Q_SAMPLES`` rows
+    per KV head, in order, from :func:`kv_stats`).
     """
     pid = tl.program_id(0)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -290,17 +397,41 @@ def finish_kv_stats(
     nb = tl.cdiv(seqlen, BLOCK_S)
     rows = tl.arange(0, ROWS)
     ksum = tl.zeros([ROWS, BLOCK_C], tl.float32)
+    ksq = tl.zeros([ROWS, BLOCK_C], tl.float32)
     vamax = tl.zeros([ROWS, BLOCK_C], tl.float32)
     for r0 in range(0, nb, ROWS):
         slot = (pid * nblk + r0 + rows)[:, None]
         valid = (r0 + rows < nb)[:, None]
         if WANT_KSUM:
             ksum += tl.load(KSUM + slot * DQK + offs_c[None, :], mask=valid & (offs_c[None, :] < DQK), other=0.0)
+        if ROTATE == 2:
+            ksq += tl.load(KSQ + slot * DQK + offs_c[None, :], mask=valid & (offs_c[None, :] < DQK), other=0.0)
         if WANT_V:
             vamax = tl.maximum(vamax, tl.load(VAMAX + slot * DV + offs_c[None, :],
                                               mask=valid & (offs_c[None, :] < DV), other=0.0))
+    n_k = tl.maximum(seqlen, 1).to(tl.float32)
+    mean = tl.sum(ksum, 0) / n_k
+    if ROTATE:
+        if ROTATE == 2:
+            qsq = tl.zeros([ROWS, BLOCK_C], tl.float32)
+            for r0 in range(0, group * Q_SAMPLES, ROWS):
+                qrow = (pid * group * Q_SAMPLES + r0 + rows)[:, None]
+                qsq += tl.load(QSQ + qrow * DQK + offs_c[None, :],
+                               mask=(r0 + rows < group * Q_SAMPLES)[:, None] & (offs_c[None, :] < DQK), other=0.0)
+            k_energy = tl.sum(ksq, 0) / n_k
+            if WANT_KSUM:  # the quantized K is smoothed: its energy about the mean
+                k_energy = k_energy - mean * mean
+            flag = rotation_wanted(tl.sum(qsq, 0), tl.maximum(k_energy, 0.0), DQK, MIN_CONCENTRATION)
+        else:
+            flag = pid >= 0  # (a true scalar tensor)
+        if tl.program_id(1) == 0:
+            tl.store(FLAGS + pid, flag.to(tl.int8))
+        if WANT_KSUM:
+            rot = tl.load(ROT + offs_c[:, None] * BLOCK_R + offs_c[None, :],
+                          mask=(offs_c[:, None] < BLOCK_R) & (offs_c[None, :] < BLOCK_R), other=0.0)
+            rotated = tl.sum(mean[:, None] * rot.to(tl.float32), 0) * inv_sqrt_d
+            mean = tl.where(flag, rotated, mean)
     if WANT_KSUM:
-        mean = tl.sum(ksum, 0) / tl.maximum(seqlen, 1).to(tl.float32)
         tl.store(KMEAN + pid * DQK + offs_c, mean, mask=offs_c < DQK)
     if WANT_V:
         amax = tl.max(vamax, 0)
@@ -334,9 +465,10 @@ def quantize_qkv(
     stride_q8b, stride_q8s, stride_q8h, stride_q8d,
     stride_k8b, stride_k8s, stride_k8h, stride_k8d,
     stride_v8b, stride_v8s, stride_v8h, stride_v8d,
+    FLAGS, ROT, inv_sqrt_d,
     DQK: tl.constexpr, BLOCK_DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_S: tl.constexpr, V_PAD: tl.constexpr, VARLEN: tl.constexpr, SMOOTH_K: tl.constexpr,
-    EXACT_ROUND: tl.constexpr, PACKED: tl.constexpr,
+    EXACT_ROUND: tl.constexpr, PACKED: tl.constexpr, ROTATE: tl.constexpr = 0,
 ):
     """Q, K and V in one launch, ``granularity="block"``. Programs ``(blk, pid)``: pid in
     ``[0, B*Hq)`` quantize Q (block scales to QS, contiguous ``(B, Hq, nblk_q)``), the next
@@ -352,6 +484,12 @@ def quantize_qkv(
     layout of :mod:`.varlen_v`, sequence ``b`` from token ``CU_V[b]``): a V block's store may run into that
     padding (zeros), which makes its predicate constant over V_PAD tokens, so the transposed store is
     vectorized (16-byte stores along tokens, not one byte per thread).
+
+    ROTATE (1: every head, 2: per KV head): the Q and K blocks of KV head ``kv`` (Q: its query heads) are
+    rotated before they are quantized where ``FLAGS[kv]`` (from :func:`finish_kv_stats`, which also gave KMEAN
+    in the rotated space there) is nonzero; ROTATE=1 rotates all without reading FLAGS. ``ROT``: the
+    ``[BLOCK_DQK, BLOCK_DQK]`` ±1 matrix in the inputs' dtype, ``inv_sqrt_d`` its scale (:func:`rotate_tile`).
+    V is never rotated.
     """
     # (the Q, K and V branches name their values apart: Triton requires a name assigned in
     # both arms of an `if` to have one type, and the head dims differ)
@@ -375,12 +513,16 @@ def quantize_qkv(
     if pid < nq:
         b, h, start, seqlen = _sequence_head(pid, CU_Q, seqlen_q_dense, heads_q, VARLEN)
         if s0 < seqlen:
+            if ROTATE == 2:
+                q_flag = tl.load(FLAGS + b * heads_kv + h // (heads_q // heads_kv)) != 0
+            else:
+                q_flag = ROTATE == 1
             quantize_tile(_head_base(Q, b, h, start + s0, stride_qb, stride_qs, stride_qh),
                           _head_base(Q8, b, h, start + s0, stride_q8b, stride_q8s, stride_q8h),
                           s0, seqlen, seqlen, stride_qs, stride_qd, stride_q8s, stride_q8d,
                           QS + (pid * nblk_q + blk), tl.zeros([BLOCK_DQK], tl.float32),
-                          tl.full([BLOCK_DQK], 1.0, tl.float32),
-                          DQK, BLOCK_DQK, BLOCK_S, False, True, False, EXACT_ROUND)
+                          tl.full([BLOCK_DQK], 1.0, tl.float32), ROT, q_flag, inv_sqrt_d,
+                          DQK, BLOCK_DQK, BLOCK_S, False, True, False, EXACT_ROUND, ROTATE != 0)
         elif blk < nblk_q:  # a block past a shorter sequence's end: descale 1, not what the allocator left
             tl.store(QS + (pid * nblk_q + blk), 1.0)
     else:
@@ -392,11 +534,16 @@ def quantize_qkv(
             if SMOOTH_K:
                 mean = tl.load(KMEAN + kv * DQK + offs_dk, mask=offs_dk < DQK, other=0.0)
             if s0 < seqlen:
+                if ROTATE == 2:
+                    k_flag = tl.load(FLAGS + kv) != 0
+                else:
+                    k_flag = ROTATE == 1
                 quantize_tile(_head_base(K, b, h, start + s0, stride_kb, stride_ks, stride_kh),
                               _head_base(K8, b, h, start + s0, stride_k8b, stride_k8s, stride_k8h),
                               s0, seqlen, seqlen, stride_ks, stride_kd, stride_k8s, stride_k8d,
                               KS + (kv * nblk_k + blk), mean, tl.full([BLOCK_DQK], 1.0, tl.float32),
-                              DQK, BLOCK_DQK, BLOCK_S, SMOOTH_K, True, False, EXACT_ROUND)
+                              ROT, k_flag, inv_sqrt_d,
+                              DQK, BLOCK_DQK, BLOCK_S, SMOOTH_K, True, False, EXACT_ROUND, ROTATE != 0)
             elif blk < nblk_k:
                 tl.store(KS + (kv * nblk_k + blk), 1.0)
         else:  # V
@@ -411,5 +558,5 @@ def quantize_qkv(
                 quantize_tile(_head_base(V, b, h, start + s0, stride_vb, stride_vs, stride_vh),
                               _head_base(V8, b, h, dest + s0, stride_v8b, stride_v8s, stride_v8h),
                               s0, seqlen, store_len, stride_vs, stride_vd, stride_v8s, stride_v8d,
-                              VS, tl.zeros([BLOCK_DV], tl.float32), ch,
-                              DV, BLOCK_DV, BLOCK_S, False, False, True, EXACT_ROUND)
+                              VS, tl.zeros([BLOCK_DV], tl.float32), ch, ROT, False, inv_sqrt_d,
+                              DV, BLOCK_DV, BLOCK_S, False, False, True, EXACT_ROUND, False)

@@ -22,7 +22,7 @@ from triton.compiler import ASTSource
 from ..problem import V_TOKEN_ALIGN
 from ..scales import SCALE_BLOCK
 from . import portable, quantize
-from .quantize import FINISH_CHANNELS, FINISH_ROWS, FUSED_WARPS, STATS_WARPS
+from .quantize import FINISH_CHANNELS, FINISH_ROWS, FUSED_WARPS, ROTATE_FINISH_ROWS, STATS_WARPS
 from .varlen_v import ALIGNED_V_TAIL
 
 
@@ -178,32 +178,43 @@ def fused_quant_variants(quick: bool = False):
         yield dims, varlen, smooth
 
 
-def fused_quant_compiles(target, dqk: int, dv: int, varlen: bool, smooth: bool, want_v: bool = True):
+def fused_quant_compiles(target, dqk: int, dv: int, varlen: bool, smooth: bool, want_v: bool = True,
+                         rotate: int = 0):
     """(name, compiled kernel) of each fused quantizer kernel for bf16 inputs of head dims
     ``dqk``/``dv``, with the launch parameters :func:`leanfa.quant._quantize_block_fused` uses (``want_v``
-    False: the mixed mode's statistics without V, and no quantize pass: its V programs are not launched)."""
-    dims = dict(DQK=dqk, BLOCK_DQK=triton.next_power_of_2(dqk), DV=dv, BLOCK_DV=triton.next_power_of_2(dv))
-    t = {n: "i32" for n in quantize.kv_stats.arg_names if n.startswith("stride_") or n in ("seqlen_dense", "num_heads", "batch", "nblk")}
-    t.update(K="*bf16", V="*bf16", CU="*i32", KSUM="*fp32", VAMAX="*fp32")
+    False: the mixed mode's statistics without V, and no quantize pass: its V programs are not launched;
+    ``rotate``: its ``rotate_mode``, 2 for ``rotate="auto"``)."""
+    bd_qk, bd_v = triton.next_power_of_2(dqk), triton.next_power_of_2(dv)
+    dims = dict(DQK=dqk, BLOCK_DQK=bd_qk, DV=dv, BLOCK_DV=bd_v)
+    t = {n: "i32" for n in quantize.kv_stats.arg_names
+         if n.startswith("stride_") or n in ("seqlen_dense", "num_heads", "batch", "nblk", "seqlen_q_dense", "heads_q")}
+    t.update(K="*bf16", V="*bf16", CU="*i32", KSUM="*fp32", VAMAX="*fp32", Q="*bf16", CU_Q="*i32", QSQ="*fp32",
+             KSQ="*fp32")
     yield "kv_stats", _compile(quantize.kv_stats, t,
                                dict(**dims, BLOCK_S=SCALE_BLOCK, VARLEN=varlen, WANT_KSUM=smooth, PACKED=varlen,
-                                    WANT_V=want_v, stride_kd=1, stride_vd=1), target, num_warps=STATS_WARPS)
+                                    WANT_V=want_v, ADAPTIVE=rotate == 2, stride_kd=1, stride_vd=1, stride_qd=1),
+                               target, num_warps=STATS_WARPS)
     t = dict(KSUM="*fp32", VAMAX="*fp32", CU="*i32", KMEAN="*fp32", VS="*fp32", CU_V="*i32", V8="*u8",
              seqlen_dense="i32", num_heads="i32", nblk="i32", batch="i32", room="i32", stride_v8h="i32",
-             stride_v8d="i32")
+             stride_v8d="i32", KSQ="*fp32", QSQ="*fp32", FLAGS="*i8", ROT="*bf16", group="i32", inv_sqrt_d="fp32")
+    finish = (dict(BLOCK_C=max(bd_qk, bd_v), ROWS=ROTATE_FINISH_ROWS) if rotate
+              else dict(BLOCK_C=FINISH_CHANNELS, ROWS=FINISH_ROWS))
     yield "finish_kv_stats", _compile(quantize.finish_kv_stats, t,
-                                      dict(DQK=dqk, DV=dv, BLOCK_C=FINISH_CHANNELS, ROWS=FINISH_ROWS,
+                                      dict(DQK=dqk, DV=dv, **finish,
                                            BLOCK_S=SCALE_BLOCK, VARLEN=varlen, WANT_KSUM=smooth, WANT_V=want_v,
-                                           ALIGN_V=V_TOKEN_ALIGN if varlen and want_v else 0, TAIL=ALIGNED_V_TAIL),
-                                      target)
+                                           ALIGN_V=V_TOKEN_ALIGN if varlen and want_v else 0, TAIL=ALIGNED_V_TAIL,
+                                           ROTATE=rotate, BLOCK_R=bd_qk),
+                                      target, num_warps=8 if rotate else 4)
     if not want_v:
         return
     t = {n: "i32" for n in quantize.quantize_qkv.arg_names}
     t.update({n: "*bf16" for n in ("Q", "K", "V")}, **{n: "*fp8e4nv" for n in ("Q8", "K8", "V8")},
-             CU_Q="*i32", CU_K="*i32", CU_V="*i32", **{n: "*fp32" for n in ("QS", "KS", "KMEAN", "VS")})
+             CU_Q="*i32", CU_K="*i32", CU_V="*i32", **{n: "*fp32" for n in ("QS", "KS", "KMEAN", "VS")},
+             FLAGS="*i8", ROT="*bf16", inv_sqrt_d="fp32")
     yield "quantize_qkv", _compile(quantize.quantize_qkv, t,
                                    dict(**dims, BLOCK_S=SCALE_BLOCK, V_PAD=V_TOKEN_ALIGN, VARLEN=varlen,
-                                        SMOOTH_K=smooth, EXACT_ROUND=False, PACKED=varlen, stride_qd=1, stride_kd=1, stride_vd=1,
+                                        SMOOTH_K=smooth, EXACT_ROUND=False, PACKED=varlen, ROTATE=rotate,
+                                        stride_qd=1, stride_kd=1, stride_vd=1,
                                         stride_q8d=1, stride_k8d=1, stride_v8s=1),
                                    # V8's channel stride is its token count padded to V_TOKEN_ALIGN
                                    target, num_warps=FUSED_WARPS, divisible=("stride_v8d",))
@@ -253,6 +264,12 @@ def compile_all(target=GPUTarget("cuda", 90, 32), limit=None, verbose=True, quic
             results.append(_summary(f"{name} bf16 d{dqk}/{dv} varlen={varlen} smooth_k={smooth}", ck, target.arch))
     for name, ck in fused_quant_compiles(target, 128, 128, True, True, want_v=False) if fp8 else ():
         results.append(_summary(f"{name} bf16 d128/128 varlen=True smooth_k=True without V (mixed)", ck, target.arch))
+    for varlen, rotate in itertools.product([False, True], [2, 1]) if fp8 else ():
+        if quick and rotate == 1:
+            continue
+        for name, ck in fused_quant_compiles(target, 128, 128, varlen, True, rotate=rotate):
+            results.append(_summary(f"{name} bf16 d128/128 varlen={varlen} smooth_k=True rotate="
+                                    f"{'auto' if rotate == 2 else True}", ck, target.arch))
     if verbose:
         for name, regs, spills, smem in results:
             print(f"{name:<90} regs={regs:4d} spills={spills:4d} smem={smem}")
