@@ -157,11 +157,12 @@ def test_mixed_bad_input(device):
 def test_quantize_op_without_v(device):
     """The ``leanfa::quantize_fp8`` op with ``quantize_v=False``: schema and fake shapes (its V outputs are empty:
     an op's output may not alias its input, the wrapper puts the caller's V back)."""
+    from leanfa import ops  # noqa: F401 (registers torch.ops.leanfa.*: a test process may not have imported it yet)
+
     q, k, v = _diffuse(1, 20, 2, 1, 64, 64, seed=0, device=device)
     torch.library.opcheck(torch.ops.leanfa.quantize_fp8.default,
                           (q, k, v, "block", True, None, None, None, None, False),
                           test_utils=("test_schema", "test_faketensor"))
-    from leanfa import ops
 
     class _Mode(torch.overrides.TorchFunctionMode):  # not a plain eager call: ops.quantize_fp8 takes the op
         def __torch_function__(self, func, types, args=(), kwargs=None):
