@@ -68,6 +68,17 @@ def _dense(xs, dtype, device):
         out[b, : x.shape[0]] = x
     return out.to(dtype).to(device)
 
+def _paged_matches(q, kc, vc, table, ks, vs, used, dtype, device, **kw):
+    """A dense-q call over paged K/V (key counts ``used``) agrees with the float64 reference and, bit for bit, with the
+    portable kernel's call on the same keys stored contiguously."""
+    out, lse = leanfa.flash_attn_func(q, kc, vc, return_lse=True, page_table=table, seqused_k=used, **kw)
+    ref, ref_lse = attention_ref(q, kc, vc, return_lse=True, page_table=table, seqlens_k=used, **kw)
+    _check(out, lse, ref, ref_lse, dtype)
+    want, want_lse = leanfa.flash_attn_func(q, _dense(ks, dtype, device), _dense(vs, dtype, device), return_lse=True,
+                                            seqused_k=used, backend="portable", **kw)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+
+
 
 def _packed(xs, dtype, device):
     return torch.cat(xs).to(dtype).to(device)
@@ -130,13 +141,7 @@ def test_fp8_caches_with_descales(device):
     q = torch.randn((2, sq, hq, d), generator=gen).to(FP8).to(device)
     desc = _fp8_descales(2, hkv, device, gen)
     used = torch.tensor(lens, dtype=I32, device=device)
-    out, lse = leanfa.flash_attn_func(q, kc, vc, causal=True, return_lse=True, page_table=table, seqused_k=used,
-                                      **desc)
-    ref, ref_lse = attention_ref(q, kc, vc, causal=True, return_lse=True, page_table=table, seqlens_k=used, **desc)
-    _check(out, lse, ref, ref_lse, FP8)
-    want, want_lse = leanfa.flash_attn_func(q, _dense(ks, FP8, device), _dense(vs, FP8, device), causal=True,
-                                            return_lse=True, seqused_k=used, backend="portable", **desc)
-    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    _paged_matches(q, kc, vc, table, ks, vs, used, FP8, device, causal=True, **desc)
 
 
 @pytest.mark.parametrize("window,causal,softcap", [((24, -1), True, 0.0), ((20, 9), False, 5.0)])
@@ -147,13 +152,7 @@ def test_window_and_softcap_compose_with_paging(device, window, causal, softcap)
     kc, vc, table = _paged(ks, vs, 16, BF16, device, gen)
     q = torch.randn((2, sq, hq, d), generator=gen).to(BF16).to(device)
     used = torch.tensor(lens, dtype=I32, device=device)
-    kw = dict(causal=causal, window_size=window, softcap=softcap, return_lse=True)
-    out, lse = leanfa.flash_attn_func(q, kc, vc, page_table=table, seqused_k=used, **kw)
-    ref, ref_lse = attention_ref(q, kc, vc, page_table=table, seqlens_k=used, **kw)
-    _check(out, lse, ref, ref_lse, BF16)
-    want, want_lse = leanfa.flash_attn_func(q, _dense(ks, BF16, device), _dense(vs, BF16, device), seqused_k=used,
-                                            backend="portable", **kw)
-    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    _paged_matches(q, kc, vc, table, ks, vs, used, BF16, device, causal=causal, window_size=window, softcap=softcap)
 
 
 @pytest.mark.parametrize("dtype", [BF16, FP8])
@@ -181,13 +180,7 @@ def test_model_like_inputs(device, dtype):
     q = q.to(device)
     desc = {n: t.to(device) for n, t in desc.items()}
     used = torch.tensor(lens, dtype=I32, device=device)
-    out, lse = leanfa.flash_attn_func(q, kc, vc, causal=True, return_lse=True, page_table=table, seqused_k=used,
-                                      **desc)
-    ref, ref_lse = attention_ref(q, kc, vc, causal=True, return_lse=True, page_table=table, seqlens_k=used, **desc)
-    _check(out, lse, ref, ref_lse, dtype)
-    want, want_lse = leanfa.flash_attn_func(q, _dense(ks, dtype, device), _dense(vs, dtype, device), causal=True,
-                                            return_lse=True, seqused_k=used, backend="portable", **desc)
-    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    _paged_matches(q, kc, vc, table, ks, vs, used, dtype, device, causal=True, **desc)
 
 
 # ----------------------------------------------------------------------------- packed q (varlen)

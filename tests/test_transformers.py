@@ -198,6 +198,20 @@ def test_unpad_is_cached_per_mask_object(monkeypatch):
     assert lt._unpad_cached(same_values, 6).cu_seqlens_k.tolist() == [0, 4, 8] != b.cu_seqlens_k.tolist()
 
 
+def test_unpad_of_an_inference_mode_mask_is_not_cached(monkeypatch):
+    """A mask made under torch.inference_mode has no version counter (an in-place edit could not be told): it is
+    unpadded anew each time, and gives the same answer."""
+    monkeypatch.setattr(lt, "_cache", None)
+    with torch.inference_mode():
+        mask = torch.ones(2, 6, dtype=torch.long)
+        mask[0, :2] = 0
+        a = lt._unpad_cached(mask, 6)
+        b = lt._unpad_cached(mask, 6)
+        assert a is not b and a.cu_seqlens_k.tolist() == b.cu_seqlens_k.tolist() == [0, 4, 10]
+        mask[1, 0] = 0
+        assert lt._unpad_cached(mask, 6).cu_seqlens_k.tolist() == [0, 4, 9]
+
+
 def test_4d_mask_falls_back_to_sdpa(monkeypatch, calls):
     monkeypatch.setattr(lt, "_warned_fallback", False)
     fn = lt.ATTENTION_FUNCTIONS["leanfa"]

@@ -90,7 +90,9 @@ _cache: tuple | None = None
 
 def _unpad_cached(mask: torch.Tensor, q_len: int) -> Unpadded:
     global _cache
-    if torch.compiler.is_compiling():  # no Python-side cache inside a traced graph
+    if torch.compiler.is_compiling() or mask.is_inference():
+        # no Python-side cache inside a traced graph, nor for an inference-mode mask: it has no version counter to
+        # tell an in-place edit (such a forward syncs once per layer)
         return unpad_mask(mask, q_len)
     if _cache is not None:
         ref, version, cached_q_len, unpadded = _cache
