@@ -4,7 +4,8 @@
 
 For each shape (causal, 16 heads, d128, bf16 inputs): the host time of one call -- the Python and
 launch work the CPU does before the call returns, measured over calls queued back to back with no
-synchronization (the GPU queue never fills: a few kernels per call) -- and the GPU time of the same
+synchronization (the GPU queue never fills: a few kernels per call), in rounds over every part so that the
+host's drift falls on all parts alike -- and the GPU time of the same
 call (``triton.testing.do_bench``, median). A call whose host time exceeds its GPU time is
 host-bound: the GPU waits for the CPU. Parts: ``quantize_fp8``, the Hopper plan alone
 (``hopper.plan``: checks, descriptors, arguments), the kernel launch alone (a plan built once),
@@ -35,12 +36,18 @@ from leanfa.kernels import dispatch, hopper
 from leanfa.kernels.varlen_v import align_varlen_v
 
 
-def host_ms(fn, calls: int = 40, repeats: int = 7) -> float:
-    """CPU milliseconds per call of ``fn`` queued back to back (synchronized before and after only): the median
-    of ``repeats`` runs of ``calls`` calls (single runs swing by 2x on a busy host)."""
-    for _ in range(10):
-        fn()
-    return statistics.median(timing.host_ms([fn], calls) for _ in range(repeats))
+def host_ms_interleaved(fns: dict, calls: int = 40, repeats: int = 7) -> dict:
+    """CPU milliseconds per call of each of ``fns`` queued back to back (synchronized before and after only): the
+    median of ``repeats`` rounds, each round timing ``calls`` calls of every function in turn, so that a drift of
+    the host's speed (2x between runs on the H200's host) falls on all of them alike."""
+    for fn in fns.values():
+        for _ in range(10):
+            fn()
+    runs = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            runs[name].append(timing.host_ms([fn], calls))
+    return {name: statistics.median(r) for name, r in runs.items()}
 
 
 def launches(fn) -> list[tuple[str, float]]:
@@ -125,10 +132,11 @@ def main():
             "varlen V re-pack (FP8)": lambda: align_varlen_v(v_token_major, cu, s),
         }
         parts.update(fa3_parts(q, k, v, flat, cu, s))
+        host = host_ms_interleaved(parts)
         for name, fn in parts.items():
             host_only = name == "hopper.plan (no launch)" or name.startswith("varlen bf16:")
             gpu = do_bench(fn, return_mode="median") if not host_only else float("nan")
-            print(f"{shape:>12s} {name:28s} {host_ms(fn):8.3f} {gpu:8.3f}", flush=True)
+            print(f"{shape:>12s} {name:28s} {host[name]:8.3f} {gpu:8.3f}", flush=True)
         if args.launches:
             for name in ("attention(precision=fp8)", "flash_attn_func bf16", "varlen fp8", "varlen bf16",
                          "varlen fp8 end to end"):
