@@ -108,6 +108,18 @@ def test_padded_batch_runs_varlen_and_matches_sdpa(model, impl, calls, device):
         assert _rel(got[2, :5], alone[0]) < 1e-4
 
 
+def _continued_on_a_cache(model, impl, device, ids, mask, more, mask2, warns=None):
+    """The logits of ``more`` (mask ``mask2``) after a prefill of ``ids`` (mask ``mask``) into a KV cache, with the
+    ``impl`` attention; ``warns``: the warning the continuation must raise."""
+    model.set_attn_implementation(impl)
+    m = model.to(device)
+    with torch.no_grad():
+        cache = transformers.DynamicCache(config=model.config)
+        m(ids.to(device), attention_mask=mask.to(device), **{CACHE_KW: cache}, use_cache=True)
+        with pytest.warns(UserWarning, match=warns) if warns else warnings.catch_warnings():
+            return m(more.to(device), attention_mask=mask2.to(device), **{CACHE_KW: cache}, use_cache=True).logits.cpu()
+
+
 def test_padded_prefill_on_a_kv_cache_matches_sdpa(model, calls, device):
     """A prompt continued on a KV cache (q_len 4 < kv_len 18) with left and right padding: the kept
     queries are the mask's last columns, causal bottom-right per sequence (a top-left mask fails this)."""
@@ -115,15 +127,7 @@ def test_padded_prefill_on_a_kv_cache_matches_sdpa(model, calls, device):
     more = torch.randint(1, 100, (3, 4), generator=torch.Generator().manual_seed(5))
     mask2 = torch.cat((mask, torch.ones(3, 4, dtype=torch.long)), 1)
     mask2[2, 14:16] = 0  # the right-padded row keeps padding in the new chunk too
-    logits = {}
-    for impl in ("sdpa", "leanfa"):
-        model.set_attn_implementation(impl)
-        m = model.to(device)
-        with torch.no_grad():
-            cache = transformers.DynamicCache(config=model.config)
-            m(ids.to(device), attention_mask=mask.to(device), **{CACHE_KW: cache}, use_cache=True)
-            logits[impl] = m(more.to(device), attention_mask=mask2.to(device), **{CACHE_KW: cache},
-                             use_cache=True).logits.cpu()
+    logits = {impl: _continued_on_a_cache(model, impl, device, ids, mask, more, mask2) for impl in ("sdpa", "leanfa")}
     assert calls == ["bf16"] * 4 and calls.varlen == [True] * 4
     keep = mask2[:, -4:].bool()
     err = _rel(logits["leanfa"][keep], logits["sdpa"][keep])
@@ -135,16 +139,9 @@ def test_padded_decoding_step_falls_back_to_sdpa_with_one_warning(model, calls, 
     ids, mask = _padded_batch(6)
     step = torch.randint(1, 100, (3, 1), generator=torch.Generator().manual_seed(7))
     mask2 = torch.cat((mask, torch.ones(3, 1, dtype=torch.long)), 1)
-    logits = {}
-    for impl in ("sdpa", "leanfa"):
-        model.set_attn_implementation(impl)
-        m = model.to(device)
-        with torch.no_grad():
-            cache = transformers.DynamicCache(config=model.config)
-            m(ids.to(device), attention_mask=mask.to(device), **{CACHE_KW: cache}, use_cache=True)
-            with pytest.warns(UserWarning, match="decoding step") if impl == "leanfa" else warnings.catch_warnings():
-                logits[impl] = m(step.to(device), attention_mask=mask2.to(device), **{CACHE_KW: cache},
-                                 use_cache=True).logits.cpu()
+    logits = {impl: _continued_on_a_cache(model, impl, device, ids, mask, step, mask2,
+                                          warns="decoding step" if impl == "leanfa" else None)
+              for impl in ("sdpa", "leanfa")}
     assert calls == ["bf16"] * 2  # the prefill ran leanfa, the decoding step SDPA
     assert _rel(logits["leanfa"], logits["sdpa"]) < TOL["leanfa"]
 
