@@ -17,6 +17,7 @@ import argparse
 import collections
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -86,6 +87,8 @@ def main():
     ap.add_argument("--src", required=True, help="folder with FlashAttention-3's hopper test files")
     ap.add_argument("--every", type=int, default=3)
     ap.add_argument("--out", default=None, help="JUnit XML of the run (default: in the scratch folder)")
+    ap.add_argument("--timeout", type=float, default=None,
+                    help="seconds; then the run is interrupted (SIGINT: the cases done so far are reported)")
     ap.add_argument("pytest_args", nargs="*")
     args = ap.parse_args()
     work = tempfile.mkdtemp(prefix="fa3_tests_")
@@ -98,7 +101,17 @@ def main():
     env["PYTHONPATH"] = os.pathsep.join([work, os.getcwd(), env.get("PYTHONPATH", "")])
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "--rootdir", work,
            f"--junitxml={xml}", os.path.join(work, "test_flash_attn.py"), *args.pytest_args]
-    rc = subprocess.call(cmd, cwd=work, env=env)
+    proc = subprocess.Popen(cmd, cwd=work, env=env)
+    try:
+        rc = proc.wait(timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        print(f"\n-- interrupted after {args.timeout:.0f} s: the cases run so far --", flush=True)
+        proc.send_signal(signal.SIGINT)
+        try:
+            rc = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = proc.wait()
     if os.path.exists(xml):
         summarize(xml)
     sys.exit(rc)
