@@ -9,13 +9,12 @@ can:
    ``leanfa.attention`` on the same sequence -- the error of both against float64 on a small case (they
    must match within the single call's error), and the time of both at ``--tokens`` (the wrapper's cost:
    the two chunks' calls and the fp32 LSE merge instead of one call).
-2. **A loop-back ring**: rank 0's schedule of a world of W (its two chunks against every rank's K/V block,
+2. **A loop-back ring**: rank r's schedule of a world of W (its two chunks against every rank's K/V block,
    W ring steps), with each step's K/V block sent and received over NCCL to itself on the ring's side stream
    (the transfers a real ring makes, over a local copy instead of NVLink), against the same schedule with no
-   transfer, and the transfers alone. The output is not the attention of any sequence (every step attends
-   the block it received, which is rank 0's own); the work and the transfers are those of rank 0 in a world
-   of W. ``hidden`` = 1 - (ring - compute) / transfers: 1.0 when the transfers hide entirely under the
-   attention.
+   transfer, and the transfers alone, for every rank r. The output is not the attention of any sequence (every
+   step attends the block it received, which is rank r's own); the work and the transfers are those of rank r
+   in a world of W. The projected speedup of W GPUs is the single call's time over the slowest rank's.
 """
 
 from __future__ import annotations
@@ -90,15 +89,15 @@ def world_of_one(tokens, reps):
               f"TF/s)  context_parallel {t_cp:8.2f} ms  ratio {t_one / t_cp:.3f}")
 
 
-def rank0_schedule(world, tokens, precision, transfers: bool):
-    """A function running rank 0's ring schedule of a world of ``world`` (see the module docstring)."""
+def rank_schedule(world, rank, tokens, precision, transfers: bool):
+    """A function running rank ``rank``'s ring schedule of a world of ``world`` (see the module docstring)."""
     q, k, v = inputs(tokens, 32, 8, 128, 3)
-    qs, ks, vs = (shard_of(t, 0, world) for t in (q, k, v))
+    qs, ks, vs = (shard_of(t, rank, world) for t in (q, k, v))
     del q, k, v
     if precision == "fp8":
-        shard = cpa._ShardFP8(qs, ks, vs, tokens, world, 0, cpa._ShardFP8.sums(ks))
+        shard = cpa._ShardFP8(qs, ks, vs, tokens, world, rank, cpa._ShardFP8.sums(ks))
     else:
-        shard = cpa._Shard16(qs, ks, vs, tokens, world, 0)
+        shard = cpa._Shard16(qs, ks, vs, tokens, world, rank)
     block, pieces = pack(shard.payload())
     queries = [shard.queries(i) for i in range(2)]
     ring = Ring(None, qs.device)
@@ -111,18 +110,18 @@ def rank0_schedule(world, tokens, precision, transfers: bool):
     def step_all(compute=True, send=transfers):
         cur = block
         for step in range(world):
-            src = (0 - step) % world
+            src = (rank - step) % world
             if send and step < world - 1:
                 recv = recvs[step % 2]
                 works = ring.start(cur, recv)
             if compute:
                 keys = cpa.unpack(cur, pieces)
-                for i, qc in enumerate(cpa.rank_chunks(0, world)):
+                for i, qc in enumerate(cpa.rank_chunks(rank, world)):
                     for j, kc in enumerate(cpa.rank_chunks(src, world)):
                         seen = cpa.visibility(qc, kc, True)
                         if seen == cpa.NONE:
                             continue
-                        o, l = leanfa.flash_attn_func(**queries[i], **shard.keys(keys, 0, j), causal=seen == cpa.DIAGONAL,
+                        o, l = leanfa.flash_attn_func(**queries[i], **shard.keys(keys, src, j), causal=seen == cpa.DIAGONAL,
                                                       return_lse=True, out_dtype=torch.float32)
                         cpa.merge_into(*acc[i], o, l)
             if send and step < world - 1:
@@ -132,18 +131,27 @@ def rank0_schedule(world, tokens, precision, transfers: bool):
 
 
 def loopback(tokens, worlds, reps):
-    print("== loop-back ring: rank 0 of a world of W, NCCL send/recv to itself on the ring's stream ==")
-    print(f"  {'W':>2s} {'prec':5s} {'tokens/rank':>11s} {'block MB':>8s} {'compute ms':>10s} {'transfers ms':>12s} "
-          f"{'ring ms':>8s} {'hidden':>6s}")
-    for world in worlds:
-        for precision in ("fp8", "bf16"):
-            fn, size = rank0_schedule(world, tokens, precision, True)
-            t_compute = timed(lambda: fn(compute=True, send=False), reps)
-            t_send = timed(lambda: fn(compute=False, send=True), reps)
-            t_ring = timed(lambda: fn(compute=True, send=True), reps)
-            hidden = 1 - (t_ring - t_compute) / t_send if t_send > 0 else float("nan")
-            print(f"  {world:2d} {precision:5s} {tokens // world:11d} {size / 1e6:8.1f} {t_compute:10.2f} "
-                  f"{t_send:12.2f} {t_ring:8.2f} {hidden:6.2f}", flush=True)
+    print("== loop-back ring: rank r of a world of W, NCCL send/recv to itself on the ring's stream ==")
+    print("  (projected = the single call's time / the slowest rank's ring time: the speedup of W GPUs if the ring's")
+    print("   transfers over NVLink hide as the loop-back's do)")
+    print(f"  {'W':>2s} {'r':>2s} {'prec':5s} {'tokens/rank':>11s} {'block MB':>8s} {'compute ms':>10s} "
+          f"{'transfers ms':>12s} {'ring ms':>8s}")
+    for precision in ("fp8", "bf16"):
+        q, k, v = inputs(tokens, 32, 8, 128, 3)
+        t_single = timed(lambda: leanfa.attention(q, k, v, causal=True, precision=precision), reps)
+        del q, k, v
+        for world in worlds:
+            slowest = 0.0
+            for rank in range(world):
+                fn, size = rank_schedule(world, rank, tokens, precision, True)
+                t_compute = timed(lambda: fn(compute=True, send=False), reps)
+                t_send = timed(lambda: fn(compute=False, send=True), reps)
+                t_ring = timed(lambda: fn(compute=True, send=True), reps)
+                slowest = max(slowest, t_ring)
+                print(f"  {world:2d} {rank:2d} {precision:5s} {tokens // world:11d} {size / 1e6:8.1f} {t_compute:10.2f} "
+                      f"{t_send:12.2f} {t_ring:8.2f}", flush=True)
+            print(f"  {world:2d} {precision}: single call {t_single:.2f} ms, slowest rank {slowest:.2f} ms, projected "
+                  f"speedup {t_single / slowest:.2f}x", flush=True)
 
 
 def main():
