@@ -28,7 +28,21 @@ from .quant import FP8QKV, quantize_fp8
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 INPUT_DTYPES = HALF_DTYPES + (FP8_DTYPE,)
 #: (head_dim_qk, head_dim_v) pairs the kernels support
+#: head dims (Dqk, Dv) the Hopper kernel runs (also :data:`leanfa.kernels.hopper.HEAD_DIMS`); any other pair that
+#: :func:`head_dims_problem` accepts runs on the portable kernel
 HEAD_DIMS = ((64, 64), (128, 128), (192, 128), (256, 256))
+#: every head dim is a multiple of this, up to :data:`MAX_HEAD_DIM` (FlashAttention-3's rule: 16-byte rows in 16 bits)
+HEAD_DIM_MULTIPLE = 8
+MAX_HEAD_DIM = 256
+
+
+def head_dims_problem(dqk: int, dv: int) -> str | None:
+    """Why leanfa cannot attend with head dims ``dqk`` (Q/K) and ``dv`` (V), or None."""
+    if all(d % HEAD_DIM_MULTIPLE == 0 and 0 < d <= MAX_HEAD_DIM for d in (dqk, dv)):
+        return None
+    return (f"head dims (q/k {dqk}, v {dv}) are not supported: each must be a multiple of {HEAD_DIM_MULTIPLE} "
+            f"from {HEAD_DIM_MULTIPLE} to {MAX_HEAD_DIM} (the Hopper kernel runs "
+            + ", ".join(f"{a}/{b}" for a, b in HEAD_DIMS) + "; others run on the portable kernel)")
 BACKENDS = ("auto", "portable", "hopper")
 
 
@@ -67,12 +81,9 @@ def _check_inputs(q, k, v, ranks: int, kv_ranks: int | None = None, kv_layout: s
         raise ValueError(f"the number of q heads ({hq}) must be a multiple of the k/v heads ({hkv})")
     if k.shape[-1] != q.shape[-1]:
         raise ValueError(f"q and k must have the same head_dim, got {q.shape[-1]} and {k.shape[-1]}")
-    dims = (q.shape[-1], v.shape[-1])
-    if dims not in HEAD_DIMS:
-        raise ValueError(
-            f"head dims (q/k {dims[0]}, v {dims[1]}) are not supported; supported (qk, v): "
-            + ", ".join(f"{a}/{b}" for a, b in HEAD_DIMS)
-        )
+    why = head_dims_problem(q.shape[-1], v.shape[-1])
+    if why:
+        raise ValueError(why)
 
 
 def _resolve_out_dtype(dtype: torch.dtype, out_dtype) -> torch.dtype:
@@ -281,8 +292,9 @@ def flash_attn_func(
             :func:`quantize_fp8` (then ``k`` and ``v`` are ``None``).
         k: ``(B, Sk, Hkv, Dqk)``, same dtype; ``Hq % Hkv == 0`` (GQA/MQA).
         v: ``(B, Sk, Hkv, Dv)``, same dtype; or bf16/fp16 with float8_e4m3fn ``q``/``k`` (the mixed mode of
-            ``attention(precision="fp8qk")``: FP8 Q·K, P·V in V's dtype, no ``v_descale``). ``(Dqk, Dv)`` is one of
-            64/64, 128/128, 192/128 (MLA), 256/256.
+            ``attention(precision="fp8qk")``: FP8 Q·K, P·V in V's dtype, no ``v_descale``). ``Dqk`` and ``Dv`` are
+            multiples of 8 up to 256; the Hopper kernel runs 64/64, 128/128, 192/128 (MLA) and 256/256, other
+            head dims run on the portable kernel (one warning on an H200).
         softmax_scale: defaults to ``1/sqrt(Dqk)``.
         causal: mask keys after the query; with ``Sq != Sk`` the mask is aligned to the
             bottom-right corner (query ``i`` sees keys ``j <= i + Sk - Sq``), as in flash-attn.

@@ -58,7 +58,7 @@ def test_unsupported_option_raises(call, option):
 
 def test_bad_input_still_validated(device):
     """The drop-ins keep leanfa's argument checks (here: unsupported head dim)."""
-    q = torch.zeros(1, 8, 4, 96, dtype=BF16, device=device)
+    q = torch.zeros(1, 8, 4, 100, dtype=BF16, device=device)
     with pytest.raises(ValueError, match="head dims"):
         fa2.flash_attn_func(q, q[:, :, :2], q[:, :, :2])
 

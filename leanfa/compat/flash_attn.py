@@ -1,7 +1,8 @@
 """flash-attn 2 style entry points: ``from leanfa.compat.flash_attn import flash_attn_func``.
 
 Supported subset (forward only): ``q, k, v`` ``(B, S, H, D)`` (packed ``(total, H, D)`` for
-varlen) in bf16/fp16, GQA/MQA, head dims 64/64, 128/128, 192/128, 256/256, ``softmax_scale``,
+varlen) in bf16/fp16, GQA/MQA, head dims multiples of 8 up to 256 (the Hopper kernel runs 64/64, 128/128, 192/128 and
+256/256; others the portable kernel), ``softmax_scale``,
 ``causal`` (bottom-right aligned, as flash-attn >= 2.1), ``deterministic`` (accepted; the
 forward is deterministic anyway), ``dropout_p=0.0``; the packed forms
 (:func:`flash_attn_qkvpacked_func`, :func:`flash_attn_kvpacked_func` and their varlen forms:

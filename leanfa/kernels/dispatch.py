@@ -136,12 +136,26 @@ def hopper_applies(problem) -> tuple[bool, str]:
     ok, why = hopper.supports(problem)
     portable_only = portable_only_reason(problem)
     if ok and portable_only:  # one warning per process and reason, as for the other portable fallbacks
-        why = portable_only
-        if why not in _WARNED:
-            _WARNED.add(why)
-            warnings.warn(f"leanfa: {why}", UserWarning, stacklevel=2)
-        return False, why
+        _warn_once(portable_only)
+        return False, portable_only
+    if not ok and why == hopper_dims_reason(problem) and not hopper.device_problem(problem):
+        _warn_once(why)  # head dims only the portable kernel runs, on a GPU where the Hopper kernel runs others
     return ok, why
+
+
+def _warn_once(why: str) -> None:
+    if why not in _WARNED:
+        _WARNED.add(why)
+        warnings.warn(f"leanfa: {why}", UserWarning, stacklevel=3)
+
+
+def hopper_dims_reason(problem) -> str:
+    """The Hopper kernel's reason for refusing ``problem``'s head dims (:func:`.hopper.supports`' words), or ``""``."""
+    hopper = _hopper()
+    dims = (problem.head_dim_qk, problem.head_dim_v)
+    if hopper is None or dims in hopper.HEAD_DIMS:
+        return ""
+    return hopper.head_dims_reason(dims)
 
 
 def portable_only_reason(problem) -> str:

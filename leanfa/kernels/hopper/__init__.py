@@ -40,6 +40,12 @@ IN_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+def head_dims_reason(dims) -> str:
+    """Why the kernel does not run head dims ``dims`` (Dqk, Dv) (not one of :data:`HEAD_DIMS`)."""
+    return (f"head dims {dims[0]}/{dims[1]} are not implemented in the Hopper kernel "
+            f"({', '.join(f'{a}/{b}' for a, b in HEAD_DIMS)}): these calls run on the portable kernel")
+
+
 def sink_problem(dims, sink_keys) -> str | None:
     """Why the kernel cannot attend ``sink_keys`` BF16 sink keys in an FP8 call of head dims ``dims`` (Dqk, Dv),
     or None (:func:`.launch.sink_problem`)."""
@@ -59,24 +65,32 @@ def supports(problem) -> tuple[bool, str]:
     return verdict
 
 
-def _supports(problem) -> tuple[bool, str]:
+def device_problem(problem) -> str:
+    """Why the Hopper kernel cannot run anything here (Triton, device), or ``""``: what the call's shape, dtypes
+    and options decide comes after."""
     if _versions.unsupported({"triton": triton.__version__}):
         supported = ", ".join(f"{v}.x" for v in _versions.SUPPORTED["triton"])
-        return False, f"the Hopper kernel builds with triton {supported} only (found {triton.__version__})"
-    q, k, v = (_launch.as_bshd(t) for t in (problem.q, problem.k, problem.v))
-    if q.device.type != "cuda":
-        return False, f"the Hopper kernel needs CUDA tensors (got {q.device})"
+        return f"the Hopper kernel builds with triton {supported} only (found {triton.__version__})"
+    if problem.q.device.type != "cuda":
+        return f"the Hopper kernel needs CUDA tensors (got {problem.q.device})"
     if torch.version.hip is not None:
-        return False, "the Hopper kernel needs an NVIDIA GPU"
-    cap = capability(q.device)
+        return "the Hopper kernel needs an NVIDIA GPU"
+    cap = capability(problem.q.device)
     if cap != (9, 0):
-        return False, f"the Hopper kernel needs an sm90 GPU (found sm{cap[0]}{cap[1]})"
+        return f"the Hopper kernel needs an sm90 GPU (found sm{cap[0]}{cap[1]})"
+    return ""
+
+
+def _supports(problem) -> tuple[bool, str]:
+    why = device_problem(problem)
+    if why:
+        return False, why
+    q, k, v = (_launch.as_bshd(t) for t in (problem.q, problem.k, problem.v))
     if q.numel() == 0 or k.numel() == 0:  # a TMA descriptor cannot have a zero-sized dim
         return False, "empty inputs (no query or no key token): nothing for TMA to load"
     dims = (problem.head_dim_qk, problem.head_dim_v)
     if dims not in HEAD_DIMS:
-        return False, (f"head dims {dims[0]}/{dims[1]} are not implemented in the Hopper kernel "
-                       f"({', '.join(f'{a}/{b}' for a, b in HEAD_DIMS)})")
+        return False, head_dims_reason(dims)
     if q.dtype not in IN_DTYPES or v.dtype not in IN_DTYPES:
         return False, f"dtype {q.dtype} (v {v.dtype}) is not supported by the Hopper kernel"
     if problem.out_dtype not in OUT_DTYPES:
