@@ -156,6 +156,25 @@ def test_calibration_sets_every_layers_token_std():
     assert any(abs(before[(i, n)] / targets[n] - 1) > 0.02 for i in (1, 2) for n in targets)
 
 
+def test_fp32_reference_attention_is_causal_sdpa():
+    """The float32 reference's attention (K/V repeated; on CUDA the memory-efficient kernel, else blocks of
+    queries on the math backend) equals transformers' SDPA attention in float64."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, h, 70, 64, generator=g) for h in (4, 2, 2))
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = True, 2
+    ref, _ = sdpa_attention_forward(module, q.double(), k.double(), v.double(), None, scaling=0.1)
+    got, _ = ma.fp32_reference_attention(module, q, k, v, None, scaling=0.1)
+    assert ((got.double() - ref).norm() / ref.norm()).item() < 1e-6
+    rep = (k.repeat_interleave(2, 1), v.repeat_interleave(2, 1))
+    blocks = ma.causal_attention_in_blocks(q, *rep, 0.1, block=16).transpose(1, 2)
+    assert ((blocks.double() - ref).norm() / ref.norm()).item() < 1e-6
+    with pytest.raises(NotImplementedError, match="unpadded"):
+        ma.fp32_reference_attention(module, q, k, v, torch.ones(1, 70))
+
+
 class _FakeFA3:
     """Stands in for FA3's module: dequantizes the e4m3 inputs with the (batch, kv_heads) descales and runs
     float32 SDPA, so fa3_fp8_attention's layout and scales are checked without FA3."""

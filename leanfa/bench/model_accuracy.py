@@ -38,7 +38,7 @@ row's prefill time minus the identity row's (attention's cost by subtraction).
 **Errors**: one more forward gives the final hidden states; the logits (``lm_head``, in BF16, as the model
 returns them) are computed in chunks of positions and compared with the reference model's over all positions
 (relative L2 ``||x - ref|| / ||ref||``): against the BF16 SDPA model, and against the float32 SDPA model
-(the same BF16 weights in float32, TF32 off).
+(the same BF16 weights in float32, TF32 off; its attention: :func:`fp32_reference_attention`).
 """
 
 from __future__ import annotations
@@ -274,6 +274,45 @@ def fa3_fp8_attention(module, query, key, value, attention_mask, scaling=None, d
     return out.to(query.dtype), None
 
 
+def fp32_reference_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The float32 reference model's attention: causal SDPA with K/V repeated to the query heads. On CUDA the
+    memory-efficient kernel is required (float32 accumulation, no ``S x S`` scores: SDPA's GQA path would take
+    the math backend for float32, whose scores do not fit at 32K); where it refuses, the math backend runs on
+    blocks of 1024 queries. Unpadded calls only."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if attention_mask is not None:
+        raise NotImplementedError("the float32 reference runs unpadded prefill only (attention_mask given)")
+    group = query.shape[1] // key.shape[1]
+    k, v = (t.repeat_interleave(group, dim=1) for t in (key, value))
+    if not query.is_cuda:
+        out = F.scaled_dot_product_attention(query, k, v, is_causal=True, scale=scaling)
+        return out.transpose(1, 2), None
+    try:
+        with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+            out = F.scaled_dot_product_attention(query, k, v, is_causal=True, scale=scaling)
+    except RuntimeError:
+        out = causal_attention_in_blocks(query, k, v, scaling)
+    return out.transpose(1, 2), None
+
+
+def causal_attention_in_blocks(q, k, v, scale=None, block: int = 1024):
+    """Causal SDPA (bottom-right aligned) on SDPA's math backend, ``block`` queries at a time: ``(B, H, S, D)``
+    in and out, K/V with as many heads as Q; scores ``block x S_k`` per head at a time."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q_len, kv_len = q.shape[2], k.shape[2]
+    parts = []
+    for i in range(0, q_len, block):
+        rows = torch.arange(i, min(i + block, q_len), device=q.device)[:, None] + (kv_len - q_len)
+        keep = torch.arange(kv_len, device=q.device)[None, :] <= rows
+        with sdpa_kernel(SDPBackend.MATH):
+            parts.append(F.scaled_dot_product_attention(q[:, :, i:i + block], k, v, attn_mask=keep, scale=scale))
+    return torch.cat(parts, dim=2)
+
+
 def _row_function(name: str) -> tuple[Callable, Callable]:
     """(attention function, mask function) of row ``name``."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -291,6 +330,8 @@ def _row_function(name: str) -> tuple[Callable, Callable]:
         return fa3_fp8_attention, flash_attention_mask
     if name == "identity":
         return identity_attention, flash_attention_mask
+    if name == "sdpa_fp32":
+        return fp32_reference_attention, flash_attention_mask
     raise ValueError(f"unknown model row {name!r}; choose from {', '.join(ROW_NAMES)}")
 
 
@@ -399,12 +440,12 @@ def run_model_accuracy(spec: ModelSpec, seqlens: list[int], rows: list[str] | No
     spec.check()
     names = select_rows(rows)
     cuda = torch.device(device).type == "cuda"
-    timed = register_rows(names)
+    timed = register_rows(names + ["sdpa_fp32"])
     model = build_model(spec, device=device, seed=seed)
     ref32 = None
     if fp32_reference:
         ref32 = copy.deepcopy(model).float()  # the same (BF16-rounded) weights in float32
-        ref32.set_attn_implementation("sdpa")
+        ref32.set_attn_implementation(BENCH_PREFIX + "sdpa_fp32")
     out: list[dict] = []
     for seqlen in seqlens:
         ids = torch.randint(0, spec.vocab, (1, seqlen), generator=torch.Generator().manual_seed(seed + seqlen))
