@@ -185,7 +185,8 @@ class _FakeFA3:
     def flash_attn_func(q, k, v, causal, softmax_scale, q_descale, k_descale, v_descale):
         hk, group = k.shape[2], q.shape[2] // k.shape[2]
         dq = q_descale.repeat_interleave(group, 1)[:, None, :, None]
-        q, k, v = (t.float() * d for t, d in ((q, dq), (k, k_descale[:, None, :, None]), (v, v_descale[:, None, :, None])))
+        dk, dv = (d[:, None, :, None] for d in (k_descale, v_descale))
+        q, k, v = (t.float() * d for t, d in ((q, dq), (k, dk), (v, dv)))
         out = torch.nn.functional.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal, scale=softmax_scale,
             enable_gqa=True)
@@ -235,3 +236,21 @@ def test_list_names_every_row(capsys):
     assert cli.main(["accuracy", "--model", "--list"]) == 0
     out = capsys.readouterr().out
     assert [ln.split()[0] for ln in out.strip().splitlines()] == list(ma.ROW_NAMES)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU path of the command")
+def test_command_runs_under_the_interpreter_by_itself(tmp_path):
+    """From a shell without TRITON_INTERPRET (the command sets it before Triton loads), on the CPU defaults."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-m", "leanfa.cli", "accuracy", "--model", "--seqlens", "64", "--impl",
+                        "leanfa", "--no-fp32-ref", "--out", str(tmp_path)], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "on CPU (Triton interpreter" in r.stdout and "| 64 | leanfa | - |" in r.stdout
+    rows = json.loads((tmp_path / "model-accuracy.json").read_text())["rows"]
+    assert [r["impl"] for r in rows] == ["sdpa", "leanfa"] and 0 < rows[1]["rel_l2_vs_sdpa_bf16"] < 0.05
+    assert "rel_l2_vs_sdpa_fp32" not in rows[1]

@@ -11,9 +11,10 @@ std of the activation presets (:mod:`leanfa.activations`: ``q_std``, ``k_std``, 
 random calibration sequence is that target (:func:`_calibrate`: past the first layer the random model's hidden
 states share a large common component, which leaves ~0.6x the token std otherwise), and whose biases carry the
 presets' constants: K gets a per-channel bias of std ``k_bias`` (times ``k_std``), and with ``massive > 0`` each
-KV head gets a *massive Q/K pair* as the ``*-massive`` presets describe (Llama-3-8B's measured numbers): one slow RoPE pair (pair index in [0.625, 0.9375)
-of the pairs) where K's bias has magnitude ``massive * k_std`` and the group's query heads' bias
-``massive * q_std`` (+-10 % per head) at ``acos(massive_cos)`` from K's direction. As in the presets, Q's token
+KV head gets a *massive Q/K pair* as the ``*-massive`` presets describe (Llama-3-8B's measured numbers): one
+slow RoPE pair (pair index in [0.625, 0.9375) of the pairs) where K's bias has magnitude ``massive * k_std``
+and the group's query heads' bias ``massive * q_std`` (+-10 % per head) at ``acos(massive_cos)`` from K's
+direction. As in the presets, Q's token
 std is 0.75 with the massive pair and 1.5 without. RoPE then rotates these constants with position (slowly: they
 are in slow pairs), as in a real model. V and o_proj biases are zero. What the random model lacks: attention
 sinks (no token is special), outlier-channel structure beyond the biases, heavy-tailed V, learned long-range

@@ -389,7 +389,8 @@ def model_accuracy_markdown(payload: dict) -> str:
                       _fmt(r.get("prefill_minus_identity_ms"), ".2f", "-"),
                       _fmt(r.get("rel_l2_vs_sdpa_bf16"), ".3e", "-") if ok else r.get("status", ""),
                       _fmt(r.get("rel_l2_vs_sdpa_fp32"), ".3e", "-") if ok else "",
-                      "; ".join(filter(None, [r.get("reason") or r.get("error"), r.get("note"), *r.get("warnings", [])]))])
+                      "; ".join(filter(None, [r.get("reason") or r.get("error"), r.get("note"),
+                                              *r.get("warnings", [])]))])
     out.append(md_table(["S", "implementation", "prefill ms", "attention ms", "attention share",
                          "prefill − identity ms", "logits rel L2 vs SDPA BF16", "vs SDPA FP32", "note"], table))
     return "\n".join(out)
