@@ -418,10 +418,10 @@ def finish_kv_stats(
     every channel): writes ``FLAGS[pid]`` (int8), 1 where the head's Q and K are to be rotated by the ±1 matrix
     ``ROT`` (``[BLOCK_R, BLOCK_R]``, zero-padded) times ``inv_sqrt_d``, and then writes the K mean in the
     rotated space (``mean @ ROT * inv_sqrt_d``: the mean of the rotated K) to KMEAN and the mean itself, which
-    :func:`quantize_qkv` subtracts before it rotates, to ``KMEAN_INPUT`` ``(B*Hkv, DQK)``. ROTATE=2 rotates where Q and K
-    concentrate their energy in the same channels (:func:`rotation_wanted`), from the K programs' per-block sums
-    of squares ``KSQ`` (like KSUM) and the Q sample's ``QSQ`` rows (``group`` query heads of ``Q_SAMPLES`` rows
-    per KV head, in order, from :func:`kv_stats`).
+    :func:`quantize_qkv` subtracts before it rotates, to ``KMEAN_INPUT`` ``(B*Hkv, DQK)``. ROTATE=2 rotates where
+    Q and K concentrate their energy in the same channels (:func:`rotation_wanted`), from the K programs'
+    per-block sums of squares ``KSQ`` (like KSUM) and the Q sample's ``QSQ`` rows (``group`` query heads of
+    ``Q_SAMPLES`` rows per KV head, in order, from :func:`kv_stats`).
     """
     pid = tl.program_id(0)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
