@@ -258,14 +258,25 @@ def _plain_problem():
                    out_dtype=BF16, return_lse=False)
 
 
+@pytest.mark.parametrize("change", [dict(window_left=4), dict(causal=False, window_right=2),
+                                    dict(causal=False, window_left=3, window_right=5)])
+def test_hopper_dispatch_takes_windows(monkeypatch, change):
+    """Sliding windows run on the Hopper kernel (its WINDOW path), with no warning."""
+    dispatch = hopper_accepts_everything(monkeypatch)
+    problem = dataclasses.replace(_plain_problem(), **change)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert dispatch.hopper_applies(problem) == (True, "")
+        assert dispatch.portable_only_reason(problem) == ""
+
+
 @pytest.mark.parametrize("change,reason", [
-    (dict(window_left=4), "sliding-window attention"),
-    (dict(causal=False, window_right=2), "sliding-window attention"),
     (dict(softcap=30.0), "softcap is not implemented in the Hopper kernel"),
+    (dict(window_left=4, softcap=30.0), "softcap is not implemented in the Hopper kernel"),
 ])
 def test_hopper_dispatch_refuses_with_one_warning(monkeypatch, change, reason):
-    """Where the Hopper kernel would run a call, a windowed or soft-capped call runs on the portable kernel
-    with one warning per process; backend="hopper" raises with the reason."""
+    """Where the Hopper kernel would run a call, a soft-capped call (with or without a window) runs on the
+    portable kernel with one warning per process; backend="hopper" raises with the reason."""
     dispatch = hopper_accepts_everything(monkeypatch)
     plain = _plain_problem()
     assert dispatch.hopper_applies(plain) == (True, "")
