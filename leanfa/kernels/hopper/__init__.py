@@ -2,7 +2,7 @@
 
 One concern per module: :mod:`.layouts` (register/shared layouts), :mod:`.pipeline` (TMA +
 mbarrier K/V ring), :mod:`.schedule` (which query tiles a program computes), :mod:`.masking`
-(which key blocks a tile visits, diagonal/tail masks), :mod:`.softmax`
+(which key blocks a tile visits, diagonal/tail masks, sliding windows' bands), :mod:`.softmax`
 (Lean-P online softmax), :mod:`.ablation` (timing ablations),
 :mod:`.epilogue` (output rows: register stores, or for dense calls a shared-memory box and one TMA
 store per warpgroup; the LSE's K-mean term), :mod:`.sink` (BF16 sink keys),
