@@ -171,8 +171,9 @@ def _softmax_block(s, j, c, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_ful
     if WINDOW:
         if (j < band[1]) | (j >= n_full):
             s = mask_band(s, offs_m, j * BLOCK_N + offs_n0, seqlen_q, seqlen_k, band[2], band[3])
-    elif j >= n_full:
-        s = mask_scores(s, offs_m, j * BLOCK_N + offs_n0, seqlen_q, seqlen_k, CAUSAL)
+    else:
+        if j >= n_full:
+            s = mask_scores(s, offs_m, j * BLOCK_N + offs_n0, seqlen_q, seqlen_k, CAUSAL)
     p, m_i, l_i, alpha = online_softmax_step(s, c, m_i, l_i, P_OFFSET, ABLATE, PARTIAL_L)
     alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     p_op = p_operand(p, p_dtype, p_layout)
