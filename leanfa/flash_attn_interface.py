@@ -18,8 +18,10 @@ Swap ``from flash_attn_interface import flash_attn_func`` for
   ``[i + Sk - Sq - left, i + Sk - Sq + right]``, -1 unbounded; ``causal`` makes ``right`` 0) and
   ``softcap > 0`` (scores ``softcap * tanh(s / softcap)``), dense and varlen, 16-bit and FP8. Rows
   whose window holds no key are 0 with LSE ``-inf``. Negative sides other than -1, or a negative
-  ``softcap``, raise ``ValueError``. These calls run on the portable kernel (one warning where the
-  Hopper kernel would have run);
+  ``softcap``, raise ``ValueError``. Windows run on the Hopper kernel (only the key blocks of each
+  query tile's band are read), dense and varlen, BF16/FP16, FP8 and the mixed mode, except FP8 at head
+  dim 256; ``softcap`` (with or without a window), and windows with ``seqused``, paged K/V or FP8 at
+  head dim 256, run on the portable kernel (one warning where the Hopper kernel would have run);
 * paged K/V and KV caches (prefill, chunked prefill): :func:`flash_attn_with_kvcache` with
   ``cache_seqlens`` (int or int32 ``(B,)``), ``page_table`` (int32 ``(B, max_pages)`` over caches
   ``(num_pages, page_size, Hkv, D)``, ``page_size`` 1, 2, 4, 8, 16, 32, 64 or a multiple of 128; else ``ValueError``) or a

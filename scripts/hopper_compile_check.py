@@ -45,6 +45,15 @@ def variants():
     out.append(Variant("mixed", 128, 128, True, return_lse=True, k_mean=True))
     for (dqk, dv), causal in (((64, 64), True), ((256, 256), True), ((128, 128), True), ((192, 128), False)):
         out.append(Variant("mixed", dqk, dv, causal, return_lse=dqk == 256, varlen=dqk in (128, 192)))
+    # sliding windows (WINDOW: the band's key blocks only): causal windows, the general band, varlen, head dims
+    for dtype, (dqk, dv), causal, window, varlen in (
+            ("fp8", (128, 128), True, (4096, -1), False), ("bf16", (128, 128), True, (4096, -1), False),
+            ("mixed", (128, 128), True, (4096, -1), False), ("fp8", (128, 128), False, (256, 256), False),
+            ("bf16", (128, 128), False, (-1, 256), False), ("fp8", (128, 128), True, (4096, -1), True),
+            ("bf16", (128, 128), True, (4096, -1), True), ("fp8", (192, 128), True, (4096, -1), False),
+            ("bf16", (64, 64), True, (4096, -1), False), ("bf16", (256, 256), True, (4096, -1), False),
+            ("mixed", (256, 256), True, (4096, -1), False)):  # (FP8 d256 windows stay portable: ~550 B spills)
+        out.append(Variant(dtype, dqk, dv, causal, varlen=varlen, window=window))
     # the default knobs above; below varlen, the other head dims, the sink and the measured options
     for dtype, causal in (("fp8", True), ("fp8", False), ("bf16", True), ("bf16", False)):  # head dim 64
         out.append(Variant(dtype, 64, 64, causal))

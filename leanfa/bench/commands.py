@@ -78,6 +78,8 @@ EXAMPLES = {
   leanfa bench --sweep serving          # packed serving batches, chunked prefill included
   leanfa bench --sweep chunked --quick --impl 'leanfa-*-bf16*,leanfa-*-fp8-kernel,leanfa-*-kvhead*,leanfa-*-paged*,fa3-*'
                                         # chunked prefill: paged K/V beside contiguous, and FA3
+  leanfa bench --sweep window --impl 'leanfa-hopper-bf16,leanfa-hopper-fp8-kernel,fa3-*'
+                                        # sliding window 4096 at 16K/32K beside causal 4K/8K (FLOPs of the band)
   leanfa bench --list                   # implementations, and why any cannot run here
   leanfa bench --dry-run --quick        # the cases, without running anything
 """,
@@ -141,8 +143,10 @@ def build_parser(command: str) -> argparse.ArgumentParser:
     if command == "bench":
         _common(p)
         p.add_argument("--sweep", default="standard,models,varlen",
-                       help="comma list of standard,models,varlen,serving,chunked (default standard,models,varlen; "
-                            "chunked: the serving sweep's chunked-prefill batches alone)")
+                       help="comma list of standard,models,varlen,serving,chunked,window (default "
+                            "standard,models,varlen; chunked: the serving sweep's chunked-prefill batches alone; "
+                            "window: causal sliding windows of 4096 keys at 16K/32K beside causal 4K/8K, "
+                            "--seqlens sets the windowed lengths)")
         p.add_argument("--seqlens", help="comma list overriding the sweeps' sequence lengths "
                                          "(e.g. 1k,4k,16k)")
         p.add_argument("--causal", choices=("both", "true", "false"),

@@ -2,7 +2,7 @@
 
 One concern per module: :mod:`.layouts` (register/shared layouts), :mod:`.pipeline` (TMA +
 mbarrier K/V ring), :mod:`.schedule` (which query tiles a program computes), :mod:`.masking`
-(which key blocks a tile visits, diagonal/tail masks), :mod:`.softmax`
+(which key blocks a tile visits, diagonal/tail masks, sliding windows' bands), :mod:`.softmax`
 (Lean-P online softmax), :mod:`.ablation` (timing ablations),
 :mod:`.epilogue` (output rows: register stores, or for dense calls a shared-memory box and one TMA
 store per warpgroup; the LSE's K-mean term), :mod:`.sink` (BF16 sink keys),
@@ -113,6 +113,8 @@ def _supports(problem) -> tuple[bool, str]:
         why = varlen_tiles.table_problem(q.shape[1], problem.cu_seqlens_q.numel() - 1, _launch.BLOCK_M)
         if why:
             return False, why
+    if problem.sink_keys and problem.has_window:  # (the API refuses the pair before it gets here)
+        return False, "the Hopper kernel does not combine sliding windows (window_size) with BF16 sink keys"
     if problem.sink_keys:
         why = _launch.sink_problem(problem.pv_fp8, dims, problem.sink_keys,
                                    (("q", problem.sink_q), ("k", problem.sink_k), ("v", problem.sink_v)))
@@ -123,9 +125,11 @@ def _supports(problem) -> tuple[bool, str]:
 
 def plan_kwargs(problem) -> dict:
     """``make_plan``'s keywords for ``problem``: the varlen ones (none when dense; a packed FP8 V's aligned
-    starts among them) and the BF16 sink
-    keys' ``sink`` tuple (none without)."""
+    starts among them), the BF16 sink
+    keys' ``sink`` tuple (none without) and the sliding window's ``window`` (none without)."""
     kw = {}
+    if problem.has_window:
+        kw.update(window=(problem.window_left, problem.window_right))
     if problem.varlen:
         kw.update(cu_seqlens_q=problem.cu_seqlens_q, cu_seqlens_k=problem.cu_seqlens_k,
                   max_seqlen_q=problem.max_seqlen_q, max_seqlen_k=problem.max_seqlen_k,
@@ -160,7 +164,7 @@ def _signature(problem):
     prepared = problem.varlen or problem.pv_fp8 and not _launch.v_is_kmajor(problem.v)
     if plan_cache.enabled(knobs) and (not prepared or plan_cache.prepared_enabled(knobs)):
         scalars = (problem.causal, problem.softmax_scale, problem.return_lse, problem.sink_keys, problem.out_dtype,
-                   problem.max_seqlen_q, problem.max_seqlen_k)
+                   problem.max_seqlen_q, problem.max_seqlen_k, problem.window_left, problem.window_right)
         key = plan_cache.signature(_inputs(problem), scalars, knobs)
     _memo.last = (weakref.ref(problem), key)
     return key
@@ -182,7 +186,7 @@ def plan(problem):
     tiles = problem.scheduler_metadata
     if problem.varlen and tiles is None:  # the call's tile table (made every call unless the caller made it)
         tiles = varlen_tiles.build(problem.cu_seqlens_q, problem.cu_seqlens_k, q.shape[1], problem.max_seqlen_k,
-                                   problem.causal, _launch.BLOCK_M)
+                                   problem.causal, _launch.BLOCK_M, (problem.window_left, problem.window_right))
     inputs = (q, k, v, problem.q_scale, problem.k_scale, problem.v_scale, problem.k_mean, sq, sk, sv,
               problem.cu_seqlens_q, problem.cu_seqlens_k, cu_v, tiles, out, lse)
     if key is not None:

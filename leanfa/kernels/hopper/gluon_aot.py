@@ -37,6 +37,7 @@ class Variant:
     env: tuple = ()  # ((name, value), ...) LEANFA_HOPPER_* knobs set while planning
     varlen: bool = False  # packed (total, H, D) inputs with cu_seqlens
     sink: bool = False  # FP8 with the first 128 keys attended from BF16 inputs (sink.py)
+    window: tuple = (-1, -1)  # flash-attn's window_size as Problem stores it (-1: unbounded; causal: right -1)
 
     @property
     def name(self) -> str:
@@ -44,7 +45,8 @@ class Variant:
         tag = "".join(f"[{k.replace('LEANFA_HOPPER_', '').lower()}={x}]" for k, x in self.env) + (":" if self.env else "")
         return (f"{tag}{self.dtype}-d{self.dqk}/{self.dv}-{'causal' if self.causal else 'full'}"
                 f"{'-lse' if self.return_lse else ''}{'-kmean' if self.k_mean else ''}"
-                f"{'-vT' if vk else ''}{'-varlen' if self.varlen else ''}{'-sink' if self.sink else ''}")
+                f"{'-vT' if vk else ''}{'-varlen' if self.varlen else ''}{'-sink' if self.sink else ''}"
+                f"{'-window%d,%d' % self.window if self.window != (-1, -1) else ''}")
 
 
 def _fake_problem(v: Variant):
@@ -85,7 +87,7 @@ def _fake_problem(v: Variant):
         varlen["sink"] = (128, *sixteen)
     with mock.patch.dict(os.environ, {k: str(x) for k, x in v.env}):  # restored on exit
         return L.make_plan(q, k, v_, out, lse if v.return_lse else None, qs, ks, vs, km, causal=v.causal,
-                           softmax_scale=v.dqk ** -0.5, return_lse=v.return_lse, **varlen)
+                           softmax_scale=v.dqk ** -0.5, return_lse=v.return_lse, window=v.window, **varlen)
 
 
 def _signature(fn, args, constexprs):
