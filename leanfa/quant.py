@@ -469,13 +469,6 @@ def _inv_sqrt(dim: int) -> float:
 
 #: ``quantize_fp8``'s ``rotate`` values: never, always, per KV head from the statistics
 ROTATE_CHOICES = (False, True, "auto")
-#: the fused rotation on a GPU. H200 runs 90-91 (tests/test_adaptive_rotation.py): dense calls matched the matmul
-#: pass, but packed (varlen) K came out unlike it (a 1-token sequence's row: rounding noise at full e4m3 range) and
-#: the LSE of massive-channel inputs missed its bound (the FP8 MMA's truncated sums: a fraction of |LSE|). Session 19
-#: fixed the first in the kernel (K's mean subtracted before the rotation) and the second in the test's bound
-#: (docs/perf-notes.md). Until a GPU run passes those tests, GPU calls take the matmul pass for ``rotate=True`` and
-#: refuse ``rotate="auto"`` (the CPU interpreter runs the fused rotation, which the CPU tests check)
-FUSED_ROTATION_GPU_VALIDATED = False
 
 
 def _rotate(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
@@ -525,15 +518,9 @@ def quantize_checked(q, k, v, granularity, smooth_k, cu_seqlens_q, cu_seqlens_k,
     rotate_mode = 0
     if rotate and q.shape[-1] > 1:
         rotation = rotation_matrix(q.shape[-1], q.device)
-        gpu_ok = q.device.type != "cuda" or FUSED_ROTATION_GPU_VALIDATED
-        if fused and fused_rotation_available(q.shape[-1]) and q.dtype == k.dtype and gpu_ok:
+        if fused and fused_rotation_available(q.shape[-1]) and q.dtype == k.dtype:
             rotate_mode = 2 if rotate == "auto" else 1
         elif rotate == "auto":  # the adaptive choice runs in the fused quantizer only: no rotation
-            if not gpu_ok:
-                raise NotImplementedError(
-                    'rotate="auto" runs in the fused quantizer, which is not yet validated on the GPU (packed K and '
-                    "the LSE of massive-channel inputs failed their checks on the H200): use rotate=True (a separate "
-                    "float32 matmul pass) or rotate=False")
             rotation = None
         else:  # a separate float32 matmul pass
             q, k = _rotate(q, rotation), _rotate(k, rotation)

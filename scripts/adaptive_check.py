@@ -22,12 +22,8 @@ import torch
 from triton.testing import do_bench
 
 import leanfa
-from leanfa import quant
 from leanfa.activations import make_qkv
 from leanfa.reference import attention_ref
-
-# this script measures the fused rotation itself, which quantize_fp8 does not take on a GPU until it is validated
-quant.FUSED_ROTATION_GPU_VALIDATED = True
 
 #: leanfa FP8 (default) error over the best peer's, H200 runs 82/88, S=4096
 PEER_RATIO = {"gaussian": 1.00, "llama3-8b": 0.90, "qwen2.5-7b": 0.67, "llama3-8b-massive": 0.68,

@@ -15,22 +15,6 @@ from leanfa.kernels.quantize import Q_SAMPLES, ROTATE_MIN_CONCENTRATION
 from leanfa.quant import fused_rotation_available, quantize_fp8, rotation_matrix
 from leanfa.reference import attention_ref
 
-#: what H200 runs 90-91 found wrong on the GPU (quant.FUSED_ROTATION_GPU_VALIDATED is False because of it): the
-#: tests below that failed there are expected to fail on a GPU until the fused rotation is fixed (strict: a pass
-#: there says the gate can open)
-GPU_FAILS = pytest.mark.xfail(torch.cuda.is_available(), strict=True,
-                              reason="H200 runs 90-91: packed K unlike the matmul pass; LSE bound missed (session 19 "
-                                     "fixed both on the CPU: run with --runxfail on the H200 to validate)")
-
-
-@pytest.fixture(autouse=True)
-def _fused_rotation_everywhere(monkeypatch):
-    """These tests check the fused rotation itself: on a GPU too, where quantize_fp8 does not take it yet."""
-    from leanfa import quant
-
-    monkeypatch.setattr(quant, "FUSED_ROTATION_GPU_VALIDATED", True)
-
-
 def rel_l2(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm())
 
@@ -163,7 +147,6 @@ def test_fused_rotation_equals_the_matmul_path(device, preset):
     _assert_same_quantization(fused, _torch_path(q, k, v))
 
 
-@GPU_FAILS
 def test_fused_rotation_equals_the_matmul_path_varlen(device):
     lens = [700, 20, 130, 1, 40]  # the packed grid (many short sequences next to a long one)
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
@@ -272,7 +255,7 @@ def _assert_lse_of_its_own_values(lse, ref_lse):
     assert torch.allclose(lse.double().cpu(), ref_lse.cpu(), atol=atol, rtol=rtol)
 
 
-@pytest.mark.parametrize("make", [pytest.param("mixed", marks=GPU_FAILS), "mistral-7b-massive"])
+@pytest.mark.parametrize("make", ["mixed", "mistral-7b-massive"])
 def test_auto_lse_is_exact_in_the_unrotated_space(device, make):
     """Per-head rotation with the K mean in the rotated space: the kernel's output and LSE are those of the
     (float64) unrotated attention of its own quantized values, and the output error against the float64
@@ -351,7 +334,6 @@ def test_op_with_rotate(device):
 
 
 @pytest.mark.gpu
-@GPU_FAILS
 @pytest.mark.parametrize("varlen", [False, True])
 def test_gpu_fused_rotation_at_4k(varlen):
     """On the GPU (bf16 tensor-core product in the quantizer): rotate=True equals the matmul path up to e4m3
@@ -375,18 +357,3 @@ def test_gpu_fused_rotation_at_4k(varlen):
     _assert_lse_of_its_own_values(lse, ref_q_lse)
 
 
-def test_gpu_calls_take_the_matmul_pass_until_validated(monkeypatch):
-    """With the fused rotation not validated on the GPU: a CUDA tensor's rotate=True is the matmul pass (every head
-    rotated), rotate="auto" is refused with the reason; CPU tensors keep the fused rotation."""
-    from leanfa import quant
-
-    monkeypatch.setattr(quant, "FUSED_ROTATION_GPU_VALIDATED", False)
-    calls = []
-    monkeypatch.setattr(quant, "_rotate", lambda x, r: calls.append(x.device.type) or torch.matmul(x.float(), r))
-    q, k, v = make_qkv("mistral-7b-massive", 1, 64, heads=4)
-    assert quantize_fp8(q, k, v, rotate=True).rotated.all() and calls == []  # (CPU: fused)
-    if torch.cuda.is_available():
-        q, k, v = q.cuda(), k.cuda(), v.cuda()
-        assert quantize_fp8(q, k, v, rotate=True).rotated.all() and calls == ["cuda", "cuda"]
-        with pytest.raises(NotImplementedError, match="not yet validated on the GPU"):
-            quantize_fp8(q, k, v, rotate="auto")

@@ -154,12 +154,12 @@ def test_fa2_return_attn_probs_shapes(device):
     assert isinstance(fa2.flash_attn_func(q, k, v), torch.Tensor)  # plain out by default
 
 
-def test_flash_attn_combine_matches_attention_over_the_union():
+def test_flash_attn_combine_matches_attention_over_the_union(device):
     """FA3's combine of two key halves' results equals attention over all keys (and an all -inf row is 0)."""
     from leanfa import flash_attn_interface as fai
 
     g = torch.Generator().manual_seed(5)
-    q, k, v = (torch.randn(2, 7, 4, 64, generator=g).to(torch.bfloat16) for _ in range(3))
+    q, k, v = (torch.randn(2, 7, 4, 64, generator=g).to(torch.bfloat16).to(device) for _ in range(3))
     whole, lse_whole = leanfa.flash_attn_func(q, k, v, return_lse=True, out_dtype=torch.float32)
     parts = [leanfa.flash_attn_func(q, k[:, a:b], v[:, a:b], return_lse=True, out_dtype=torch.float32)
              for a, b in ((0, 3), (3, 7))]
@@ -177,4 +177,5 @@ def test_flash_attn_combine_matches_attention_over_the_union():
     assert lse[1, 2, 3] == float("-inf") and torch.all(out[1, 2, 3] == 0)
     with pytest.raises(ValueError, match="lse_partial"):
         fai.flash_attn_combine(out_partial, lse_partial[..., :2])
-    assert fai.get_scheduler_metadata(2, 7, 7, 4, 4, 64, torch.tensor([7, 7], dtype=torch.int32)).numel() == 0
+    lengths = torch.tensor([7, 7], dtype=torch.int32, device=device)
+    assert fai.get_scheduler_metadata(2, 7, 7, 4, 4, 64, lengths).numel() == 0

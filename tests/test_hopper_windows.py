@@ -62,7 +62,7 @@ def _reference(p, window):
                          v_descale=p.v_scale if p.pv_fp8 else None)
 
 
-def _check(out, lse, ref, ref_lse, tol):
+def _check(out, lse, ref, ref_lse, tol, lse_tol=2e-2):
     """No NaN (every element written over the poison), output within ``tol`` relative L2 (per query row group: a
     row whose window holds no key is exactly 0), LSE -inf exactly where the reference's is, finite LSEs close."""
     assert not torch.isnan(out).any(), "NaN (or never written) in out"
@@ -74,7 +74,7 @@ def _check(out, lse, ref, ref_lse, tol):
     rows_out = out.transpose(-3, -2) if out.dim() == 4 else out.transpose(0, 1)  # (.., H, S, D) as the LSE
     assert rows_out[empty].abs().max() == 0 if empty.any() else True, "rows with no key are 0"
     if (~empty).any():
-        assert float((lse.double() - ref_lse)[~empty].abs().max()) < 2e-2
+        assert float((lse.double() - ref_lse)[~empty].abs().max()) < lse_tol
 
 
 def _band_blocks(rows, sq, sk, left, right, causal, block_n):
@@ -289,9 +289,9 @@ GPU_DENSE = [  # B, Sq, Sk, Hq, Hkv, window, causal
 ]
 
 
-def _gpu_call(q, k, v, *, causal, window, precision, cu=None):
+def _gpu_call(q, k, v, *, causal, window, precision, cu=None, backend="hopper"):
     """The public API on the Hopper kernel (``backend="hopper"``: it raises where the kernel does not apply)."""
-    kw = dict(causal=causal, window_size=window, return_lse=True, backend="hopper")
+    kw = dict(causal=causal, window_size=window, return_lse=True, backend=backend)
     if cu is None:
         if precision == "bf16":
             return leanfa.flash_attn_func(q, k, v, **kw)
@@ -312,7 +312,21 @@ def test_gpu_dense_window(b, sq, sk, hq, hkv, window, causal, precision):
     v = torch.randn(b, sk, hkv, 128, generator=g).to(BF16).cuda()
     out, lse = _gpu_call(q, k, v, causal=causal, window=window, precision=precision)
     ref, ref_lse = attention_ref(q, k, v, causal=causal, window_size=window, return_lse=True)
-    _check(out, lse, ref, ref_lse, 1e-2 if precision == "bf16" else 5e-2)
+    _check_gpu(out, lse, ref, ref_lse, precision,
+               lambda: _gpu_call(q, k, v, causal=causal, window=window, precision=precision, backend="portable"))
+
+
+def _check_gpu(out, lse, ref, ref_lse, precision, portable):
+    """BF16: against float64 of the inputs. FP8 (and fp8qk): against the same call on the portable kernel (the
+    same quantized inputs: only the kernels' arithmetic differs), and loosely against float64 of the BF16 inputs
+    (a narrow window averages few V rows, so e4m3's rounding of P, V and the scores shows more: H200 run 93 saw
+    output errors of 5.1-7.6e-2 and LSE errors up to 0.18 there)."""
+    if precision == "bf16":
+        _check(out, lse, ref, ref_lse, 1e-2)
+        return
+    p_out, p_lse = portable()
+    _check(out, lse, p_out.double(), p_lse.double(), 2e-2, lse_tol=3e-2)
+    _check(out, lse, ref, ref_lse, 1.2e-1, lse_tol=0.35)
 
 
 @gpu
@@ -327,7 +341,8 @@ def test_gpu_varlen_window(lq, lk, window, causal, precision):
     out, lse = _gpu_call(q, k, v, causal=causal, window=window, precision=precision, cu=cu)
     ref, ref_lse = attention_ref(q, k, v, causal=causal, window_size=window, return_lse=True,
                                  cu_seqlens_q=cu["cu_seqlens_q"], cu_seqlens_k=cu["cu_seqlens_k"])
-    _check(out, lse, ref, ref_lse, 1e-2 if precision == "bf16" else 5e-2)
+    _check_gpu(out, lse, ref, ref_lse, precision,
+               lambda: _gpu_call(q, k, v, causal=causal, window=window, precision=precision, cu=cu, backend="portable"))
 
 
 @gpu

@@ -89,10 +89,10 @@ def test_keys_outside_the_band_are_never_loaded(device):
     k, v = _rand((1, 256, 1, 64), device), _rand((1, 256, 1, 64), device)
     kw = dict(causal=True, window_size=(20, -1), return_lse=True)
     ref, ref_lse = attention_ref(q, k, v, **kw)
-    # rows see keys [i + 224 - 20, i + 224]: keys below 204 are outside every window; blocks below 192
-    # (a multiple of every tile width the kernel uses: 32, 64) hold none of them
+    # rows see keys [i + 224 - 20, i + 224]: keys below 204 are outside every window; the keys below 128 (a
+    # multiple of every key block width the kernels use: 32, 64, 128) lie in blocks that hold none of them
     kn, vn = k.clone(), v.clone()
-    kn[:, :192], vn[:, :192] = float("nan"), float("nan")
+    kn[:, :128], vn[:, :128] = float("nan"), float("nan")
     out, lse = leanfa.flash_attn_func(q, kn, vn, **kw)
     _check(out, lse, ref, ref_lse, TOL[BF16])
 
