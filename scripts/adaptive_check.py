@@ -16,6 +16,7 @@ python scripts/adaptive_check.py   (H200: under 90 s)
    and of quantize_fp8 alone.
 """
 
+import statistics
 import time
 
 import torch
@@ -88,22 +89,37 @@ def fused_rotation_checks():
 
 
 def timing():
-    print("end to end, B=1, 32/8 heads, d128, causal (ms, median of do_bench)")
+    """The adaptive scheme's cost end to end, on 16K tokens per call (B = 16K / S: the GPU's time, not the host's,
+    which a B=1 call at S = 1K-4K measures), modes timed in interleaved rounds (the clock drifts between them)."""
+    print("end to end, 16K tokens per call (B = 16384 / S), 32/8 heads, d128, causal (ms, median of 5 interleaved "
+          "rounds of do_bench)")
     for s in (1024, 4096, 16384):
+        b = 16384 // s
         g = torch.Generator(device="cuda").manual_seed(0)
-        q = torch.randn(1, s, 32, 128, device="cuda", generator=g).bfloat16()
-        k, v = (torch.randn(1, s, 8, 128, device="cuda", generator=g).bfloat16() for _ in range(2))
-        t = {m: do_bench(lambda m=m: leanfa.attention(q, k, v, precision="fp8", rotate=m), warmup=50, rep=300)
-             for m in MODES}
-        tq = {m: do_bench(lambda m=m: leanfa.quantize_fp8(q, k, v, rotate=m), warmup=50, rep=300) for m in MODES}
-        print(f"  S={s:<6} attention fp8 {t[False]:.4f}  auto {t['auto']:.4f} (+{100 * (t['auto'] / t[False] - 1):.1f}%)"
-              f"  rotate {t[True]:.4f} (+{100 * (t[True] / t[False] - 1):.1f}%)   quantize_fp8 {tq[False]:.4f} / "
-              f"{tq['auto']:.4f} / {tq[True]:.4f}", flush=True)
+        q = torch.randn(b, s, 32, 128, device="cuda", generator=g).bfloat16()
+        k, v = (torch.randn(b, s, 8, 128, device="cuda", generator=g).bfloat16() for _ in range(2))
+        t = {m: [] for m in MODES}
+        tq = {m: [] for m in MODES}
+        for _ in range(5):
+            for m in MODES:
+                t[m].append(do_bench(lambda m=m: leanfa.attention(q, k, v, precision="fp8", rotate=m), warmup=25,
+                                     rep=150))
+                tq[m].append(do_bench(lambda m=m: leanfa.quantize_fp8(q, k, v, rotate=m), warmup=25, rep=150))
+        t = {m: statistics.median(x) for m, x in t.items()}
+        tq = {m: statistics.median(x) for m, x in tq.items()}
+        print(f"  B={b:<3} S={s:<6} attention fp8 {t[False]:.4f}  auto {t['auto']:.4f} "
+              f"({100 * (t['auto'] / t[False] - 1):+.1f}%)  rotate {t[True]:.4f} ({100 * (t[True] / t[False] - 1):+.1f}%)"
+              f"   quantize_fp8 {tq[False]:.4f} / {tq['auto']:.4f} / {tq[True]:.4f}", flush=True)
 
 
 if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", choices=("checks", "accuracy", "timing"), default=None, help="one section")
+    only = ap.parse_args().only
     t0 = time.time()
-    fused_rotation_checks()
-    accuracy()
-    timing()
+    for name, section in (("checks", fused_rotation_checks), ("accuracy", accuracy), ("timing", timing)):
+        if only in (None, name):
+            section()
     print(f"({time.time() - t0:.0f} s)")
