@@ -86,7 +86,12 @@ def _case_cell(r: dict) -> list:
     else:
         shape = f"varlen x{len(r['seqlens'])}" if r.get("seqlens") else f"B{r['batch']}"
     return [r["label"], seqlen, shape, f"{r['heads']}/{r['kv_heads']}",
-            f"{r['head_dim']}/{r['head_dim_v']}", "causal" if r["causal"] else "full"]
+            f"{r['head_dim']}/{r['head_dim_v']}", _mask_cell(r)]
+
+
+def _mask_cell(r: dict) -> str:
+    mask = "causal" if r["causal"] else "full"
+    return f"{mask}, window {r['window_left']}" if r.get("window_left") is not None else mask
 
 
 def _speed_cell(r: dict | None) -> str:
