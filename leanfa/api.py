@@ -43,6 +43,14 @@ def head_dims_problem(dqk: int, dv: int) -> str | None:
     return (f"head dims (q/k {dqk}, v {dv}) are not supported: each must be a multiple of {HEAD_DIM_MULTIPLE} "
             f"from {HEAD_DIM_MULTIPLE} to {MAX_HEAD_DIM} (the Hopper kernel runs "
             + ", ".join(f"{a}/{b}" for a, b in HEAD_DIMS) + "; others run on the portable kernel)")
+
+
+def fa3_only_head_dims(dqk: int, dv: int) -> bool:
+    """Head dims FlashAttention-3 takes and leanfa does not implement: Q/K up to 64 with a V head dim above
+    :data:`MAX_HEAD_DIM` up to 512 (its MLA form, 64/512)."""
+    return dqk <= 64 and MAX_HEAD_DIM < dv <= 512 and dqk % HEAD_DIM_MULTIPLE == 0 and dv % HEAD_DIM_MULTIPLE == 0
+
+
 BACKENDS = ("auto", "portable", "hopper")
 
 
@@ -82,6 +90,9 @@ def _check_inputs(q, k, v, ranks: int, kv_ranks: int | None = None, kv_layout: s
     if k.shape[-1] != q.shape[-1]:
         raise ValueError(f"q and k must have the same head_dim, got {q.shape[-1]} and {k.shape[-1]}")
     why = head_dims_problem(q.shape[-1], v.shape[-1])
+    if why and fa3_only_head_dims(q.shape[-1], v.shape[-1]):
+        raise NotImplementedError(f"leanfa does not support head dims q/k {q.shape[-1]}, v {v.shape[-1]} "
+                                  f"(FlashAttention-3's 64/512 form): V head dims go up to {MAX_HEAD_DIM}")
     if why:
         raise ValueError(why)
 

@@ -144,10 +144,16 @@ def check_page_ids(page_table: torch.Tensor, num_pages: int, page_size: int, key
 
 
 def check_window_softcap(window_size, softcap) -> tuple[int, int, float]:
-    """flash-attn's ``window_size=(left, right)`` (each side a non-negative int, or -1 for unbounded) and
-    ``softcap`` (a finite float >= 0; 0 is off): returns ``(left, right, softcap)`` as Python numbers."""
-    if isinstance(window_size, (str, bytes, torch.Tensor)) or not hasattr(window_size, "__len__") \
-            or len(window_size) != 2:
+    """flash-attn's ``window_size=(left, right)`` (each side a non-negative int, or -1 for unbounded; a CPU integer
+    tensor of two elements too, as FA3 takes it) and ``softcap`` (a finite float >= 0; 0 is off): returns
+    ``(left, right, softcap)`` as Python numbers."""
+    if isinstance(window_size, torch.Tensor):
+        if window_size.device.type != "cpu":  # (its values would need a host synchronization)
+            raise TypeError(f"window_size must be ints or a CPU tensor, got a tensor on {window_size.device}")
+        if window_size.dtype.is_floating_point or window_size.dtype == torch.bool or window_size.shape != (2,):
+            raise TypeError(f"window_size must be a pair (left, right) of ints, got {window_size!r}")
+        window_size = tuple(window_size.tolist())
+    if isinstance(window_size, (str, bytes)) or not hasattr(window_size, "__len__") or len(window_size) != 2:
         raise TypeError(f"window_size must be a pair (left, right) of ints, got {window_size!r}")
     sides = []
     for side, w in zip(("left", "right"), window_size):

@@ -230,6 +230,10 @@ BAD = [
     ("softcap nan", lambda Q, CU: leanfa.flash_attn_func(Q, Q, Q, softcap=float("nan")), ValueError, "softcap must be"),
     ("softcap tensor", lambda Q, CU: leanfa.flash_attn_func(Q, Q, Q, softcap=torch.tensor(1.0)), TypeError, "softcap"),
     ("window not a pair", lambda Q, CU: leanfa.flash_attn_func(Q, Q, Q, window_size=4), TypeError, "window_size"),
+    ("window tensor of 3", lambda Q, CU: leanfa.flash_attn_func(Q, Q, Q, window_size=torch.tensor([1, 2, 3])),
+     TypeError, "window_size"),
+    ("window float tensor", lambda Q, CU: leanfa.flash_attn_func(Q, Q, Q, window_size=torch.tensor([1.0, 2.0])),
+     TypeError, "window_size"),
     ("window float", lambda Q, CU: leanfa.flash_attn_func(Q, Q, Q, window_size=(4.0, 0)), TypeError, "window_size left"),
     ("fa3 window", lambda Q, CU: fa3.flash_attn_func(Q, Q, Q, window_size=(-7, 0)), ValueError, "window_size must be"),
     ("fa3 varlen softcap", lambda Q, CU: fa3.flash_attn_varlen_func(Q[0], Q[0], Q[0], CU, CU, 8, 8, softcap=-2.0),
@@ -302,3 +306,11 @@ def test_hopper_dispatch_refuses_with_one_warning(monkeypatch, change, reason):
         assert dispatch.choose(problem, "auto").kernel == "portable"
         with pytest.raises(ValueError, match=f"backend='hopper' cannot run this call: {reason}"):
             dispatch.choose(problem, "hopper")
+
+
+def test_window_size_as_a_cpu_tensor(device):
+    """FA3's own tests pass ``window_size`` as a CPU integer tensor of two elements: it is the same window."""
+    q = _rand((1, 40, 2, 64), device)
+    a = leanfa.flash_attn_func(q, q, q, causal=True, window_size=(5, 0))
+    b = leanfa.flash_attn_func(q, q, q, causal=True, window_size=torch.tensor([5, 0]))
+    assert torch.equal(a, b)
