@@ -180,7 +180,7 @@ def build_parser(command: str) -> argparse.ArgumentParser:
         m = p.add_argument_group(
             "the model-level measurement (--model)",
             "--impl then picks among sdpa, leanfa, leanfa_fp8, leanfa_fp8qk, leanfa_fp8_no_smooth_k, "
-            "leanfa_fp8_rotate, leanfa_fp8_sink128, fa3_fp8, identity (names or globs; sdpa, the reference, "
+            "leanfa_fp8_rotate, leanfa_fp8_auto, leanfa_fp8_sink128, fa3_fp8, identity (names or globs; sdpa, the reference, "
             "always runs). Shape defaults: Llama-3-8B's on a GPU (4 layers), a tiny model on a CPU.")
         m.add_argument("--model", action="store_true",
                        help="measure a whole (random, Llama-shaped) model's prefill instead of single calls")

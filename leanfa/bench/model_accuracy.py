@@ -23,7 +23,7 @@ structure; its attention is diffuse except where the massive pair's distance ter
 **The rows** (:data:`ROWS`): ``sdpa`` (transformers' SDPA attention: the BF16 reference model), ``leanfa``
 (BF16), ``leanfa_fp8``, ``leanfa_fp8qk`` (the registered names of :mod:`leanfa.integrations.transformers`), the
 FP8 levers of :func:`leanfa.attention` registered here under names of their own (``smooth_k=False``,
-``rotate=True``, ``bf16_sink_keys=128``), ``fa3_fp8`` (FlashAttention-3 FP8 with one scale per (sequence, KV head),
+``rotate=True``, ``rotate="auto"``, ``bf16_sink_keys=128``), ``fa3_fp8`` (FlashAttention-3 FP8 with one scale per (sequence, KV head),
 :func:`leanfa.bench.fa3.quantize_per_kv_head`; "n/a" where FA3 is not importable) and ``identity`` (attention
 replaced by passing Q through: the rest of the model's time; no error is reported for it).
 
@@ -59,6 +59,7 @@ import torch
 LEVERS = {
     "leanfa_fp8_no_smooth_k": dict(smooth_k=False),
     "leanfa_fp8_rotate": dict(rotate=True),
+    "leanfa_fp8_auto": dict(rotate="auto"),
     "leanfa_fp8_sink128": dict(bf16_sink_keys=128),
 }
 
@@ -79,6 +80,7 @@ ROWS = (
     Row("leanfa_fp8qk", "fp8qk", 'attn_implementation="leanfa_fp8qk" (FP8 Q.K, BF16 P.V)'),
     Row("leanfa_fp8_no_smooth_k", "fp8", "leanfa FP8, smooth_k=False (no K smoothing)"),
     Row("leanfa_fp8_rotate", "fp8", "leanfa FP8, rotate=True (Hadamard rotation of Q and K)"),
+    Row("leanfa_fp8_auto", "fp8", 'leanfa FP8, rotate="auto" (rotation of the KV heads whose Q and K share channels)'),
     Row("leanfa_fp8_sink128", "fp8", "leanfa FP8, bf16_sink_keys=128 (first 128 keys in BF16)"),
     Row("fa3_fp8", "fp8", "FlashAttention-3 FP8, one scale per (sequence, KV head), quantized in torch"),
     Row("identity", "-", "attention replaced by passing Q through: the rest of the model"),
