@@ -8,7 +8,7 @@ measured faster for the call (:func:`portable_faster`: FP8 at head dim 64), else
 ``backend="hopper"`` demands the Hopper kernel (also before validation, for development) and raises
 where it does not apply; ``backend="portable"`` forces the portable kernel. Calls with features only the
 portable kernel implements (``seqused_q/k``, paged K/V, packed queries over a
-per-sequence K/V cache, sliding windows or ``softcap`` in FP8 at head dim 256: :func:`portable_only_reason`) run there, with one
+per-sequence K/V cache, sliding windows in FP8 at head dim 256: :func:`portable_only_reason`) run there, with one
 warning per process and feature where the Hopper kernel would have run them.
 
 On a supported Triton that never ran the GPU suite (:data:`leanfa._versions.GPU_VALIDATED`),

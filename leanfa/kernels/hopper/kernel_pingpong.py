@@ -23,7 +23,8 @@ mixed mode, ``attention(precision="fp8qk")``) packs P to V's dtype and runs PV a
 accumulation (a fresh fp32 tile per block, folded into O by one FFMA), so no block's products sit in
 the FP8 wgmma accumulator for long; at head dim 256 (:func:`.launch.wide_head`) O alone takes 128
 registers, so FP8 PV accumulates in O itself (``PV_IN_MMA``, ``acc * alpha`` fed back in) and BF16
-runs 64-key blocks. ``ABLATE`` (:mod:`.ablation`) leaves parts out to time them (wrong results).
+runs 64-key blocks. ``SOFTCAP`` (flash-attn's ``softcap``) caps the scores first: one more MUFU op (tanh) per
+score (:func:`_softmax_block`). ``ABLATE`` (:mod:`.ablation`) leaves parts out to time them (wrong results).
 
 The key loop runs blocks ``[0, n_end - 1)`` with the next block's S issued alongside their PV and
 the last block peeled off (:func:`_consumer_block`), so that every loop value has one definition
