@@ -55,16 +55,18 @@ def variants():
             ("mixed", (256, 256), True, (4096, -1), False)):  # (FP8 d256 windows stay portable: ~550 B spills)
         out.append(Variant(dtype, dqk, dv, causal, varlen=varlen, window=window))
     # softcap (SOFTCAP: one MUFU.TANH per score; with a smoothed K, k_mean, q . mean inside tanh's argument)
+    nw = (-1, -1)  # no window
     for dtype, (dqk, dv), causal, lse, kmean, varlen, window in (
-            ("fp8", (128, 128), True, False, False, False, (-1, -1)), ("fp8", (128, 128), True, True, True, False, (-1, -1)),
-            ("fp8", (128, 128), False, False, True, False, (-1, -1)), ("fp8", (128, 128), True, True, True, True, (-1, -1)),
-            ("bf16", (128, 128), True, False, False, False, (-1, -1)), ("bf16", (128, 128), False, True, False, False, (-1, -1)),
-            ("bf16", (128, 128), True, False, False, True, (-1, -1)), ("mixed", (128, 128), True, True, True, False, (-1, -1)),
-            ("fp8", (128, 128), True, False, True, False, (4096, -1)), ("bf16", (128, 128), True, False, False, False, (4096, -1)),
-            ("fp8", (192, 128), True, False, True, False, (-1, -1)), ("bf16", (192, 128), True, False, False, False, (-1, -1)),
-            ("fp8", (64, 64), True, False, True, False, (-1, -1)), ("bf16", (64, 64), True, False, False, False, (-1, -1)),
-            ("fp8", (256, 256), True, True, True, False, (-1, -1)), ("bf16", (256, 256), True, True, False, False, (-1, -1)),
-            ("mixed", (256, 256), True, False, True, False, (-1, -1))):
+            ("fp8", (128, 128), True, False, False, False, nw), ("fp8", (128, 128), True, True, True, False, nw),
+            ("fp8", (128, 128), False, False, True, False, nw), ("fp8", (128, 128), True, True, True, True, nw),
+            ("bf16", (128, 128), True, False, False, False, nw), ("bf16", (128, 128), False, True, False, False, nw),
+            ("bf16", (128, 128), True, False, False, True, nw), ("mixed", (128, 128), True, True, True, False, nw),
+            ("fp8", (128, 128), True, False, True, False, (4096, -1)),
+            ("bf16", (128, 128), True, False, False, False, (4096, -1)),
+            ("fp8", (192, 128), True, False, True, False, nw), ("bf16", (192, 128), True, False, False, False, nw),
+            ("fp8", (64, 64), True, False, True, False, nw), ("bf16", (64, 64), True, False, False, False, nw),
+            ("fp8", (256, 256), True, True, True, False, nw), ("bf16", (256, 256), True, True, False, False, nw),
+            ("mixed", (256, 256), True, False, True, False, nw)):
         out.append(Variant(dtype, dqk, dv, causal, return_lse=lse, k_mean=kmean, varlen=varlen, window=window,
                            softcap=30.0))
     # the default knobs above; below varlen, the other head dims, the sink and the measured options
