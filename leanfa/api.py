@@ -330,12 +330,14 @@ def flash_attn_func(
             ``causal=True`` the right side is 0 (flash-attn's rule). Rows whose window holds no key get
             output 0 and LSE ``-inf``. ``left``/``right`` below -1 raise ``ValueError``. Runs on the
             Hopper kernel where the call would (only the key blocks of each query tile's band are read;
-            FP8 at head dim 256, and with ``softcap``, ``seqused_*`` or ``page_table``, on the portable
-            kernel: one warning per process).
+            FP8 at head dim 256, and with ``seqused_*`` or ``page_table``, on the portable kernel: one
+            warning per process).
         softcap: flash-attn's score capping: with ``softcap > 0`` the scores ``s = softmax_scale * q.k``
             become ``softcap * tanh(s / softcap)`` before the softmax (and in the LSE); 0 (default) is
-            off, negative values raise ``ValueError``. Runs on the portable kernel (one warning per process
-            where the call would take the Hopper kernel).
+            off, negative values raise ``ValueError``. Runs on the Hopper kernel where the call would (tanh
+            on the SFU, ``tanh.approx.f32``, relative error <= 2^-11, as FA3; with a smoothed K, FP8, the
+            ``q . mean`` term inside the capped scores); with ``seqused_*`` or ``page_table`` on the portable
+            kernel (one warning per process).
         page_table: paged K/V (FlashAttention-3's ``page_table``, flash-attn 2's/vLLM's ``block_table``): int32
             ``(B, max_pages_per_seq)``; ``k``/``v`` are then caches ``(num_pages, page_size, Hkv, D)`` and key
             position ``n`` of batch entry ``b`` is row ``n % page_size`` of page ``page_table[b, n // page_size]``.
@@ -538,8 +540,7 @@ def attention(
     LSEs (dense only; as accurate, slower). 0 (default) keeps every key in FP8.
 
     ``window_size=(left, right)`` and ``softcap`` as in :func:`flash_attn_func` (flash-attn's sliding
-    window and score capping; windows run on the Hopper kernel, softcap on the portable one), in either
-    precision; not with
+    window and score capping; both run on the Hopper kernel), in either precision; not with
     ``bf16_sink_keys`` (``ValueError``). ``scheduler_metadata``: packed calls, as in
     :func:`flash_attn_varlen_func` (:func:`varlen_schedule`).
 

@@ -20,7 +20,8 @@ Swap ``from flash_attn_interface import flash_attn_func`` for
   whose window holds no key are 0 with LSE ``-inf``. Negative sides other than -1, or a negative
   ``softcap``, raise ``ValueError``. Windows run on the Hopper kernel (only the key blocks of each
   query tile's band are read), dense and varlen, BF16/FP16, FP8 and the mixed mode, except FP8 at head
-  dim 256; ``softcap`` (with or without a window), and windows with ``seqused``, paged K/V or FP8 at
+  dim 256; so does ``softcap`` (tanh on the SFU, ``tanh.approx.f32``, as FA3), with or without a window, at
+  every head dim the kernel runs; windows or ``softcap`` with ``seqused`` or paged K/V, and windows in FP8 at
   head dim 256, run on the portable kernel (one warning where the Hopper kernel would have run);
 * paged K/V and KV caches (prefill, chunked prefill): :func:`flash_attn_with_kvcache` with
   ``cache_seqlens`` (int or int32 ``(B,)``), ``page_table`` (int32 ``(B, max_pages)`` over caches

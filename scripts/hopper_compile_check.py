@@ -54,6 +54,21 @@ def variants():
             ("bf16", (64, 64), True, (4096, -1), False), ("bf16", (256, 256), True, (4096, -1), False),
             ("mixed", (256, 256), True, (4096, -1), False)):  # (FP8 d256 windows stay portable: ~550 B spills)
         out.append(Variant(dtype, dqk, dv, causal, varlen=varlen, window=window))
+    # softcap (SOFTCAP: one MUFU.TANH per score; with a smoothed K, k_mean, q . mean inside tanh's argument)
+    nw = (-1, -1)  # no window
+    for dtype, (dqk, dv), causal, lse, kmean, varlen, window in (
+            ("fp8", (128, 128), True, False, False, False, nw), ("fp8", (128, 128), True, True, True, False, nw),
+            ("fp8", (128, 128), False, False, True, False, nw), ("fp8", (128, 128), True, True, True, True, nw),
+            ("bf16", (128, 128), True, False, False, False, nw), ("bf16", (128, 128), False, True, False, False, nw),
+            ("bf16", (128, 128), True, False, False, True, nw), ("mixed", (128, 128), True, True, True, False, nw),
+            ("fp8", (128, 128), True, False, True, False, (4096, -1)),
+            ("bf16", (128, 128), True, False, False, False, (4096, -1)),
+            ("fp8", (192, 128), True, False, True, False, nw), ("bf16", (192, 128), True, False, False, False, nw),
+            ("fp8", (64, 64), True, False, True, False, nw), ("bf16", (64, 64), True, False, False, False, nw),
+            ("fp8", (256, 256), True, True, True, False, nw), ("bf16", (256, 256), True, True, False, False, nw),
+            ("mixed", (256, 256), True, False, True, False, nw)):
+        out.append(Variant(dtype, dqk, dv, causal, return_lse=lse, k_mean=kmean, varlen=varlen, window=window,
+                           softcap=30.0))
     # the default knobs above; below varlen, the other head dims, the sink and the measured options
     for dtype, causal in (("fp8", True), ("fp8", False), ("bf16", True), ("bf16", False)):  # head dim 64
         out.append(Variant(dtype, 64, 64, causal))
@@ -98,7 +113,8 @@ def spill_budget(v: Variant) -> int:
     persistent = env.get("LEANFA_HOPPER_PERSISTENT")
     if persistent is None:  # the default (launch.persistent_default)
         persistent = L.persistent_default(v.dtype in ("fp8", "mixed"), int(v.sink), v.dv,
-                                          has_kmean=v.k_mean and v.return_lse, dqk=v.dqk)
+                                          has_kmean=v.k_mean and v.return_lse and not v.softcap, dqk=v.dqk,
+                                          fp8_softcap=v.softcap > 0 and v.dtype == "fp8")
     return 400 if persistent else 64
 
 

@@ -95,6 +95,22 @@ def test_window_flops_and_sweep():
         shapes.Case("window", "d128", "gaussian", 1, 64, 1, 1, 128, 128, False, window_left=8)
 
 
+def test_softcap_sweep():
+    """The softcap sweep: causal d128 at 4K and 16K, each with softcap 30 beside none (FLOPs as without); the
+    cases name the cap, and rows without one keep their columns."""
+    cases = shapes.build_cases(["softcap"])
+    assert [(c.seqlen, c.softcap) for c in cases] == [(4096, 0.0), (4096, 30.0), (16384, 0.0), (16384, 30.0)]
+    assert all(c.causal and c.head_dim == 128 and c.window_left < 0 for c in cases)
+    assert cases[1].name.endswith("causal-cap30") and "softcap" not in cases[0].to_dict()
+    assert cases[1].to_dict()["softcap"] == 30.0
+    assert shapes.flops(cases[0]) == shapes.flops(cases[1])
+    assert [c.seqlen for c in shapes.build_cases(["softcap"], quick=True)] == [4096, 4096]
+    from leanfa.bench import impls
+    assert impls._window_kw(cases[1]) == {"softcap": 30.0} and impls._window_kw(cases[0]) == {}
+    with pytest.raises(impls.NotApplicable, match="softcap"):
+        impls._no_window(cases[1], "paged rows")
+
+
 def test_standard_sweep_shapes():
     cases = shapes.standard_cases()
     assert len(cases) == 2 * 2 * 7

@@ -700,8 +700,9 @@ def test_v3_sink_plan_and_dispatch(monkeypatch):
     out = torch.empty(1, 200, 2, 128, dtype=torch.bfloat16)
     plan = emulate_mod._make_plan_cpu(L, p, out, None)
     assert plan.constexprs["SINK"] == 2 and plan.constexprs["STAGES"] == 3
-    assert plan.args[-4].block_shape == [1, 1, 64, 128] and plan.args[-2].block_shape == [1, 1, 128, 128]
-    assert plan.args[-1] is None and not plan.constexprs["STORE_TMA"]  # (the sink's buffers take that room)
+    args = dict(zip([n for n in plan.kernel.arg_names if n not in plan.constexprs], plan.args))
+    assert args["sink_q_desc"].block_shape == [1, 1, 64, 128] and args["sink_v_desc"].block_shape == [1, 1, 128, 128]
+    assert args["out_desc"] is None and not plan.constexprs["STORE_TMA"]  # (the sink's buffers take that room)
     assert L.sink_problem(True, (128, 128), 256) and L.sink_problem(True, (192, 128), 128)
     assert L.sink_problem(False, (128, 128), 128)
     assert L.sink_problem(True, (64, 64), 128) is None
@@ -815,7 +816,8 @@ def test_v3_store_tma_plan(monkeypatch):
     p = _fp8((1, 200, 200, 2, 1), (128, 128), True)
     out = torch.empty(1, 200, 2, 128, dtype=torch.bfloat16)
     plan = emulate_mod._make_plan_cpu(L, p, out, None)
-    assert plan.constexprs["STORE_TMA"] and plan.args[-1].block_shape == [1, 1, 64, 128]
+    args = dict(zip([n for n in plan.kernel.arg_names if n not in plan.constexprs], plan.args))
+    assert plan.constexprs["STORE_TMA"] and args["out_desc"].block_shape == [1, 1, 64, 128]
     assert plan.constexprs["STAGES"] == 4  # 32 KB of staging next to the 4-slot FP8 ring
     assert not emulate_mod._make_plan_cpu(L, p, out.float(), None).constexprs["STORE_TMA"]  # fp32 output
     assert emulate_mod._make_plan_cpu(L, _problem(*_inputs(1, 200, 200, 2, 1, 128, 128), True), out,

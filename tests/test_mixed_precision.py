@@ -127,7 +127,7 @@ def test_flash_attn_func_takes_mixed_inputs(device):
 
 
 def test_mixed_window_and_softcap(device):
-    """Sliding windows and softcap run on the portable kernel in the mixed mode too."""
+    """Sliding windows and softcap in the mixed mode too (on sm90 the Hopper kernel, else the portable one)."""
     q, k, v = _diffuse(1, 160, 2, 1, 128, 128, seed=11, device=device)
     out = leanfa.attention(q, k, v, causal=True, precision="fp8qk", window_size=(40, 0), softcap=2.0)
     ref = attention_ref(q, k, v, causal=True, window_size=(40, 0), softcap=2.0)

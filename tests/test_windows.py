@@ -287,13 +287,27 @@ def test_hopper_dispatch_keeps_fp8_d256_windows_portable(monkeypatch):
                                                              window_left=4)) == ""
 
 
+@pytest.mark.parametrize("change", [dict(softcap=30.0), dict(window_left=4, softcap=5.0),
+                                    dict(causal=False, window_left=3, window_right=5, softcap=15.0)])
+def test_hopper_dispatch_takes_softcap(monkeypatch, change):
+    """softcap runs on the Hopper kernel (its SOFTCAP path), with or without a window, with no warning."""
+    dispatch = hopper_accepts_everything(monkeypatch)
+    problem = dataclasses.replace(_plain_problem(), **change)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert dispatch.hopper_applies(problem) == (True, "")
+        assert dispatch.portable_only_reason(problem) == ""
+
+
 @pytest.mark.parametrize("change,reason", [
-    (dict(softcap=30.0), "softcap is not implemented in the Hopper kernel"),
-    (dict(window_left=4, softcap=30.0), "softcap is not implemented in the Hopper kernel"),
+    (dict(seqused_k=torch.tensor([5], dtype=I32)), "seqused_q/seqused_k are not implemented in the Hopper kernel"),
+    (dict(seqused_q=torch.tensor([5], dtype=I32), window_left=4, softcap=30.0),
+     "seqused_q/seqused_k are not implemented in the Hopper kernel"),
 ])
 def test_hopper_dispatch_refuses_with_one_warning(monkeypatch, change, reason):
-    """Where the Hopper kernel would run a call, a soft-capped call (with or without a window) runs on the
-    portable kernel with one warning per process; backend="hopper" raises with the reason."""
+    """Where the Hopper kernel would run a call, a call with a portable-only feature (here seqused_*, with or
+    without a window and softcap) runs on the portable kernel with one warning per process; backend="hopper"
+    raises with the reason."""
     dispatch = hopper_accepts_everything(monkeypatch)
     plain = _plain_problem()
     assert dispatch.hopper_applies(plain) == (True, "")

@@ -80,6 +80,8 @@ EXAMPLES = {
                                         # chunked prefill: paged K/V beside contiguous, and FA3
   leanfa bench --sweep window --impl 'leanfa-hopper-bf16,leanfa-hopper-fp8-kernel,fa3-*'
                                         # sliding window 4096 at 16K/32K beside causal 4K/8K (FLOPs of the band)
+  leanfa bench --sweep softcap --impl 'leanfa-hopper-bf16,leanfa-hopper-fp8-kernel,fa3-*'
+                                        # softcap 30 beside none, causal d128 at 4K/16K
   leanfa bench --list                   # implementations, and why any cannot run here
   leanfa bench --dry-run --quick        # the cases, without running anything
 """,
@@ -146,7 +148,8 @@ def build_parser(command: str) -> argparse.ArgumentParser:
                        help="comma list of standard,models,varlen,serving,chunked,window (default "
                             "standard,models,varlen; chunked: the serving sweep's chunked-prefill batches alone; "
                             "window: causal sliding windows of 4096 keys at 16K/32K beside causal 4K/8K, "
-                            "--seqlens sets the windowed lengths)")
+                            "--seqlens sets the windowed lengths; softcap: causal d128 at 4K/16K with softcap 30 "
+                            "beside none)")
         p.add_argument("--seqlens", help="comma list overriding the sweeps' sequence lengths "
                                          "(e.g. 1k,4k,16k)")
         p.add_argument("--causal", choices=("both", "true", "false"),

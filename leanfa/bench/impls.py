@@ -136,13 +136,18 @@ def _leanfa_call(fn: Callable[[], Any]) -> Callable[[], Any]:
 
 
 def _window_kw(case: Case) -> dict:
-    """The case's sliding window as leanfa's (and flash-attn's) keyword (none without one)."""
-    return {"window_size": case.window_size} if case.window_left >= 0 else {}
+    """The case's sliding window and softcap as leanfa's (and flash-attn's) keywords (none without them)."""
+    kw = {"window_size": case.window_size} if case.window_left >= 0 else {}
+    if case.softcap > 0:
+        kw["softcap"] = case.softcap
+    return kw
 
 
 def _no_window(case: Case, what: str) -> None:
     if case.window_left >= 0:
         raise NotApplicable(f"{what}: not wired for sliding windows")
+    if case.softcap > 0:
+        raise NotApplicable(f"{what}: not wired for softcap")
 
 
 def _leanfa_bf16(backend: str):

@@ -91,7 +91,7 @@ SERVING_CHUNKED_BATCHES = {
 }
 
 #: "chunked" is the serving sweep's chunked-prefill batches alone (a subset of "serving")
-SWEEPS = ("standard", "models", "varlen", "serving", "chunked", "window")
+SWEEPS = ("standard", "models", "varlen", "serving", "chunked", "window", "softcap")
 
 #: the window sweep (``--sweep window``): causal sliding windows of WINDOW_LEFT keys at WINDOW_SEQLENS, next to the
 #: plain causal cases at WINDOW_CAUSAL_SEQLENS (the target: a window's TFLOP/s, counted on its band, at least
@@ -99,6 +99,11 @@ SWEEPS = ("standard", "models", "varlen", "serving", "chunked", "window")
 WINDOW_LEFT = 4096
 WINDOW_SEQLENS = (16384, 32768)
 WINDOW_CAUSAL_SEQLENS = (4096, 8192)
+
+#: the softcap sweep (``--sweep softcap``): causal d128 at SOFTCAP_SEQLENS, each with softcap SOFTCAP_VALUE (Gemma-2's
+#: attention uses 50; 30 is FA3's test value) beside none; 16 heads, B·S = 16K tokens as the standard sweep
+SOFTCAP_VALUE = 30.0
+SOFTCAP_SEQLENS = (4096, 16384)
 
 
 @dataclass(frozen=True)
@@ -121,6 +126,7 @@ class Case:
     seqlens: tuple[int, ...] | None = field(default=None)
     seqlens_k: tuple[int, ...] | None = field(default=None)
     window_left: int = field(default=-1)  # a causal sliding window of this many keys back (-1: none)
+    softcap: float = field(default=0.0)  # flash-attn's softcap (0: none)
 
     def __post_init__(self):
         if self.window_left >= 0 and not self.causal:
@@ -174,6 +180,7 @@ class Case:
     @property
     def name(self) -> str:
         mask = ("causal" if self.causal else "full") + (f"-w{self.window_left}" if self.window_left >= 0 else "")
+        mask += f"-cap{self.softcap:g}" if self.softcap > 0 else ""
         if self.chunked:  # e.g. .../chunked8/S2048-Sk13765/...: longest chunk, longest key sequence
             shape, s = f"chunked{len(self.seqlens)}", f"S{self.seqlen}-Sk{self.seqlen_k}"
         else:
@@ -188,6 +195,8 @@ class Case:
         d["seqlens_k"] = list(self.seqlens_k) if self.seqlens_k else None
         if self.window_left < 0:  # (rows without a window keep their columns)
             del d["window_left"]
+        if not self.softcap > 0:  # (nor rows without softcap)
+            del d["softcap"]
         d["tokens"] = self.tokens
         if self.chunked:
             d["tokens_k"] = self.tokens_k
@@ -277,6 +286,13 @@ def window_cases(seqlens=WINDOW_SEQLENS, causal_seqlens=WINDOW_CAUSAL_SEQLENS, l
                        STANDARD_HEADS, 128, 128, True, window_left=left) for s in seqlens]
 
 
+def softcap_cases(seqlens=SOFTCAP_SEQLENS, cap=SOFTCAP_VALUE) -> list[Case]:
+    """Causal d128 (16 heads, B·S = 16K tokens, gaussian) at ``seqlens``, each without and with softcap ``cap``
+    (FLOPs as without: tanh adds no matrix work)."""
+    return [Case("softcap", "d128", "gaussian", max(1, STANDARD_TOKENS // s), s, STANDARD_HEADS, STANDARD_HEADS, 128,
+                 128, True, softcap=c) for s in seqlens for c in (0.0, cap)]
+
+
 def serving_lengths(label: str) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
     """(query lengths, key lengths or None) of a serving batch, plain or chunked."""
     if label in SERVING_BATCHES:
@@ -350,4 +366,6 @@ def build_cases(sweeps=SWEEPS, *, quick: bool = False, seqlens=None, causal: str
         quick_s = tuple(s for s in QUICK_SEQLENS if s > WINDOW_LEFT)
         cases += window_cases(tuple(seqlens) if seqlens else quick_s if quick else WINDOW_SEQLENS,
                               WINDOW_CAUSAL_SEQLENS[:1] if quick else WINDOW_CAUSAL_SEQLENS)
+    if "softcap" in sweeps:  # (causal only; --seqlens sets the lengths; quick: 4K)
+        cases += softcap_cases(tuple(seqlens) if seqlens else SOFTCAP_SEQLENS[:1] if quick else SOFTCAP_SEQLENS)
     return cases

@@ -12,8 +12,8 @@ views of the packed tensor, nothing is copied); ``return_attn_probs=True`` retur
 dtype (flash-attn 2 materializes the probabilities only with dropout); ``window_size=(left, right)``
 (sliding-window local attention, bottom-right aligned: query ``i`` sees keys
 ``[i + Sk - Sq - left, i + Sk - Sq + right]``, -1 unbounded, ``causal`` makes ``right`` 0) and
-``softcap > 0`` (scores ``softcap * tanh(s / softcap)``), on every form; windows run on the Hopper
-kernel (sm90; not FP8 at head dim 256, not with ``softcap`` or paged K/V), ``softcap`` on the portable
+``softcap > 0`` (scores ``softcap * tanh(s / softcap)``), on every form; windows and ``softcap`` run on
+the Hopper kernel (sm90; not with paged K/V; windows not in FP8 at head dim 256), else on the portable
 kernel. Rows whose window holds no key are 0 with LSE ``-inf``; negative sides other than -1 or a
 negative ``softcap`` raise ``ValueError``.
 

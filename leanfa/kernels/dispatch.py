@@ -7,7 +7,7 @@ shape, supported Triton: :func:`hopper_applies`, which asks :func:`leanfa.kernel
 measured faster for the call (:func:`portable_faster`: FP8 at head dim 64), else the portable kernel.
 ``backend="hopper"`` demands the Hopper kernel (also before validation, for development) and raises
 where it does not apply; ``backend="portable"`` forces the portable kernel. Calls with features only the
-portable kernel implements (``seqused_q/k``, ``softcap``, paged K/V, packed queries over a
+portable kernel implements (``seqused_q/k``, paged K/V, packed queries over a
 per-sequence K/V cache, sliding windows in FP8 at head dim 256: :func:`portable_only_reason`) run there, with one
 warning per process and feature where the Hopper kernel would have run them.
 
@@ -168,8 +168,6 @@ def portable_only_reason(problem) -> str:
                 "the Hopper kernel: these calls run on the portable kernel")
     if problem.has_seqused:
         return "seqused_q/seqused_k are not implemented in the Hopper kernel: these calls run on the portable kernel"
-    if problem.softcap > 0:
-        return "softcap is not implemented in the Hopper kernel: these calls run on the portable kernel"
     if problem.has_window and problem.pv_fp8 and problem.head_dim_v > 128:
         return ("sliding windows (window_size) with FP8 P.V at head dim 256 are not enabled in the Hopper kernel (its "
                 "sm90 build spills ~550 B in the key loop, against 36-76 B without a window): these calls run on the "
@@ -214,10 +212,10 @@ def run(problem, backend: str):
 
 def config_key(problem) -> tuple:
     """The kernel configuration a self-check verdict holds for: input (Q/K and V: the mixed mode) and output
-    dtype, head dims, causal, varlen, BF16 sink keys, LSE and its K-mean term, a sliding window."""
+    dtype, head dims, causal, varlen, BF16 sink keys, LSE and its K-mean term, a sliding window, softcap."""
     p = problem
     return (p.q.dtype, p.v.dtype, p.out_dtype, p.head_dim_qk, p.head_dim_v, p.causal, p.varlen, p.sink_keys,
-            p.return_lse, p.k_mean is not None, p.has_window)
+            p.return_lse, p.k_mean is not None, p.has_window, p.softcap > 0)
 
 
 def _self_checked(problem) -> bool:

@@ -126,10 +126,12 @@ def _supports(problem) -> tuple[bool, str]:
 def plan_kwargs(problem) -> dict:
     """``make_plan``'s keywords for ``problem``: the varlen ones (none when dense; a packed FP8 V's aligned
     starts among them), the BF16 sink
-    keys' ``sink`` tuple (none without) and the sliding window's ``window`` (none without)."""
+    keys' ``sink`` tuple (none without), the sliding window's ``window`` and ``softcap`` (none without)."""
     kw = {}
     if problem.has_window:
         kw.update(window=(problem.window_left, problem.window_right))
+    if problem.softcap > 0:
+        kw.update(softcap=problem.softcap)
     if problem.varlen:
         kw.update(cu_seqlens_q=problem.cu_seqlens_q, cu_seqlens_k=problem.cu_seqlens_k,
                   max_seqlen_q=problem.max_seqlen_q, max_seqlen_k=problem.max_seqlen_k,
@@ -164,7 +166,8 @@ def _signature(problem):
     prepared = problem.varlen or problem.pv_fp8 and not _launch.v_is_kmajor(problem.v)
     if plan_cache.enabled(knobs) and (not prepared or plan_cache.prepared_enabled(knobs)):
         scalars = (problem.causal, problem.softmax_scale, problem.return_lse, problem.sink_keys, problem.out_dtype,
-                   problem.max_seqlen_q, problem.max_seqlen_k, problem.window_left, problem.window_right)
+                   problem.max_seqlen_q, problem.max_seqlen_k, problem.window_left, problem.window_right,
+                   problem.softcap)
         key = plan_cache.signature(_inputs(problem), scalars, knobs)
     _memo.last = (weakref.ref(problem), key)
     return key

@@ -38,6 +38,7 @@ class Variant:
     varlen: bool = False  # packed (total, H, D) inputs with cu_seqlens
     sink: bool = False  # FP8 with the first 128 keys attended from BF16 inputs (sink.py)
     window: tuple = (-1, -1)  # flash-attn's window_size as Problem stores it (-1: unbounded; causal: right -1)
+    softcap: float = 0.0  # flash-attn's softcap (0: off)
 
     @property
     def name(self) -> str:
@@ -46,7 +47,8 @@ class Variant:
         return (f"{tag}{self.dtype}-d{self.dqk}/{self.dv}-{'causal' if self.causal else 'full'}"
                 f"{'-lse' if self.return_lse else ''}{'-kmean' if self.k_mean else ''}"
                 f"{'-vT' if vk else ''}{'-varlen' if self.varlen else ''}{'-sink' if self.sink else ''}"
-                f"{'-window%d,%d' % self.window if self.window != (-1, -1) else ''}")
+                f"{'-window%d,%d' % self.window if self.window != (-1, -1) else ''}"
+                f"{'-softcap%g' % self.softcap if self.softcap else ''}")
 
 
 def _fake_problem(v: Variant):
@@ -87,7 +89,8 @@ def _fake_problem(v: Variant):
         varlen["sink"] = (128, *sixteen)
     with mock.patch.dict(os.environ, {k: str(x) for k, x in v.env}):  # restored on exit
         return L.make_plan(q, k, v_, out, lse if v.return_lse else None, qs, ks, vs, km, causal=v.causal,
-                           softmax_scale=v.dqk ** -0.5, return_lse=v.return_lse, window=v.window, **varlen)
+                           softmax_scale=v.dqk ** -0.5, return_lse=v.return_lse, window=v.window, **varlen,
+                           softcap=v.softcap)
 
 
 def _signature(fn, args, constexprs):

@@ -23,7 +23,8 @@ mixed mode, ``attention(precision="fp8qk")``) packs P to V's dtype and runs PV a
 accumulation (a fresh fp32 tile per block, folded into O by one FFMA), so no block's products sit in
 the FP8 wgmma accumulator for long; at head dim 256 (:func:`.launch.wide_head`) O alone takes 128
 registers, so FP8 PV accumulates in O itself (``PV_IN_MMA``, ``acc * alpha`` fed back in) and BF16
-runs 64-key blocks. ``ABLATE`` (:mod:`.ablation`) leaves parts out to time them (wrong results).
+runs 64-key blocks. ``SOFTCAP`` (flash-attn's ``softcap``) caps the scores first: one more MUFU op (tanh) per
+score (:func:`_softmax_block`). ``ABLATE`` (:mod:`.ablation`) leaves parts out to time them (wrong results).
 
 The key loop runs blocks ``[0, n_end - 1)`` with the next block's S issued alongside their PV and
 the last block peeled off (:func:`_consumer_block`), so that every loop value has one definition
@@ -45,7 +46,8 @@ from .masking import kv_block_range, mask_band, mask_scores, window_block_range
 from .pipeline import alloc_barriers, invalidate_barriers, load_q, produce_kv, qk_async, release_slot, v_tile, wait_k
 from .schedule import program_tiles, round_tile, sequence_bounds, tile_coords, varlen_tile_coords
 from .sink import load_sink, sink_block
-from .softmax import finish_rows, fold_pv, online_softmax_step, row_sums_like, row_totals, thread_row_sums
+from .softmax import (capped_scores, finish_rows, fold_pv, online_softmax_step, row_sums_like, row_totals,
+                      thread_row_sums)
 from .trace import record_clock, record_clock_rows, record_smid, trace_row
 
 SCALE_BLOCK = gl.constexpr(128)  # tokens per Q/K scale block (leanfa.scales.SCALE_BLOCK)
@@ -161,13 +163,19 @@ def _issue_qk(q_smem, k_bufs, k_bars, j, s_zero, W: gl.constexpr, QK_CHUNKS: gl.
 @gluon.jit
 def _softmax_block(s, j, c, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, band,
                    p_dtype: gl.constexpr, p_layout: gl.constexpr, o_layout: gl.constexpr,
-                   CAUSAL: gl.constexpr, P_OFFSET: gl.constexpr, ABLATE: gl.constexpr, WINDOW: gl.constexpr = False):
+                   CAUSAL: gl.constexpr, P_OFFSET: gl.constexpr, ABLATE: gl.constexpr, WINDOW: gl.constexpr = False,
+                   cap=None, SOFTCAP: gl.constexpr = 0):
     """Lean P of key block ``j`` (masked on the diagonal / tail blocks only; ``c``: the block's
     score scale): the PV operand P, the new row max and sum, and the factor ``alpha`` (O's layout)
     that rescales O to the new max. ``WINDOW``: ``band = (n_start, n_lfull, left, right)``, the blocks before
-    ``n_lfull`` masked too (:func:`.masking.mask_band`)."""
+    ``n_lfull`` masked too (:func:`.masking.mask_band`). ``SOFTCAP`` (1; 2: with the per-row shift of a smoothed
+    K): the scores are capped first (:func:`.softmax.capped_scores`, ``c`` then scales tanh's argument),
+    ``cap = (softcap * log2(e), shift)``, and masked after capping."""
     BLOCK_N: gl.constexpr = s.shape[1]
     PARTIAL_L: gl.constexpr = len(l_i.shape) == 2  # per-thread partial row sums (see _consumer_tile)
+    if SOFTCAP:  # tanh(s c + shift) in [-1, 1]; the softmax scales it by softcap * log2(e)
+        s = capped_scores(s, c, cap[1], SOFTCAP == 2)
+        c = cap[0]
     if WINDOW:
         if (j < band[1]) | (j >= n_full):
             s = mask_band(s, offs_m, j * BLOCK_N + offs_n0, seqlen_q, seqlen_k, band[2], band[3])
@@ -203,16 +211,19 @@ def _consumer_block(s, j, c, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k,
                     k_bars, v_bars, empty_bars, ring, s_zero, tr, v_scale_row, stride_vsd,
                     p_layout: gl.constexpr, o_layout: gl.constexpr, CAUSAL: gl.constexpr, V_KMAJOR: gl.constexpr,
                     P_OFFSET: gl.constexpr, ABLATE: gl.constexpr, TWO_LEVEL: gl.constexpr, NEXT: gl.constexpr,
-                    READ_VS: gl.constexpr, W: gl.constexpr, WINDOW: gl.constexpr = False):
+                    READ_VS: gl.constexpr, W: gl.constexpr, WINDOW: gl.constexpr = False, cap=None,
+                    SOFTCAP: gl.constexpr = 0):
     """Key block ``j`` (ring position ``ring + j``): softmax of its scores ``s``, then ``[PV_j, QK_{j+1}]``
     (``NEXT``; else PV_j alone) issued together and waited for, PV folded into O and the K/V slot
     released. Returns ``(acc, m_i, l_i, S_{j+1}, v_scale)``: with ``READ_VS`` (the last block) V's descale
     for the epilogue (:func:`.epilogue.load_v_scale`), read once S is dead so that the load's latency hides
-    under the block's PV (0 otherwise). ``tr``: this warpgroup's trace record (:mod:`.trace`), or ``None``."""
+    under the block's PV (0 otherwise). ``tr``: this warpgroup's trace record (:mod:`.trace`), or ``None``.
+    ``cap``, ``SOFTCAP``: soft-capping (:func:`_softmax_block`)."""
     QK_CHUNKS: gl.constexpr = k_bufs.shape[0] // v_bufs.shape[0]
     STAGES: gl.constexpr = v_bufs.shape[0]
     p_op, m_i, l_i, alpha_o = _softmax_block(s, j, c, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, band,
-                                             v_bufs.dtype, p_layout, o_layout, CAUSAL, P_OFFSET, ABLATE, WINDOW)
+                                             v_bufs.dtype, p_layout, o_layout, CAUSAL, P_OFFSET, ABLATE, WINDOW, cap,
+                                             SOFTCAP)
     if READ_VS:
         v_sc = load_v_scale(v_scale_row, stride_vsd, acc.shape[1], o_layout)
     else:
@@ -243,7 +254,8 @@ def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, q_empty,
                    HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, PV_FP8: gl.constexpr,
                    V_KMAJOR: gl.constexpr, RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, ABLATE: gl.constexpr,
                    TWO_LEVEL: gl.constexpr, SINK: gl.constexpr, STORE_TMA: gl.constexpr,
-                   STORE_STAGED: gl.constexpr, W: gl.constexpr, band, WINDOW: gl.constexpr = False):
+                   STORE_STAGED: gl.constexpr, W: gl.constexpr, band, WINDOW: gl.constexpr = False, softcap=None,
+                   SOFTCAP: gl.constexpr = 0):
     """Warpgroup ``W`` (of ``WGS``) on one tile: rows ``[m_start + 64 W, + 64)`` of sequence ``b`` against its key
     blocks ``[0, n_end)``, which sit at ring positions ``ring + j``. Output row ``r`` is token ``q_start + r`` of ``out`` (and of the LSE). ``out_t``,
     ``lse_t`` and the ``*_scale_t``/``k_mean_t`` tables are ``(pointer, strides...)`` tuples. ``SINK``
@@ -259,7 +271,11 @@ def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, q_empty,
     2^P_OFFSET into its range), else P is packed to V's 16-bit dtype for a 16-bit PV wgmma (the mixed mode
     when IS_FP8). ``WINDOW`` (a sliding window): the blocks ``[n_start, n_end)`` of the tile's band, ``band =
     (n_start, n_lfull, left, right)`` (:func:`.masking.window_block_range`), at ring positions
-    ``ring + j - n_start``."""
+    ``ring + j - n_start``. ``SOFTCAP`` (flash-attn's ``softcap``, the runtime ``softcap``; the host's
+    ``qk_scale`` is then ``softmax_scale / softcap``, tanh's argument's scale): the scores are capped before
+    the mask and the softmax (:func:`_softmax_block`); ``SOFTCAP == 2`` (K was smoothed): tanh's argument gets the
+    per-row ``q . mean`` term back (:func:`.epilogue.kmean_lse_term`, from the Q tile before the key loop), and the
+    LSE needs no K-mean term (``HAS_KMEAN`` is off)."""
     out_ptr, stride_ob, stride_os, stride_oh = out_t
     lse_ptr, stride_lb, stride_lh = lse_t
     q_scale_ptr, stride_qsb, stride_qsh, stride_qsblk = q_scale_t
@@ -294,6 +310,16 @@ def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, q_empty,
         l_i = gl.zeros([WG_ROWS], gl.float32, gl.SliceLayout(1, s_layout))
     else:  # per-thread partial row sums, reduced across the quad once after the loop
         l_i = thread_row_sums(s_zero)
+    if SOFTCAP:  # (softcap * log2(e), the per-row shift of tanh's argument: SOFTCAP == 2, K smoothed)
+        shift = gl.zeros_like(m_i)
+        if SOFTCAP == 2:
+            if n_end > 0:  # (no key block: no Q was loaded)
+                shift = gl.convert_layout(kmean_lse_term(q_smem, W * QK_CHUNKS, QK_CHUNKS, k_mean_ptr, stride_kmb,
+                                                         stride_kmh, stride_kmd, b, hkv, c_q, WG_WARPS),
+                                          gl.SliceLayout(1, s_layout))
+        cap = (softcap * 1.4426950408889634, shift)
+    else:
+        cap = softcap  # (unused)
 
     # S_FIRST
     s = s_zero
@@ -311,7 +337,7 @@ def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, q_empty,
         acc, m_i, l_i, s, _ = _consumer_block(
             s, j, c_q * k_sc, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, band, q_smem, k_bufs,
             v_bufs, k_bars, v_bars, empty_bars, ring, s_zero, tr, v_scale_row, stride_vsd, p_layout,
-            o_layout, CAUSAL, V_KMAJOR, P_OFFSET, ABLATE, TWO_LEVEL, True, False, W, WINDOW)
+            o_layout, CAUSAL, V_KMAJOR, P_OFFSET, ABLATE, TWO_LEVEL, True, False, W, WINDOW, cap, SOFTCAP)
         k_sc = k_sc_next
     # Q's last reader, the QK of block n_end - 1, has retired
     EARLY_Q: gl.constexpr = not SINK and not HAS_KMEAN
@@ -326,7 +352,8 @@ def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, q_empty,
         acc, m_i, l_i, s, v_sc = _consumer_block(
             s, n_end - 1, c_q * k_sc, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, band, q_smem,
             k_bufs, v_bufs, k_bars, v_bars, empty_bars, ring, s_zero, tr, v_scale_row, stride_vsd,
-            p_layout, o_layout, CAUSAL, V_KMAJOR, P_OFFSET, ABLATE, TWO_LEVEL, False, VS_EARLY, W, WINDOW)
+            p_layout, o_layout, CAUSAL, V_KMAJOR, P_OFFSET, ABLATE, TWO_LEVEL, False, VS_EARLY, W, WINDOW, cap,
+            SOFTCAP)
     else:
         if VS_EARLY:
             v_sc = load_v_scale(v_scale_row, stride_vsd, HEAD_DV, o_layout)
@@ -385,10 +412,12 @@ def _consumer_step(t, ring, qi, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars,
                    HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, PV_FP8: gl.constexpr,
                    V_KMAJOR: gl.constexpr, RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, ABLATE: gl.constexpr,
                    TWO_LEVEL: gl.constexpr, VARLEN: gl.constexpr, SINK: gl.constexpr, STORE_TMA: gl.constexpr,
-                   STORE_STAGED: gl.constexpr, W: gl.constexpr, window, WINDOW: gl.constexpr = False):
+                   STORE_STAGED: gl.constexpr, W: gl.constexpr, window, WINDOW: gl.constexpr = False, softcap=None,
+                   SOFTCAP: gl.constexpr = 0):
     """Tile ``t``; ``ring``, ``qi``: key blocks and Q tiles of the program's earlier tiles (ring position,
     ``q_bars`` phase). Returns them updated.
-    ``trace``: the clock-trace buffer (:mod:`.trace`), or ``None``. ``WINDOW``: ``window = (left, right)``."""
+    ``trace``: the clock-trace buffer (:mod:`.trace`), or ``None``. ``WINDOW``: ``window = (left, right)``.
+    ``SOFTCAP``: ``softcap`` caps the scores (:func:`_consumer_tile`)."""
     b, h, hkv, m_start, tma_b, q_start, k_start, sq, sk, n_full, n_end = _tile(
         t, num_bh, num_heads, group_size, num_m_tiles, num_tiles, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k,
         tiles, k_bufs.shape[3], CAUSAL, VARLEN)
@@ -410,7 +439,7 @@ def _consumer_step(t, ring, qi, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars,
                    sq, sk, qk_scale, sm_scale,
                    b, h, hkv, q_start, m_start, n_full, n_end, ring, tr, sink_t, qi, ostore,
                    HEAD_DV, CAUSAL, IS_FP8, PV_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, ABLATE,
-                   TWO_LEVEL, SINK, STORE_TMA, STORE_STAGED, W, band, WINDOW)
+                   TWO_LEVEL, SINK, STORE_TMA, STORE_STAGED, W, band, WINDOW, softcap, SOFTCAP)
     loaded = gl.minimum(n_end, 1)  # this tile had a Q tile
     if WINDOW:
         ring += n_end - n_start
@@ -424,7 +453,7 @@ def _consumer(args, trace, sink_t, ostore, HEAD_DV: gl.constexpr, CAUSAL: gl.con
               PV_FP8: gl.constexpr, V_KMAJOR: gl.constexpr, RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr,
               ABLATE: gl.constexpr, TWO_LEVEL: gl.constexpr, VARLEN: gl.constexpr, PERSISTENT: gl.constexpr,
               SINK: gl.constexpr, STORE_TMA: gl.constexpr, STORE_STAGED: gl.constexpr, W: gl.constexpr,
-              WINDOW: gl.constexpr = False):
+              WINDOW: gl.constexpr = False, SOFTCAP: gl.constexpr = 0):
     """Warpgroup ``W`` over this program's tiles; in each it hands its Q box back (``q_empty``
     counts every consumer warpgroup), so the producer can load the next tile's. Tiles with no key block to
     visit (causal rows before the first key, varlen tiles past a sequence) load no Q. One tile per
@@ -434,7 +463,7 @@ def _consumer(args, trace, sink_t, ostore, HEAD_DV: gl.constexpr, CAUSAL: gl.con
     (q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars,
      out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
      seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k, tiles,
-     num_bh, num_heads, group_size, num_m_tiles, first_tile, tile_step, num_tiles, window) = args
+     num_bh, num_heads, group_size, num_m_tiles, first_tile, tile_step, num_tiles, window, softcap) = args
     if W > 0 and ablates(ABLATE, ABLATE_ONEWG):
         pass
     elif PERSISTENT:
@@ -448,7 +477,7 @@ def _consumer(args, trace, sink_t, ostore, HEAD_DV: gl.constexpr, CAUSAL: gl.con
                 seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k, tiles,
                 num_bh, num_heads, group_size, num_m_tiles, num_tiles, trace, sink_t, ostore,
                 HEAD_DV, CAUSAL, IS_FP8, PV_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, ABLATE, TWO_LEVEL, VARLEN, SINK,
-                STORE_TMA, STORE_STAGED, W, window, WINDOW)
+                STORE_TMA, STORE_STAGED, W, window, WINDOW, softcap, SOFTCAP)
     else:
         _consumer_step(
             first_tile, 0, 0, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars,
@@ -456,7 +485,7 @@ def _consumer(args, trace, sink_t, ostore, HEAD_DV: gl.constexpr, CAUSAL: gl.con
             seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k, tiles,
             num_bh, num_heads, group_size, num_m_tiles, num_tiles, trace, sink_t, ostore,
             HEAD_DV, CAUSAL, IS_FP8, PV_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, ABLATE, TWO_LEVEL, VARLEN, SINK,
-            STORE_TMA, STORE_STAGED, W, window, WINDOW)
+            STORE_TMA, STORE_STAGED, W, window, WINDOW, softcap, SOFTCAP)
     if STORE_TMA:
         tma.store_wait(0)  # the last tile's output store has read its shared memory
 
@@ -467,14 +496,17 @@ def _partitions(cargs, pargs, trace, cu_seqlens_v, psink, csink, ostore,
                 V_KMAJOR: gl.constexpr,
                 RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, ABLATE: gl.constexpr, TWO_LEVEL: gl.constexpr,
                 VARLEN: gl.constexpr, PERSISTENT: gl.constexpr, CONSUMERS: gl.constexpr, SINK: gl.constexpr,
-                STORE_TMA: gl.constexpr, STORE_STAGED: gl.constexpr, WINDOW: gl.constexpr = False):
+                STORE_TMA: gl.constexpr, STORE_STAGED: gl.constexpr, WINDOW: gl.constexpr = False,
+                SOFTCAP: gl.constexpr = 0):
     """The warp-specialized body: the two consumer warpgroups (the first in the default partition) and
     the producer warp. ``psink``/``csink``: the BF16 sink keys' tuples, or None."""
     gl.warp_specialize([
         (_consumer, (cargs, trace, csink, ostore, HEAD_DV, CAUSAL, IS_FP8, PV_FP8, V_KMAJOR, RETURN_LSE,
-                     HAS_KMEAN, ABLATE, TWO_LEVEL, VARLEN, PERSISTENT, SINK, STORE_TMA, STORE_STAGED, 0, WINDOW)),
+                     HAS_KMEAN, ABLATE, TWO_LEVEL, VARLEN, PERSISTENT, SINK, STORE_TMA, STORE_STAGED, 0, WINDOW,
+                     SOFTCAP)),
         (_consumer, (cargs, trace, csink, ostore, HEAD_DV, CAUSAL, IS_FP8, PV_FP8, V_KMAJOR, RETURN_LSE,
-                     HAS_KMEAN, ABLATE, TWO_LEVEL, VARLEN, PERSISTENT, SINK, STORE_TMA, STORE_STAGED, 1, WINDOW)),
+                     HAS_KMEAN, ABLATE, TWO_LEVEL, VARLEN, PERSISTENT, SINK, STORE_TMA, STORE_STAGED, 1, WINDOW,
+                     SOFTCAP)),
         (_producer, (pargs, cu_seqlens_v, psink, CAUSAL, V_KMAJOR, VARLEN, CONSUMERS, SINK, WINDOW)),
     ], [WG_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -503,6 +535,7 @@ def attn_fwd_pingpong_kernel(
     cu_seqlens_v,  # None, or (FP8 varlen) each sequence's first token in V, 16-aligned (launch.align_varlen_v)
     sink_q_desc, sink_k_desc, sink_v_desc,  # None, or (SINK) the 16-bit Q, K, V of the BF16 sink keys (sink.py)
     out_desc,  # None, or (STORE_TMA) the output as (B, H, S, D) for TMA stores of 64-row boxes
+    softcap,  # SOFTCAP: flash-attn's softcap (qk_scale is then softmax_scale / softcap), else unused
     HEAD_DQK: gl.constexpr, HEAD_DV: gl.constexpr,
     CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
     RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, VARLEN: gl.constexpr, STAGES: gl.constexpr,
@@ -515,6 +548,7 @@ def attn_fwd_pingpong_kernel(
     MIXED: gl.constexpr = False,  # IS_FP8 with a 16-bit V: FP8 QK, P and V in 16 bits (attention(precision="fp8qk"))
     STORE_STAGED: gl.constexpr = False,  # varlen: the output staged in shared memory, 16-byte row-masked stores
     WINDOW: gl.constexpr = False,  # a sliding window (window_left/right): only the band's key blocks (masking.py)
+    SOFTCAP: gl.constexpr = 0,  # soft-capped scores (softcap); 2: K was smoothed, tanh's argument gets q . mean back
 ):
     gl.static_assert(num_warps == WG_WARPS, "the kernel launches with num_warps=4 (the first consumer warpgroup)")
     gl.static_assert(q_desc.block_type.shape[2] == WG_ROWS, "the kernel loads Q in 64-row boxes")
@@ -524,6 +558,7 @@ def attn_fwd_pingpong_kernel(
     PV_FP8: gl.constexpr = IS_FP8 and not MIXED  # IS_FP8: the QK side; PV_FP8: P and V in e4m3
     TWO_LEVEL: gl.constexpr = PV_FP8 and not PV_IN_MMA
     gl.static_assert(not (WINDOW and SINK), "sliding windows are not combined with the BF16 sink keys")
+    gl.static_assert(not (SOFTCAP and SINK), "softcap is not combined with the BF16 sink keys")
 
     first_tile, tile_step, num_tiles = program_tiles(num_bh, num_m_tiles, num_heads, tiles, PERSISTENT, VARLEN)
 
@@ -545,7 +580,7 @@ def attn_fwd_pingpong_kernel(
              (v_scale_ptr, stride_vsb, stride_vsh, stride_vsd), (k_mean_ptr, stride_kmb, stride_kmh, stride_kmd),
              seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k, tiles,
              num_bh, num_heads, group_size, num_m_tiles, first_tile, tile_step, num_tiles,
-             (window_left, window_right))
+             (window_left, window_right), softcap)
     pargs = (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars,
              seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, tiles, num_bh, num_heads, group_size, num_m_tiles,
              first_tile, tile_step, num_tiles, (window_left, window_right))
@@ -569,12 +604,12 @@ def attn_fwd_pingpong_kernel(
                     (sink_q_desc, sink_k_desc, sink_v_desc, qs_smem, ks_smem, vs_smem, sink_bar),
                     (qs_smem, ks_smem, vs_smem, sink_bar), ostore,
                     HEAD_DV, CAUSAL, IS_FP8, PV_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, ABLATE, TWO_LEVEL, VARLEN,
-                    PERSISTENT, CONSUMERS, SINK, STORE_TMA, STORE_STAGED, WINDOW)
+                    PERSISTENT, CONSUMERS, SINK, STORE_TMA, STORE_STAGED, WINDOW, SOFTCAP)
         invalidate_barriers(sink_bar, 1)
     else:  # (the None sink_q_desc stands for both sink tuples: a None made here cannot be passed on)
         _partitions(cargs, pargs, trace, cu_seqlens_v, sink_q_desc, sink_q_desc, ostore,
                     HEAD_DV, CAUSAL, IS_FP8, PV_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, ABLATE, TWO_LEVEL, VARLEN,
-                    PERSISTENT, CONSUMERS, SINK, STORE_TMA, STORE_STAGED, WINDOW)
+                    PERSISTENT, CONSUMERS, SINK, STORE_TMA, STORE_STAGED, WINDOW, SOFTCAP)
 
     invalidate_barriers(q_bars, WGS)
     invalidate_barriers(q_empty, 1)

@@ -259,7 +259,7 @@ def store_staged(varlen: bool, out: torch.Tensor, sink_mode: int, dqk: int, q_el
 
 
 def persistent_default(is_fp8: bool, sink_mode: int, dv: int, has_kmean: bool = False,
-                       dqk: int = 128) -> bool:
+                       dqk: int = 128, fp8_softcap: bool = False) -> bool:
     """Whether the kernel runs one program per SM by default (``LEANFA_HOPPER_PERSISTENT`` overrides): FP8 of head dim
     <= 128 without the sink (dense, where the TMA-store epilogue applies, and varlen). With it and the Q box
     handed back after the last QK, a tile's fill + epilogue + turnover fell from ~9,000 to ~1,800-2,400
@@ -271,9 +271,11 @@ def persistent_default(is_fp8: bool, sink_mode: int, dv: int, has_kmean: bool = 
     heads, BF16 kernel alone 1.01-1.28x the table's one-program-per-slot grid (FP8 1.00-1.34x). The sink, head
     dim 256, MLA and d64 BF16, the LSE with a smoothed K (its K-mean term reads Q in the epilogue, so Q is handed
     back late, and AOT spills grow to 440-700 B) keep the one-tile grid. The mixed mode (``is_fp8``: FP8 Q/K with
-    a 16-bit V) takes the FP8 choice (a prediction, not yet timed)."""
+    a 16-bit V) takes the FP8 choice (a prediction, not yet timed). ``fp8_softcap`` (softcap with FP8 P.V) keeps the
+    one-tile grid too: its persistent sm90 build spills 512-1028 B around the key loop (none inside it), the one-tile
+    build 0-16 B (docs/perf-notes.md, "softcap on the Hopper kernel")."""
     case = is_fp8 or bf16_tma_default(dqk, dv)
-    return case and _default_tile(sink_mode, dv) and not has_kmean
+    return case and _default_tile(sink_mode, dv) and not has_kmean and not fp8_softcap
 
 
 def sink_problem(is_fp8: bool, dims: tuple, sink_keys: int, tensors=()) -> str | None:
@@ -336,7 +338,7 @@ def window_bounds(causal: bool, window: tuple[int, int], max_seqlen_q: int, max_
 
 def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: bool,
               softmax_scale: float, return_lse: bool, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, sink=None,
-              prepared_v=None, tile_table=None, cu_seqlens_v=None, window=(-1, -1)) -> Plan:
+              prepared_v=None, tile_table=None, cu_seqlens_v=None, window=(-1, -1), softcap: float = 0.0) -> Plan:
     """Kernel arguments for dense (B, S, H, D) tensors (``out`` (B, Sq, Hq, Dv)), or packed varlen
     (total, H, D) ones with ``cu_seqlens_*`` / ``max_seqlen_*`` (``out`` (total_q, Hq, Dv)).
     ``sink``: ``(sink_keys, q16, k16, v16)``, FP8 with the first keys attended from the 16-bit inputs
@@ -344,7 +346,9 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
     when the caller made it (``v`` is then unused); else it is made here (``cu_seqlens_v``: a packed FP8 V in
     :func:`leanfa.quantize_fp8`'s aligned layout). ``tile_table``: varlen, the call's
     :func:`.varlen_tiles.build` (made here when not given). ``window``: flash-attn's ``window_size`` as
-    :class:`leanfa.problem.Problem` normalizes it (:func:`window_bounds`; not with ``sink``)."""
+    :class:`leanfa.problem.Problem` normalizes it (:func:`window_bounds`; not with ``sink``). ``softcap > 0``:
+    flash-attn's score capping (the kernel's ``SOFTCAP``: 2 with ``k_mean``, whose ``q . mean`` goes inside tanh's
+    argument instead of the LSE; not with ``sink``)."""
     varlen = cu_seqlens_q is not None
     v, cu_seqlens_v = (prepared_v if prepared_v is not None
                        else prepare_v(q, v, cu_seqlens_k, max_seqlen_k, cu_seqlens_v))
@@ -357,6 +361,8 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
     bounds = window_bounds(causal, window, Sq, Sk)  # (None: no window)
     if bounds is not None and sink is not None:
         raise ValueError("window_size: the Hopper kernel does not combine sliding windows with BF16 sink keys")
+    if softcap > 0 and sink is not None:
+        raise ValueError("softcap: the Hopper kernel does not combine softcap with BF16 sink keys")
     is_fp8 = q.dtype == torch.float8_e4m3fn  # the QK side ...
     pv_fp8 = v.dtype == torch.float8_e4m3fn  # ... and the PV side: the mixed mode has FP8 Q/K and a 16-bit V
     mixed = is_fp8 and not pv_fp8
@@ -385,12 +391,13 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
             raise ValueError(why)
         sink_descs, sink_bytes = _sink_descs(sink, q_rows, block_n)
         sink_mode = 2 if k_mean is not None else 1  # 2: K was smoothed, the sink's scores shift by q . mean
-    has_kmean = k_mean is not None and return_lse
+    has_kmean = k_mean is not None and return_lse and not softcap > 0  # (softcap: inside the scores)
+    cap_mode = (2 if k_mean is not None else 1) if softcap > 0 else 0  # (the kernel's SOFTCAP)
     o_tma = store_tma(is_fp8, varlen, out, sink_mode, Dqk, mixed)
     out_desc = _desc(out, *_bshd_as_bhsd(out), [1, 1, 64, Dv]) if o_tma else None
     o_staged = not o_tma and store_staged(varlen, out, sink_mode, Dqk, q.element_size(), v.element_size())
     out_bytes = block_m * Dv * out.element_size() if o_tma or o_staged else 0
-    km = k_mean if has_kmean or sink_mode == 2 else v_scale  # any float32 pointer; unused
+    km = k_mean if has_kmean or sink_mode == 2 or cap_mode == 2 else v_scale  # any float32 pointer; unused
     if varlen:  # out (total_q, Hq, Dv): sequence b's rows start at token cu_seqlens_q[b]
         out_strides = (0, out.stride(0), out.stride(1))
     else:
@@ -404,7 +411,7 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
         v_scale, *broadcast_strides(v_scale),
         km, *broadcast_strides(km),
         Sq, Sk, Hq, Hq // Hkv, num_m_tiles,
-        float(softmax_scale * LOG2E), float(softmax_scale),
+        float(softmax_scale / softcap if cap_mode else softmax_scale * LOG2E), float(softmax_scale),
         *(bounds or (0, 0)),
     )
     args += (B * Hq, )
@@ -418,8 +425,9 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
     else:  # lse (B, Hq, Sq); the cu_seqlens and tile-table pointers are unused
         args += (v_scale, v_scale, v_scale, Hq * Sq, Sq)
     trace = trace_buffer(B * Hq * num_m_tiles, q.device) if _flag("LEANFA_HOPPER_TRACE", False) else None
-    args += (trace, cu_seqlens_v, *sink_descs, out_desc)
-    persistent = _flag("LEANFA_HOPPER_PERSISTENT", persistent_default(is_fp8, sink_mode, Dv, has_kmean, Dqk))
+    args += (trace, cu_seqlens_v, *sink_descs, out_desc, float(softcap))
+    persistent = _flag("LEANFA_HOPPER_PERSISTENT", persistent_default(is_fp8, sink_mode, Dv, has_kmean, Dqk,
+                                                                       cap_mode > 0 and pv_fp8))
     constexprs = dict(
         HEAD_DQK=Dqk, HEAD_DV=Dv, CAUSAL=bool(causal) and bounds is None, IS_FP8=is_fp8, V_KMAJOR=kmajor,
         RETURN_LSE=bool(return_lse), HAS_KMEAN=has_kmean,
@@ -428,6 +436,7 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
         ABLATE=_ablation(), PV_IN_MMA=wide_head(Dv),
         PERSISTENT=persistent, VARLEN=varlen, SINK=sink_mode, STORE_TMA=o_tma, MIXED=mixed, STORE_STAGED=o_staged,
         WINDOW=bounds is not None,  # (a window's band holds the causal side too: CAUSAL is off)
+        SOFTCAP=cap_mode,
     )
     if persistent:  # one program per SM (one CTA fits an SM: > 114 KB of shared memory)
         grid = (max(min(tiles, _num_sms(q.device)), 1), )

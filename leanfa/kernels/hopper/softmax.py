@@ -10,6 +10,13 @@ one FFMA and one MUFU.EX2 per score. ``P_OFFSET = 8`` for FP8 scales P by 256 in
 range for free; ``l`` sums the scaled ``p`` so ``out = acc / l`` and
 ``lse = (m + log2(l) - P_OFFSET) * ln 2`` need no correction. Rows that have seen no key yet
 keep ``m = -inf``; they use 0 as the subtracted max so no ``inf - inf`` appears.
+
+Soft-capping (flash-attn's ``softcap``, the kernel's ``SOFTCAP``): the capped score in the exp2 domain is
+``softcap * log2(e) * tanh(u)`` with ``u = s * c + shift`` (``c = q_scale * k_scale * softmax_scale / softcap``;
+``shift``: the per-row ``softmax_scale * <q, mean> / softcap`` when K was smoothed, as tanh, unlike the
+softmax, is not invariant to it). :func:`capped_scores` gives ``tanh(u)`` (MUFU.TANH, one more MUFU op per
+score); the softmax step then takes it with ``c = softcap * log2(e)``, so ``m``, ``l`` and the LSE are those of
+the capped scores.
 """
 
 from __future__ import annotations
@@ -54,6 +61,25 @@ def _add_row_sums(l_i, alpha, p, PARTIAL_L: gl.constexpr):
     else:
         l_new = l_i * alpha + gl.sum(p, axis=1)
     return l_new
+
+
+@gluon.jit
+def tanh_approx(x):
+    """``tanh(x)`` by the SFU (PTX ``tanh.approx.f32``, MUFU.TANH: relative error <= 2^-11 by the PTX ISA, as FA3's
+    softcap uses); saturates to +-1, NaN stays NaN."""
+    return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=True,
+                                     pack=1)
+
+
+@gluon.jit
+def capped_scores(s, c, shift, SHIFT: gl.constexpr):
+    """``tanh(s * c + shift)`` (``shift`` per row, with ``SHIFT``; else ``tanh(s * c)``): the soft-capped scores
+    divided by ``softcap``, in ``[-1, 1]``."""
+    if SHIFT:
+        u = gl.fma(s, c, shift[:, None])
+    else:
+        u = s * c
+    return tanh_approx(u)
 
 
 @gluon.jit
