@@ -7,9 +7,9 @@ shape, supported Triton: :func:`hopper_applies`, which asks :func:`leanfa.kernel
 measured faster for the call (:func:`portable_faster`: FP8 at head dim 64), else the portable kernel.
 ``backend="hopper"`` demands the Hopper kernel (also before validation, for development) and raises
 where it does not apply; ``backend="portable"`` forces the portable kernel. Calls with features only the
-portable kernel implements (``seqused_q/k``, sliding windows, ``softcap``, paged K/V, packed queries over a
-per-sequence K/V cache: :func:`portable_only_reason`) run there, with one warning per process and feature where
-the Hopper kernel would have run them.
+portable kernel implements (``seqused_q/k``, sliding windows, ``softcap``, the paged K/V forms of
+:func:`_paged_reason`, e.g. paged FP8 V; packed queries over a per-sequence K/V cache: :func:`portable_only_reason`)
+run there, with one warning per process and feature where the Hopper kernel would have run them.
 
 On a supported Triton that never ran the GPU suite (:data:`leanfa._versions.GPU_VALIDATED`),
 ``backend="auto"`` runs the first Hopper call of each kernel configuration (:func:`config_key`) in a
@@ -147,8 +147,9 @@ def hopper_applies(problem) -> tuple[bool, str]:
 def portable_only_reason(problem) -> str:
     """Why only the portable kernel runs ``problem`` (features the Hopper kernel does not implement), or ``""``."""
     if problem.paged:
-        return ("paged K/V (page_table/block_table) is not implemented in the Hopper kernel: these calls run on the "
-                "portable kernel")
+        why = _paged_reason(problem)
+        if why:
+            return why
     if problem.kv_per_sequence:
         return ("packed queries (cu_seqlens_q) over a per-sequence (batch, seqlen) K/V cache are not implemented in "
                 "the Hopper kernel: these calls run on the portable kernel")
@@ -160,6 +161,18 @@ def portable_only_reason(problem) -> str:
     if problem.softcap > 0:
         return "softcap is not implemented in the Hopper kernel: these calls run on the portable kernel"
     return ""
+
+
+def _paged_reason(problem) -> str:
+    """Why the Hopper kernel does not read this call's paged K/V, or ``""``: it reads packed queries with
+    ``cu_seqlens_k`` (the key lengths) and dense queries over the whole table, 16-bit V caches stored token-major,
+    pages of a power of two from 16 keys (:func:`leanfa.kernels.hopper.launch.paged_problem`)."""
+    if problem.kv_per_sequence:
+        return ("paged K/V with packed queries and no cu_seqlens_k (key lengths from seqused_k or the page table) is "
+                "not implemented in the Hopper kernel: these calls run on the portable kernel")
+    hopper = _hopper()
+    why = hopper.paged_problem(problem.page_size, problem.v) if hopper is not None else "Gluon is not available"
+    return f"{why}: these calls run on the portable kernel" if why else ""
 
 
 def choose(problem, backend: str) -> Choice:
