@@ -37,6 +37,7 @@ class Variant:
     env: tuple = ()  # ((name, value), ...) LEANFA_HOPPER_* knobs set while planning
     varlen: bool = False  # packed (total, H, D) inputs with cu_seqlens
     sink: bool = False  # FP8 with the first 128 keys attended from BF16 inputs (sink.py)
+    page_size: int = 0  # paged K/V: caches (num_pages, page_size, H, D) through a page table (0: contiguous)
 
     @property
     def name(self) -> str:
@@ -44,7 +45,8 @@ class Variant:
         tag = "".join(f"[{k.replace('LEANFA_HOPPER_', '').lower()}={x}]" for k, x in self.env) + (":" if self.env else "")
         return (f"{tag}{self.dtype}-d{self.dqk}/{self.dv}-{'causal' if self.causal else 'full'}"
                 f"{'-lse' if self.return_lse else ''}{'-kmean' if self.k_mean else ''}"
-                f"{'-vT' if vk else ''}{'-varlen' if self.varlen else ''}{'-sink' if self.sink else ''}")
+                f"{'-vT' if vk else ''}{'-varlen' if self.varlen else ''}{'-sink' if self.sink else ''}"
+                f"{f'-paged{self.page_size}' if self.page_size else ''}")
 
 
 def _fake_problem(v: Variant):
@@ -83,6 +85,11 @@ def _fake_problem(v: Variant):
                                     torch.tensor([0, 112, 272], dtype=torch.int32))
     if v.sink:
         varlen["sink"] = (128, *sixteen)
+    if v.page_size:  # the keys in caches of 8 pages (a stand-in table: only its type matters)
+        pages = 8
+        k = torch.zeros(pages, v.page_size, H, v.dqk, dtype=dt)
+        v_ = torch.zeros(pages, v.page_size, H, v.dv, dtype=v_dt)
+        varlen["page_table"] = torch.zeros(2 if v.varlen else B, pages, dtype=torch.int32)
     with mock.patch.dict(os.environ, {k: str(x) for k, x in v.env}):  # restored on exit
         return L.make_plan(q, k, v_, out, lse if v.return_lse else None, qs, ks, vs, km, causal=v.causal,
                            softmax_scale=v.dqk ** -0.5, return_lse=v.return_lse, **varlen)

@@ -445,9 +445,8 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
         num_warps=WG_WARPS,
         ABLATE=_ablation(), PV_IN_MMA=wide_head(Dv),
         PERSISTENT=persistent, VARLEN=varlen, SINK=sink_mode, STORE_TMA=o_tma, MIXED=mixed, STORE_STAGED=o_staged,
+        PAGE_SIZE=k.shape[1] if page_table is not None else 0, KV_BOXES=kv_boxes,
     )
-    if page_table is not None:
-        constexprs.update(PAGE_SIZE=k.shape[1], KV_BOXES=kv_boxes)
     if persistent:  # one program per SM (one CTA fits an SM: > 114 KB of shared memory)
         grid = (max(min(tiles, _num_sms(q.device)), 1), )
     elif varlen:  # one program per table slot (schedule.program_tiles: 1-D, the table's order)
