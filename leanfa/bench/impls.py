@@ -21,7 +21,9 @@ Rows:
   (:func:`leanfa.bench.inputs.paged_kv`, built before the timing); ``leanfa-<backend>-fp8-paged<P>-kernel`` the
   same on e4m3 Q and caches with FA3's per-(sequence, KV head) descales (a KV cache's FP8 format), and
   ``leanfa-<backend>-fp8-kvhead-kernel`` those FP8 inputs with contiguous K/V (the paged FP8 rows' baseline).
-  Paged calls run on the portable kernel: the ``hopper`` paged rows are "n/a" with leanfa's reason;
+  The ``hopper`` BF16 paged rows run the Hopper kernel (beside ``leanfa-hopper-bf16``, the same batch contiguous:
+  the paged target is >= 0.95x of it); FP8 paged calls run on the portable kernel, so the ``hopper`` FP8 paged rows
+  are "n/a" with leanfa's reason;
 * ``cudnn-bf16``: torch SDPA forced to ``SDPBackend.CUDNN_ATTENTION`` (varlen: cuDNN
   frontend graph with ragged offsets; a chunked-prefill batch, ``Sq < Sk``, with the
   bottom-right causal mask) — the BF16 baseline;

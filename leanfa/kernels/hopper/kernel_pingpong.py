@@ -549,12 +549,14 @@ def attn_fwd_pingpong_kernel(
                     (sink_q_desc, sink_k_desc, sink_v_desc, qs_smem, ks_smem, vs_smem, sink_bar),
                     (qs_smem, ks_smem, vs_smem, sink_bar), ostore,
                     HEAD_DV, CAUSAL, IS_FP8, PV_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, ABLATE, TWO_LEVEL, VARLEN,
-                    PERSISTENT, CONSUMERS, SINK, STORE_TMA, STORE_STAGED, (page_table, stride_ptb, stride_ptn), PAGE_SIZE)
+                    PERSISTENT, CONSUMERS, SINK, STORE_TMA, STORE_STAGED, (page_table, stride_ptb, stride_ptn),
+                    PAGE_SIZE)
         invalidate_barriers(sink_bar, 1)
     else:  # (the None sink_q_desc stands for both sink tuples: a None made here cannot be passed on)
         _partitions(cargs, pargs, trace, cu_seqlens_v, sink_q_desc, sink_q_desc, ostore,
                     HEAD_DV, CAUSAL, IS_FP8, PV_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, ABLATE, TWO_LEVEL, VARLEN,
-                    PERSISTENT, CONSUMERS, SINK, STORE_TMA, STORE_STAGED, (page_table, stride_ptb, stride_ptn), PAGE_SIZE)
+                    PERSISTENT, CONSUMERS, SINK, STORE_TMA, STORE_STAGED, (page_table, stride_ptb, stride_ptn),
+                    PAGE_SIZE)
 
     invalidate_barriers(q_bars, WGS)
     invalidate_barriers(q_empty, 1)
