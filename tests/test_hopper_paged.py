@@ -62,17 +62,17 @@ def _problem(q, k, v, causal=True, **kw):
     return _build_problem(q, k, v, **args)
 
 
-def _varlen(lens_q, lens_k, hq, hkv, d, page_size, causal, seed=0):
+def _varlen(lens_q, lens_k, hq, hkv, d, page_size, causal, seed=0, device="cpu"):
     """A packed chunked-prefill batch over paged caches, and the same batch with packed (contiguous) K/V."""
     gen = torch.Generator().manual_seed(seed)
     ks = [torch.randn((n, hkv, d), generator=gen) + 0.5 for n in lens_k]
     vs = [torch.randn((n, hkv, d), generator=gen) for n in lens_k]
-    kc, vc, table = _caches(ks, vs, page_size, gen)
-    q = torch.randn((sum(lens_q), hq, d), generator=gen).to(BF16)
-    cu = dict(varlen=True, cu_seqlens_q=cu_seqlens(lens_q), cu_seqlens_k=cu_seqlens(lens_k), max_seqlen_q=max(lens_q),
-              max_seqlen_k=max(lens_k))
+    kc, vc, table = (t.to(device) for t in _caches(ks, vs, page_size, gen))
+    q = torch.randn((sum(lens_q), hq, d), generator=gen).to(BF16).to(device)
+    cu = dict(varlen=True, cu_seqlens_q=cu_seqlens(lens_q, device), cu_seqlens_k=cu_seqlens(lens_k, device),
+              max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k))
     paged = _problem(q, kc, vc, causal, page_table=table, **cu)
-    contiguous = _problem(q, torch.cat(ks).to(BF16), torch.cat(vs).to(BF16), causal, **cu)
+    contiguous = _problem(q, torch.cat(ks).to(BF16).to(device), torch.cat(vs).to(BF16).to(device), causal, **cu)
     return paged, contiguous
 
 
@@ -154,6 +154,26 @@ def test_emulated_model_like_inputs():
               max_seqlen_k=200)
     _emulate_and_check(_problem(qp, kc, vc, page_table=table, **cu),
                        _problem(qp, torch.cat(ks).to(BF16), torch.cat(vs).to(BF16), **cu))
+
+
+def _mixed(p):
+    """``p`` in the mixed mode (``precision="fp8qk"``): e4m3 Q and K cache (unit descales), the 16-bit V cache."""
+    q8 = p.q.to(FP8)
+    k8 = p.k.float().clamp(-448, 448).to(FP8)  # (the tail rows' 1e4 as e4m3's largest; unread NaN pages stay NaN)
+    kw = dict(varlen=p.varlen, cu_seqlens_q=p.cu_seqlens_q, cu_seqlens_k=p.cu_seqlens_k, max_seqlen_q=p.max_seqlen_q,
+              max_seqlen_k=p.max_seqlen_k)
+    return _problem(q8, k8, p.v, p.causal, page_table=p.page_table, **kw) if p.paged else _problem(q8, k8, p.v,
+                                                                                                   p.causal, **kw)
+
+
+@emulation
+@pytest.mark.parametrize("page_size", [64, 128])
+def test_emulated_mixed_mode(page_size):
+    """The mixed mode (FP8 Q/K, BF16 V) over paged caches: the reference, and the contiguous call's bits."""
+    paged, contiguous = _varlen(*LENS, 4, 2, 64, page_size, True, seed=3)
+    p = _mixed(paged)
+    assert p.is_mixed
+    _emulate_and_check(p, _mixed(contiguous))
 
 
 def _mutated_catches(fn, edits):
@@ -279,7 +299,8 @@ def test_make_plan_paged():
     assert list(k_desc.block_shape) == [1, 1, 64, 128] and list(k_desc.shape) == [6, 1, 64, 128]
     assert k_desc.layout == L._smem_layout((1, 1, 128, 128), BF16)
     assert plan.constexprs["PAGE_SIZE"] == 64 and plan.constexprs["KV_BOXES"] == 2
-    assert plan.args[-3] is table and tuple(plan.args[-2:]) == table.stride()
+    at = next(i for i, a in enumerate(plan.args) if a is table)  # (then its strides)
+    assert tuple(plan.args[at + 1:at + 3]) == table.stride() and plan.args[at - 1] is None  # (cu_seqlens_v)
     big = L.make_plan(q, kc.reshape(3, 128, 1, 128), kc.reshape(3, 128, 1, 128), out, None, *scales,
                       page_table=table[:, :2], **common)
     assert big.constexprs["KV_BOXES"] == 1 and list(big.args[1].block_shape) == [1, 1, 128, 128]
@@ -287,7 +308,7 @@ def test_make_plan_paged():
         L.make_plan(q.to(FP8), kc.to(FP8), kc.to(FP8), out, None, *scales, page_table=table, **common)
     plain = L.make_plan(q, q[:, :, :1], q[:, :, :1], out, None, *scales, **common)
     assert plain.constexprs["PAGE_SIZE"] == 0 and plain.constexprs["KV_BOXES"] == 1
-    assert plain.args[-3:] == (None, None, None)
+    assert plain.args[at - 1:at + 3] == (None, None, None, None)
 
 
 # ----------------------------------------------------------------------------- the real kernel (H200)
@@ -353,6 +374,27 @@ def test_gpu_dense_q_and_cache_reuse(page_size):
         ref, ref_lse = attention_ref(q, kc, vc, causal=True, return_lse=True, page_table=table)
         assert rel_l2(out, ref) < TOL[BF16], rep
         assert float((lse.double() - ref_lse).abs().max()) < 1e-3, rep
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [64, 128])
+def test_gpu_mixed_mode(page_size):
+    """FP8 Q and K cache with a BF16 V cache (the mixed mode) on the Hopper kernel: the contiguous call's bits."""
+    if not _sm90():
+        pytest.skip("the Hopper kernel needs sm90")
+    lens_q, lens_k = [300, 1000, 5], [2000, 1000, 900]
+    paged, contiguous = _varlen(lens_q, lens_k, 8, 2, 128, page_size, True, seed=page_size, device="cuda")
+    got, want = _mixed(paged), _mixed(contiguous)
+    from leanfa.kernels import dispatch
+
+    assert dispatch.choose(got, "hopper").kernel == "hopper"
+    out, _ = dispatch.run(got, "hopper")
+    ref, _ = dispatch.run(want, "hopper")
+    assert torch.equal(out, ref)
+    p = got
+    gold = attention_ref(p.q, p.k, p.v, causal=True, cu_seqlens_q=p.cu_seqlens_q, cu_seqlens_k=p.cu_seqlens_k,
+                         page_table=p.page_table)
+    assert rel_l2(out, gold) < 3e-2
 
 
 @pytest.mark.gpu

@@ -85,11 +85,10 @@ def _fake_problem(v: Variant):
                                     torch.tensor([0, 112, 272], dtype=torch.int32))
     if v.sink:
         varlen["sink"] = (128, *sixteen)
-    if v.page_size:  # the keys in caches of 8 pages (a stand-in table: only its type matters)
-        pages = 8
-        k = torch.zeros(pages, v.page_size, H, v.dqk, dtype=dt)
-        v_ = torch.zeros(pages, v.page_size, H, v.dv, dtype=v_dt)
-        varlen["page_table"] = torch.zeros(2 if v.varlen else B, pages, dtype=torch.int32)
+    if v.page_size:  # the keys in caches of S pages (a stand-in table: only its type matters; dense: S keys each)
+        k = torch.zeros(S, v.page_size, H, v.dqk, dtype=dt)
+        v_ = torch.zeros(S, v.page_size, H, v.dv, dtype=v_dt)
+        varlen["page_table"] = torch.zeros(2 if v.varlen else B, -(-S // v.page_size), dtype=torch.int32)
     with mock.patch.dict(os.environ, {k: str(x) for k, x in v.env}):  # restored on exit
         return L.make_plan(q, k, v_, out, lse if v.return_lse else None, qs, ks, vs, km, causal=v.causal,
                            softmax_scale=v.dqk ** -0.5, return_lse=v.return_lse, **varlen)

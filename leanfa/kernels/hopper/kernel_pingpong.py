@@ -476,9 +476,9 @@ def attn_fwd_pingpong_kernel(
     stride_lb, stride_lh,  # LSE strides of batch and head (dense (B, H, Sq); varlen (H, total_q))
     trace,  # None, or the int32 clock-trace buffer (LEANFA_HOPPER_TRACE, see trace.py)
     cu_seqlens_v,  # None, or (FP8 varlen) each sequence's first token in V, 16-aligned (launch.align_varlen_v)
+    page_table, stride_ptb, stride_ptn,  # None, or (PAGE_SIZE) paged K/V's int32 page table (B, max_pages)
     sink_q_desc, sink_k_desc, sink_v_desc,  # None, or (SINK) the 16-bit Q, K, V of the BF16 sink keys (sink.py)
     out_desc,  # None, or (STORE_TMA) the output as (B, H, S, D) for TMA stores of 64-row boxes
-    page_table, stride_ptb, stride_ptn,  # None, or (PAGE_SIZE) paged K/V's int32 page table (B, max_pages)
     HEAD_DQK: gl.constexpr, HEAD_DV: gl.constexpr,
     CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
     RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, VARLEN: gl.constexpr, STAGES: gl.constexpr,

@@ -435,8 +435,8 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
     else:  # lse (B, Hq, Sq); the cu_seqlens and tile-table pointers are unused
         args += (v_scale, v_scale, v_scale, Hq * Sq, Sq)
     trace = trace_buffer(B * Hq * num_m_tiles, q.device) if _flag("LEANFA_HOPPER_TRACE", False) else None
-    args += (trace, cu_seqlens_v, *sink_descs, out_desc)
-    args += (page_table, *page_table.stride()) if page_table is not None else (None, None, None)
+    pages = (page_table, *page_table.stride()) if page_table is not None else (None, None, None)
+    args += (trace, cu_seqlens_v, *pages, *sink_descs, out_desc)
     persistent = _flag("LEANFA_HOPPER_PERSISTENT", persistent_default(is_fp8, sink_mode, Dv, has_kmean, Dqk))
     constexprs = dict(
         HEAD_DQK=Dqk, HEAD_DV=Dv, CAUSAL=bool(causal), IS_FP8=is_fp8, V_KMAJOR=kmajor,
