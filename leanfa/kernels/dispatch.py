@@ -285,7 +285,7 @@ def probe_problem(problem):
     inputs: one sequence of :data:`SELF_CHECK_TOKENS` tokens (varlen: :data:`SELF_CHECK_VARLEN`), two query
     heads (sharing one KV head where ``problem`` has grouped KV heads), unit descales; FP8 V stored
     transposed (tokens innermost), as :func:`leanfa.quantize_fp8` writes it (the mixed mode's 16-bit V
-    token-major)."""
+    token-major). K/V are contiguous: a paged call's probe has no page table (its paged loads are not self-checked)."""
     p = problem
     dev = p.q.device
     g = torch.Generator(device=dev).manual_seed(0)
@@ -317,7 +317,7 @@ def probe_problem(problem):
     return dataclasses.replace(
         p, q=q, k=k, v=v, batch=batch, heads=hq, kv_heads=hkv, **seqlens, softmax_scale=dqk ** -0.5,
         q_scale=ones.expand(batch, hq, 1), k_scale=ones.expand(batch, hkv, 1), v_scale=ones.expand(batch, hkv, dv),
-        k_mean=k_mean, **sink)
+        k_mean=k_mean, page_table=None, **sink)
 
 
 def _describe(problem) -> str:
