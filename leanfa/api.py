@@ -28,7 +28,21 @@ from .quant import FP8QKV, quantize_fp8
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 INPUT_DTYPES = HALF_DTYPES + (FP8_DTYPE,)
 #: (head_dim_qk, head_dim_v) pairs the kernels support
+#: head dims (Dqk, Dv) the Hopper kernel runs (also :data:`leanfa.kernels.hopper.HEAD_DIMS`); any other pair that
+#: :func:`head_dims_problem` accepts runs on the portable kernel
 HEAD_DIMS = ((64, 64), (128, 128), (192, 128), (256, 256))
+#: every head dim is a multiple of this, up to :data:`MAX_HEAD_DIM` (FlashAttention-3's rule: 16-byte rows in 16 bits)
+HEAD_DIM_MULTIPLE = 8
+MAX_HEAD_DIM = 256
+
+
+def head_dims_problem(dqk: int, dv: int) -> str | None:
+    """Why leanfa cannot attend with head dims ``dqk`` (Q/K) and ``dv`` (V), or None."""
+    if all(d % HEAD_DIM_MULTIPLE == 0 and 0 < d <= MAX_HEAD_DIM for d in (dqk, dv)):
+        return None
+    return (f"head dims (q/k {dqk}, v {dv}) are not supported: each must be a multiple of {HEAD_DIM_MULTIPLE} "
+            f"from {HEAD_DIM_MULTIPLE} to {MAX_HEAD_DIM} (the Hopper kernel runs "
+            + ", ".join(f"{a}/{b}" for a, b in HEAD_DIMS) + "; others run on the portable kernel)")
 BACKENDS = ("auto", "portable", "hopper")
 
 
@@ -67,12 +81,9 @@ def _check_inputs(q, k, v, ranks: int, kv_ranks: int | None = None, kv_layout: s
         raise ValueError(f"the number of q heads ({hq}) must be a multiple of the k/v heads ({hkv})")
     if k.shape[-1] != q.shape[-1]:
         raise ValueError(f"q and k must have the same head_dim, got {q.shape[-1]} and {k.shape[-1]}")
-    dims = (q.shape[-1], v.shape[-1])
-    if dims not in HEAD_DIMS:
-        raise ValueError(
-            f"head dims (q/k {dims[0]}, v {dims[1]}) are not supported; supported (qk, v): "
-            + ", ".join(f"{a}/{b}" for a, b in HEAD_DIMS)
-        )
+    why = head_dims_problem(q.shape[-1], v.shape[-1])
+    if why:
+        raise ValueError(why)
 
 
 def _resolve_out_dtype(dtype: torch.dtype, out_dtype) -> torch.dtype:
@@ -281,8 +292,9 @@ def flash_attn_func(
             :func:`quantize_fp8` (then ``k`` and ``v`` are ``None``).
         k: ``(B, Sk, Hkv, Dqk)``, same dtype; ``Hq % Hkv == 0`` (GQA/MQA).
         v: ``(B, Sk, Hkv, Dv)``, same dtype; or bf16/fp16 with float8_e4m3fn ``q``/``k`` (the mixed mode of
-            ``attention(precision="fp8qk")``: FP8 Q·K, P·V in V's dtype, no ``v_descale``). ``(Dqk, Dv)`` is one of
-            64/64, 128/128, 192/128 (MLA), 256/256.
+            ``attention(precision="fp8qk")``: FP8 Q·K, P·V in V's dtype, no ``v_descale``). ``Dqk`` and ``Dv`` are
+            multiples of 8 up to 256; the Hopper kernel runs 64/64, 128/128, 192/128 (MLA) and 256/256, other
+            head dims run on the portable kernel (one warning on an H200).
         softmax_scale: defaults to ``1/sqrt(Dqk)``.
         causal: mask keys after the query; with ``Sq != Sk`` the mask is aligned to the
             bottom-right corner (query ``i`` sees keys ``j <= i + Sk - Sq``), as in flash-attn.
@@ -306,10 +318,13 @@ def flash_attn_func(
             the causal mask); -1 is no limit on that side, ``(-1, -1)`` (default) no window. With
             ``causal=True`` the right side is 0 (flash-attn's rule). Rows whose window holds no key get
             output 0 and LSE ``-inf``. ``left``/``right`` below -1 raise ``ValueError``. Runs on the
-            portable kernel (where it would take the Hopper kernel: one warning per process).
+            Hopper kernel where the call would (only the key blocks of each query tile's band are read;
+            FP8 at head dim 256, with ``softcap`` or ``seqused_*``, and paged calls the Hopper kernel does not
+            read (``page_table``, below), on the portable kernel: one warning per process).
         softcap: flash-attn's score capping: with ``softcap > 0`` the scores ``s = softmax_scale * q.k``
             become ``softcap * tanh(s / softcap)`` before the softmax (and in the LSE); 0 (default) is
-            off, negative values raise ``ValueError``. Runs on the portable kernel, as ``window_size``.
+            off, negative values raise ``ValueError``. Runs on the portable kernel (one warning per process
+            where the call would take the Hopper kernel).
         page_table: paged K/V (FlashAttention-3's ``page_table``, flash-attn 2's/vLLM's ``block_table``): int32
             ``(B, max_pages_per_seq)``; ``k``/``v`` are then caches ``(num_pages, page_size, Hkv, D)`` and key
             position ``n`` of batch entry ``b`` is row ``n % page_size`` of page ``page_table[b, n // page_size]``.
@@ -321,10 +336,10 @@ def flash_attn_func(
             must lie in ``[0, num_pages)``, checked on CPU tensors only (a check on GPU values would synchronize).
             Any page order; windows, softcap, FP8 with descales compose with it. On sm90 the Hopper kernel runs it
             for 16-bit caches with a power-of-two ``page_size`` from 16 keys and no ``seqused_k`` (every entry the
-            table's capacity); it reads the rows of a sequence's last page past its keys (masked out of the
-            scores), which must then hold finite values. The other paged calls (FP8 caches, ``seqused_k``, other
-            page sizes, windows, softcap) run on the portable kernel (one warning where the Hopper kernel would
-            have run).
+            table's capacity), windows included; it reads the rows of a sequence's last page past its keys
+            (masked out of the scores), which must then hold finite values. The other paged calls (FP8 caches,
+            ``seqused_k``, other page sizes, softcap) run on the portable kernel (one warning where the Hopper
+            kernel would have run).
 
     Any strides are accepted; inputs are never copied. Empty inputs (``B``, ``Sq`` or ``Sk`` 0)
     are allowed: the output is empty, or 0 with LSE ``-inf`` where no key exists.
@@ -518,7 +533,8 @@ def attention(
     LSEs (dense only; as accurate, slower). 0 (default) keeps every key in FP8.
 
     ``window_size=(left, right)`` and ``softcap`` as in :func:`flash_attn_func` (flash-attn's sliding
-    window and score capping; the portable kernel runs them), in either precision; not with
+    window and score capping; windows run on the Hopper kernel, softcap on the portable one), in either
+    precision; not with
     ``bf16_sink_keys`` (``ValueError``). ``scheduler_metadata``: packed calls, as in
     :func:`flash_attn_varlen_func` (:func:`varlen_schedule`).
 

@@ -4,7 +4,8 @@ Swap ``from flash_attn_interface import flash_attn_func`` for
 ``from leanfa.flash_attn_interface import flash_attn_func``. Supported subset (forward only):
 
 * ``q, k, v`` ``(B, S, H, D)`` (or packed ``(total, H, D)`` for varlen), bf16/fp16/fp8 e4m3,
-  GQA/MQA, head dims 64/64, 128/128, 192/128, 256/256; also (leanfa's mixed mode) fp8 e4m3 ``q``/``k``
+  GQA/MQA, head dims multiples of 8 up to 256 (the Hopper kernel: 64/64, 128/128, 192/128, 256/256; others on
+  the portable kernel, one warning); also (leanfa's mixed mode) fp8 e4m3 ``q``/``k``
   with a bf16/fp16 ``v``: FP8 Q·K with the Q/K descales, P·V in 16 bits, no ``v_descale``;
 * ``softmax_scale``, ``causal`` (bottom-right aligned), ``q_descale``/``k_descale``/
   ``v_descale`` (FA3's ``(B, Hkv)`` float32 per-head descales, and leanfa's other forms);
@@ -17,7 +18,10 @@ Swap ``from flash_attn_interface import flash_attn_func`` for
   ``[i + Sk - Sq - left, i + Sk - Sq + right]``, -1 unbounded; ``causal`` makes ``right`` 0) and
   ``softcap > 0`` (scores ``softcap * tanh(s / softcap)``), dense and varlen, 16-bit and FP8. Rows
   whose window holds no key are 0 with LSE ``-inf``. Negative sides other than -1, or a negative
-  ``softcap``, raise ``ValueError``. These calls run on the portable kernel (one warning where the
+  ``softcap``, raise ``ValueError``. Windows run on the Hopper kernel (only the key blocks of each
+  query tile's band are read), dense and varlen, BF16/FP16, FP8 and the mixed mode, except FP8 at head
+  dim 256, and over the paged caches the Hopper kernel reads (below); ``softcap`` (with or without a window),
+  and windows with ``seqused`` or FP8 at head dim 256, run on the portable kernel (one warning where the
   Hopper kernel would have run);
 * paged K/V and KV caches (prefill, chunked prefill): :func:`flash_attn_with_kvcache` with
   ``cache_seqlens`` (int or int32 ``(B,)``), ``page_table`` (int32 ``(B, max_pages)`` over caches
@@ -29,9 +33,9 @@ Swap ``from flash_attn_interface import flash_attn_func`` for
   page ids a call reads must lie in ``[0, num_pages)``: checked on CPU tensors only (a check of GPU
   values would synchronize). On sm90 the Hopper kernel reads paged 16-bit caches of a power-of-two
   ``page_size`` from 16 keys where the key lengths come from ``cu_seqlens_k`` (packed ``q``) or are the
-  whole table (dense ``q``, no ``seqused_k``/``cache_seqlens``); the other paged calls (``seqused_k``,
-  ``cache_seqlens``, ``cu_seqlens_k=None``, FP8 caches, other page sizes, windows, ``softcap``) run on the
-  portable kernel (one warning). The Hopper kernel reads the rows of a sequence's last page past its keys
+  whole table (dense ``q``, no ``seqused_k``/``cache_seqlens``), with or without a window; the other paged
+  calls (``seqused_k``, ``cache_seqlens``, ``cu_seqlens_k=None``, FP8 caches, other page sizes, ``softcap``)
+  run on the portable kernel (one warning). The Hopper kernel reads the rows of a sequence's last page past its keys
   (masked out of the scores): they must hold finite values (stale keys or zeros do; NaN/Inf there gives
   NaN rows);
 * empty batches: sequences that are all empty, ``max_seqlen_q = max_seqlen_k = 0``;
@@ -40,7 +44,10 @@ Swap ``from flash_attn_interface import flash_attn_func`` for
   ``rotary_interleaved`` (without rotary) are accepted and ignored (leanfa's forward is
   deterministic and needs no splits);
 * :func:`flash_attn_with_kvcache` with ``return_softmax_lse=True`` returns FA3's
-  ``(out, softmax_lse, out_accum, softmax_lse_accum)``, the last two empty (no splits).
+  ``(out, softmax_lse, out_accum, softmax_lse_accum)``, the last two empty (no splits);
+* :func:`flash_attn_combine` merges split results through their LSE as FA3's does (in PyTorch, float32);
+  :func:`get_scheduler_metadata` returns an empty tensor: leanfa's KV-cache calls need no metadata (for a
+  packed varlen batch's schedule, made once per step, see :func:`leanfa.varlen_schedule`).
 
 Anything else raises ``NotImplementedError`` naming the option: ``qv``, ``attention_chunk != 0``,
 a packed ``q`` with dense ``k``/``v`` in :func:`flash_attn_varlen_func` without ``block_table``
@@ -55,7 +62,8 @@ import torch
 
 from .compat._common import reject
 
-__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"]
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "flash_attn_combine",
+           "get_scheduler_metadata"]
 
 
 def _check_fa3(qv, attention_chunk):
@@ -161,3 +169,42 @@ def flash_attn_with_kvcache(
         return res
     out, lse = res
     return out, lse, out.new_empty((0,), dtype=torch.float32), out.new_empty((0,), dtype=torch.float32)
+
+
+def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
+    """FA3 ``flash_attn_combine``: the attention of the union of ``num_splits`` key sets from each set's result.
+    ``out_partial`` ``(num_splits, B, S, H, D)`` (or ``(num_splits, total, H, D)``) and ``lse_partial``
+    ``(num_splits, B, S, H)`` (or ``(num_splits, total, H)``), float32; returns ``(out, lse)``: ``out`` of
+    ``out_dtype`` (default ``out_partial``'s), written into ``out`` when given, and ``lse`` float32. Splits with
+    LSE ``-inf`` contribute nothing; a row whose splits are all ``-inf`` is 0 with LSE ``-inf``."""
+    if not isinstance(out_partial, torch.Tensor) or not isinstance(lse_partial, torch.Tensor):
+        raise TypeError("out_partial and lse_partial must be torch.Tensors")
+    if out_partial.dim() not in (4, 5) or lse_partial.shape != out_partial.shape[:-1]:
+        raise ValueError(f"out_partial must be (num_splits, B, S, H, D) or (num_splits, total, H, D) and lse_partial "
+                         f"its shape without D, got {tuple(out_partial.shape)} and {tuple(lse_partial.shape)}")
+    if out_partial.dtype != torch.float32 or lse_partial.dtype != torch.float32:
+        raise ValueError(f"out_partial and lse_partial must be float32, got {out_partial.dtype}, {lse_partial.dtype}")
+    lse = torch.logsumexp(lse_partial, dim=0)
+    weight = torch.exp(lse_partial - lse)
+    weight = torch.where(torch.isfinite(lse), weight, torch.zeros_like(weight))  # (all splits -inf: no key)
+    # (a split of weight 0 is not read: its output may be anything, as FA3's kernel skips it)
+    merged = torch.where((weight > 0).unsqueeze(-1), weight.unsqueeze(-1) * out_partial, 0.0).sum(0)
+    dtype = out_dtype or out_partial.dtype
+    if out is None:
+        return merged.to(dtype), lse
+    if out.shape != merged.shape:
+        raise ValueError(f"out must have shape {tuple(merged.shape)}, got {tuple(out.shape)}")
+    out.copy_(merged)
+    return out, lse
+
+
+def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim,
+                           cache_seqlens=None, qkv_dtype=torch.bfloat16, headdim_v=None, cu_seqlens_q=None,
+                           cu_seqlens_k_new=None, cache_leftpad=None, page_size=None, max_seqlen_k_new=0,
+                           causal=False, window_size=(-1, -1), attention_chunk=0, has_softcap=False, num_splits=0,
+                           pack_gqa=None, sm_margin=0):
+    """FA3 ``get_scheduler_metadata``: an empty int32 tensor (on ``cache_seqlens``' device), which
+    :func:`flash_attn_with_kvcache` accepts and ignores (its calls need no metadata). A packed varlen batch's
+    tile schedule, made once per step for every layer, is :func:`leanfa.varlen_schedule`'s."""
+    device = cache_seqlens.device if isinstance(cache_seqlens, torch.Tensor) else None
+    return torch.empty((0,), dtype=torch.int32, device=device)

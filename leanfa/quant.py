@@ -319,6 +319,8 @@ def _quantize_block_fused(q, k, v, sq: _Seqs, sk: _Seqs, smooth_k: bool, quantiz
     q_descale = scales((sq.batch, sq.heads, nblk_q), **f32)
     k_descale = scales((sk.batch, sk.heads, nblk_k), **f32)
     k_mean = torch.empty((sk.batch, sk.heads, dqk), **f32) if smooth_k else None
+    # a rotated K has its mean subtracted before the rotation: the mean in the inputs' space (k_mean is the rotated)
+    k_mean_input = torch.empty((n_kv, dqk), **f32) if smooth_k and rotate_mode else None
     v_descale = torch.empty((sk.batch, sk.heads, dv) if quantize_v else (1,), **f32)
     bd_qk, bd_v = triton.next_power_of_2(dqk), triton.next_power_of_2(dv)
     cu_k = sk.cu_arg(vamax)
@@ -351,7 +353,8 @@ def _quantize_block_fused(q, k, v, sq: _Seqs, sk: _Seqs, smooth_k: bool, quantiz
             ksum, vamax, cu_k, k_mean if k_mean is not None else v_descale, v_descale,
             cu_v if cu_v is not None else cu_k, v8_bytes, sk.seqlen_dense, sk.heads, nblk_k, sk.batch,
             v8.shape[0], v8_bytes.stride(1), v8_bytes.stride(2),
-            ksq, qsq, flags if flags is not None else v8_bytes, rot, sq.heads // sk.heads, inv_sqrt_d,
+            ksq, qsq, flags if flags is not None else v8_bytes,
+            k_mean_input if k_mean_input is not None else v_descale, rot, sq.heads // sk.heads, inv_sqrt_d,
             DQK=dqk, DV=dv, BLOCK_C=block_c, ROWS=rows, BLOCK_S=SCALE_BLOCK, VARLEN=sk.varlen,
             WANT_KSUM=smooth_k, WANT_V=quantize_v, ALIGN_V=V_TOKEN_ALIGN if cu_v is not None else 0,
             TAIL=ALIGNED_V_TAIL, ROTATE=rotate_mode, Q_SAMPLES=Q_SAMPLES, BLOCK_R=bd_qk,
@@ -366,7 +369,8 @@ def _quantize_block_fused(q, k, v, sq: _Seqs, sk: _Seqs, smooth_k: bool, quantiz
             sq.seqlen_dense, sk.seqlen_dense, sq.batch, sq.heads, sk.heads, nblk_q, nblk_k,
             *_strides(q, sq.varlen), *_strides(k, sk.varlen), *_strides(v, sk.varlen),
             *_strides(q8, sq.varlen), *_strides(k8, sk.varlen), *_strides(v8, sk.varlen),
-            flags if flags is not None else vamax, rot, inv_sqrt_d,
+            flags if flags is not None else vamax, k_mean_input if k_mean_input is not None else vamax, rot,
+            inv_sqrt_d,
             DQK=dqk, BLOCK_DQK=bd_qk, DV=dv, BLOCK_DV=bd_v, BLOCK_S=SCALE_BLOCK, V_PAD=V_TOKEN_ALIGN,
             VARLEN=sq.varlen, SMOOTH_K=smooth_k, EXACT_ROUND=dev.type == "cpu", PACKED=packed, ROTATE=rotate_mode,
             num_warps=FUSED_WARPS)
@@ -465,11 +469,6 @@ def _inv_sqrt(dim: int) -> float:
 
 #: ``quantize_fp8``'s ``rotate`` values: never, always, per KV head from the statistics
 ROTATE_CHOICES = (False, True, "auto")
-#: the fused rotation on a GPU. H200 runs 90-91 (tests/test_adaptive_rotation.py): dense calls matched the matmul
-#: pass, but packed (varlen) K came out unlike it (values a sign apart) and the LSE of massive-channel inputs missed
-#: its bound. Until a GPU run passes those tests, GPU calls take the matmul pass for ``rotate=True`` and refuse
-#: ``rotate="auto"`` (the CPU interpreter runs the fused rotation, which the CPU tests check)
-FUSED_ROTATION_GPU_VALIDATED = False
 
 
 def _rotate(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
@@ -519,15 +518,9 @@ def quantize_checked(q, k, v, granularity, smooth_k, cu_seqlens_q, cu_seqlens_k,
     rotate_mode = 0
     if rotate and q.shape[-1] > 1:
         rotation = rotation_matrix(q.shape[-1], q.device)
-        gpu_ok = q.device.type != "cuda" or FUSED_ROTATION_GPU_VALIDATED
-        if fused and fused_rotation_available(q.shape[-1]) and q.dtype == k.dtype and gpu_ok:
+        if fused and fused_rotation_available(q.shape[-1]) and q.dtype == k.dtype:
             rotate_mode = 2 if rotate == "auto" else 1
         elif rotate == "auto":  # the adaptive choice runs in the fused quantizer only: no rotation
-            if not gpu_ok:
-                raise NotImplementedError(
-                    'rotate="auto" runs in the fused quantizer, which is not yet validated on the GPU (packed K and '
-                    "the LSE of massive-channel inputs failed their checks on the H200): use rotate=True (a separate "
-                    "float32 matmul pass) or rotate=False")
             rotation = None
         else:  # a separate float32 matmul pass
             q, k = _rotate(q, rotation), _rotate(k, rotation)

@@ -222,6 +222,8 @@ run_steps() {
       accuracy_fa3) step accuracy_fa3 200 40 python3 -m leanfa.cli accuracy --no-plots \
                 --impl 'leanfa-hopper-fp8,leanfa-hopper-bf16,cudnn-fp8,cudnn-bf16,fa3-fp8,fa3-bf16' \
                 --out "$OUT/r/accuracy_fa3" ;;  # FA3's error vs float64 beside cuDNN and leanfa
+      model_accuracy) step model_accuracy 300 30 python3 -m leanfa.cli accuracy --model --seqlens 8k,32k \
+                --out "$OUT/r/model_accuracy" ;;  # a random 4-layer Llama-3-8B-shaped model: time, attention share, logits error
       stalls_fa3) step stalls_fa3 300 150 python3 scripts/ncu_stalls.py \
                 --impl leanfa-hopper-fp8-kernel,cudnn-fp8,fa3-fp8 --out "$OUT/r/stalls_fa3" ;;  # ncu: all three FP8
     esac

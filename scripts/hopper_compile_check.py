@@ -50,6 +50,18 @@ def variants():
     for dtype, d, page_size, varlen in (("bf16", 128, 64, True), ("bf16", 128, 128, True), ("bf16", 64, 16, True),
                                         ("bf16", 128, 64, False), ("bf16", 256, 128, True), ("mixed", 128, 64, True)):
         out.append(Variant(dtype, d, d, True, varlen=varlen, page_size=page_size))
+    # sliding windows (WINDOW: the band's key blocks only): causal windows, the general band, varlen, head dims
+    for dtype, (dqk, dv), causal, window, varlen in (
+            ("fp8", (128, 128), True, (4096, -1), False), ("bf16", (128, 128), True, (4096, -1), False),
+            ("mixed", (128, 128), True, (4096, -1), False), ("fp8", (128, 128), False, (256, 256), False),
+            ("bf16", (128, 128), False, (-1, 256), False), ("fp8", (128, 128), True, (4096, -1), True),
+            ("bf16", (128, 128), True, (4096, -1), True), ("fp8", (192, 128), True, (4096, -1), False),
+            ("bf16", (64, 64), True, (4096, -1), False), ("bf16", (256, 256), True, (4096, -1), False),
+            ("mixed", (256, 256), True, (4096, -1), False)):  # (FP8 d256 windows stay portable: ~550 B spills)
+        out.append(Variant(dtype, dqk, dv, causal, varlen=varlen, window=window))
+    # sliding windows over paged K/V (the band's absolute key blocks through the page table)
+    for dtype, d, page_size, varlen in (("bf16", 128, 64, True), ("bf16", 128, 128, False), ("mixed", 128, 64, True)):
+        out.append(Variant(dtype, d, d, True, varlen=varlen, page_size=page_size, window=(4096, -1)))
     # the default knobs above; below varlen, the other head dims, the sink and the measured options
     for dtype, causal in (("fp8", True), ("fp8", False), ("bf16", True), ("bf16", False)):  # head dim 64
         out.append(Variant(dtype, 64, 64, causal))

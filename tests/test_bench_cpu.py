@@ -75,6 +75,26 @@ def test_flops_conventions():
         2 * 4 * s * s * 256 for s in (7, 3, 5))
 
 
+def test_window_flops_and_sweep():
+    """A causal sliding window counts the pairs of its band (less the half diagonal, as causal): against a
+    brute-force count; the window sweep puts windows beside the plain causal cases it is compared with."""
+    def brute(sq, sk, left):
+        rows = [min(i + sk - sq, sk - 1) - max(0, i + sk - sq - left) + 1 for i in range(sq)]
+        return sum(n - 0.5 for n in rows if n > 0)
+
+    for sq, sk, left in ((100, 100, 10), (100, 300, 10), (100, 300, 250), (300, 100, 5), (64, 64, 0),
+                         (50, 80, 1000)):
+        assert shapes.attention_flops(1, 1, sq, sk, 1, 1, True, left) == 4 * brute(sq, sk, left)
+    assert shapes.attention_flops(1, 1, 50, 80, 1, 1, True, 1000) == shapes.attention_flops(1, 1, 50, 80, 1, 1, True)
+    cases = shapes.build_cases(["window"])
+    assert [(c.seqlen, c.window_left) for c in cases] == [(4096, -1), (8192, -1), (16384, 4096), (32768, 4096)]
+    assert all(c.causal and c.head_dim == 128 for c in cases)
+    assert cases[-1].window_size == (4096, 0) and cases[0].window_size == (-1, -1)
+    assert cases[-1].name.endswith("causal-w4096") and "window_left" not in cases[0].to_dict()
+    with pytest.raises(ValueError, match="causal"):
+        shapes.Case("window", "d128", "gaussian", 1, 64, 1, 1, 128, 128, False, window_left=8)
+
+
 def test_standard_sweep_shapes():
     cases = shapes.standard_cases()
     assert len(cases) == 2 * 2 * 7

@@ -12,11 +12,40 @@ from leanfa.api import _build_problem
 from leanfa.kernels import dispatch
 
 
-def _fake_hopper(ok=True, sink_dims=((64, 64), (128, 128))):
+def _fake_hopper(ok=True, sink_dims=((64, 64), (128, 128)), on_gpu=False):
+    """A Hopper package whose verdict is ``ok`` (or, for head dims outside its two, the head-dims refusal), on an
+    sm90 GPU when ``on_gpu``."""
+    dims = ((64, 64), (128, 128))
+    reason = lambda d: f"head dims {d[0]}/{d[1]} not in the fake kernel"  # noqa: E731
+
+    def supports(p):
+        d = (p.head_dim_qk, p.head_dim_v)
+        if d not in dims:
+            return False, reason(d)
+        return ok, "" if ok else "not on this GPU"
     return types.SimpleNamespace(
-        supports=lambda p: (ok, "" if ok else "not on this GPU"),
+        supports=supports, HEAD_DIMS=dims, head_dims_reason=reason,
+        device_problem=lambda p: "" if on_gpu else "no GPU here",
         sink_problem=lambda dims, keys: None if dims in sink_dims and keys == 128 else "unsupported sink",
     )
+
+
+@pytest.mark.parametrize("on_gpu", [True, False])
+def test_head_dims_only_the_portable_kernel_runs_warn_once_on_a_gpu(on_gpu, monkeypatch, gpu_validated):
+    """A head dim the Hopper kernel lacks runs on the portable kernel; where the Hopper kernel runs other calls
+    (an sm90 GPU) that is said once per process, elsewhere not at all."""
+    monkeypatch.setattr(dispatch, "_hopper", lambda: _fake_hopper(True, on_gpu=on_gpu))
+    monkeypatch.setattr(dispatch, "_WARNED", set())
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            choice = dispatch.choose(_problem(d=96), "auto")
+            assert choice.kernel == "portable" and "96/96" in choice.why
+        assert dispatch.choose(_problem(d=128), "auto").kernel == "hopper"
+    said = [str(w.message) for w in caught if "96/96" in str(w.message)]
+    assert len(said) == (1 if on_gpu else 0), said
 
 
 def _problem(fp8=False, d=128):

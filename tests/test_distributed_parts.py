@@ -14,7 +14,10 @@ from leanfa.distributed.checks import describe, validate
 from leanfa.distributed.layout import shard_of, unshard_from, varlen_runs, varlen_shard_indices
 from leanfa.distributed.ring import ALIGN, pack, unpack
 
-HEAD_DIMS = ((64, 64), (128, 128))
+
+
+def HEAD_DIMS(dqk, dv):  # (a stand-in for leanfa.api.head_dims_problem: 64 and 128 only)
+    return None if dqk == dv and dqk in (64, 128) else f"head dims (q/k {dqk}, v {dv}) are not supported"
 
 
 def _attend(q, k, v, mask=None):

@@ -58,7 +58,7 @@ def test_unsupported_option_raises(call, option):
 
 def test_bad_input_still_validated(device):
     """The drop-ins keep leanfa's argument checks (here: unsupported head dim)."""
-    q = torch.zeros(1, 8, 4, 96, dtype=BF16, device=device)
+    q = torch.zeros(1, 8, 4, 100, dtype=BF16, device=device)
     with pytest.raises(ValueError, match="head dims"):
         fa2.flash_attn_func(q, q[:, :, :2], q[:, :, :2])
 
@@ -152,3 +152,30 @@ def test_fa2_return_attn_probs_shapes(device):
                                                       return_attn_probs=True)
     assert torch.equal(out, want) and torch.equal(lse, want_lse)
     assert isinstance(fa2.flash_attn_func(q, k, v), torch.Tensor)  # plain out by default
+
+
+def test_flash_attn_combine_matches_attention_over_the_union(device):
+    """FA3's combine of two key halves' results equals attention over all keys (and an all -inf row is 0)."""
+    from leanfa import flash_attn_interface as fai
+
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 7, 4, 64, generator=g).to(torch.bfloat16).to(device) for _ in range(3))
+    whole, lse_whole = leanfa.flash_attn_func(q, k, v, return_lse=True, out_dtype=torch.float32)
+    parts = [leanfa.flash_attn_func(q, k[:, a:b], v[:, a:b], return_lse=True, out_dtype=torch.float32)
+             for a, b in ((0, 3), (3, 7))]
+    out_partial = torch.stack([o for o, _ in parts])
+    lse_partial = torch.stack([lse.transpose(1, 2) for _, lse in parts])  # (B, H, S) -> (B, S, H)
+    lse_partial[1, 0, 0, 0] = float("-inf")  # this split contributes nothing to one row
+    out_partial[1, 0, 0, 0] = float("nan")  # (and its output is never read)
+    out, lse = fai.flash_attn_combine(out_partial, lse_partial, out_dtype=torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and lse.shape == (2, 7, 4)
+    torch.testing.assert_close(out[1:].float(), whole[1:], atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse[1:], lse_whole[1:].transpose(1, 2), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[0, 0, 0].float(), parts[0][0][0, 0, 0], atol=2e-2, rtol=2e-2)
+    lse_partial[:, 1, 2, 3] = float("-inf")
+    out, lse = fai.flash_attn_combine(out_partial, lse_partial)
+    assert lse[1, 2, 3] == float("-inf") and torch.all(out[1, 2, 3] == 0)
+    with pytest.raises(ValueError, match="lse_partial"):
+        fai.flash_attn_combine(out_partial, lse_partial[..., :2])
+    lengths = torch.tensor([7, 7], dtype=torch.int32, device=device)
+    assert fai.get_scheduler_metadata(2, 7, 7, 4, 4, 64, lengths).numel() == 0

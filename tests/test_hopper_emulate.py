@@ -948,7 +948,7 @@ def test_v3_early_q_release_mutation_caught(monkeypatch):
     ind = "    "  # (the key loop of _consumer_tile, one level in)
     early = (f"{ind}EARLY_Q: gl.constexpr = not SINK and not HAS_KMEAN\n{ind}if EARLY_Q:\n{ind}    if n_end > 0:\n"
              f"{ind}        release_slot(q_empty, 0)\n")
-    loop = f"{ind}for j in range(FIRST, n_end - 1):\n"
+    loop = f"{ind}for j in range(first, n_end - 1):\n"
     assert early in src and loop in src
     qq = leanfa.quantize_fp8(*_inputs(1, 700, 700, 2, 1, 128, 128))
     p = _problem(qq.q, qq.k, qq.v, True, lse=False, **qq.descales())  # no LSE: the early release applies

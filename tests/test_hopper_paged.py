@@ -62,8 +62,9 @@ def _problem(q, k, v, causal=True, **kw):
     return _build_problem(q, k, v, **args)
 
 
-def _varlen(lens_q, lens_k, hq, hkv, d, page_size, causal, seed=0, device="cpu"):
-    """A packed chunked-prefill batch over paged caches, and the same batch with packed (contiguous) K/V."""
+def _varlen(lens_q, lens_k, hq, hkv, d, page_size, causal, seed=0, device="cpu", window=(-1, -1)):
+    """A packed chunked-prefill batch over paged caches, and the same batch with packed (contiguous) K/V
+    (``window``: flash-attn's ``window_size``, on both)."""
     gen = torch.Generator().manual_seed(seed)
     ks = [torch.randn((n, hkv, d), generator=gen) + 0.5 for n in lens_k]
     vs = [torch.randn((n, hkv, d), generator=gen) for n in lens_k]
@@ -71,8 +72,9 @@ def _varlen(lens_q, lens_k, hq, hkv, d, page_size, causal, seed=0, device="cpu")
     q = torch.randn((sum(lens_q), hq, d), generator=gen).to(BF16).to(device)
     cu = dict(varlen=True, cu_seqlens_q=cu_seqlens(lens_q, device), cu_seqlens_k=cu_seqlens(lens_k, device),
               max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k))
-    paged = _problem(q, kc, vc, causal, page_table=table, **cu)
-    contiguous = _problem(q, torch.cat(ks).to(BF16).to(device), torch.cat(vs).to(BF16).to(device), causal, **cu)
+    paged = _problem(q, kc, vc, causal, page_table=table, window_size=window, **cu)
+    contiguous = _problem(q, torch.cat(ks).to(BF16).to(device), torch.cat(vs).to(BF16).to(device), causal,
+                          window_size=window, **cu)
     return paged, contiguous
 
 
@@ -82,7 +84,8 @@ def _emulate_and_check(paged, contiguous):
     out, lse, _ = emulate(paged)
     p = paged
     ref, ref_lse = attention_ref(p.q, p.k, p.v, causal=p.causal, return_lse=True, cu_seqlens_q=p.cu_seqlens_q,
-                                 cu_seqlens_k=p.cu_seqlens_k, page_table=p.page_table)
+                                 cu_seqlens_k=p.cu_seqlens_k, page_table=p.page_table,
+                                 window_size=(p.window_left, p.window_right))
     assert not torch.isnan(out).any() and not torch.isnan(lse).any(), "NaN (unwritten, or a page not to read)"
     assert rel_l2(out, ref) < 1e-2
     fin = torch.isfinite(ref_lse)
@@ -161,7 +164,7 @@ def _mixed(p):
     q8 = p.q.to(FP8)
     k8 = p.k.float().clamp(-448, 448).to(FP8)  # (the tail rows' 1e4 as e4m3's largest; unread NaN pages stay NaN)
     kw = dict(varlen=p.varlen, cu_seqlens_q=p.cu_seqlens_q, cu_seqlens_k=p.cu_seqlens_k, max_seqlen_q=p.max_seqlen_q,
-              max_seqlen_k=p.max_seqlen_k)
+              max_seqlen_k=p.max_seqlen_k, window_size=(p.window_left, p.window_right))
     return _problem(q8, k8, p.v, p.causal, page_table=p.page_table, **kw) if p.paged else _problem(q8, k8, p.v,
                                                                                                    p.causal, **kw)
 
@@ -176,9 +179,9 @@ def test_emulated_mixed_mode(page_size):
     _emulate_and_check(p, _mixed(contiguous))
 
 
-def _mutated_catches(fn, edits):
-    """``fn`` with each ``(old, new)`` of ``edits`` made makes the emulated paged call fail (an emulator error, NaN,
-    or a wrong answer)."""
+def _mutated_catches(fn, edits, window=(-1, -1)):
+    """``fn`` with each ``(old, new)`` of ``edits`` made makes the emulated paged call (with ``window``) fail (an
+    emulator error, NaN, or a wrong answer)."""
     from leanfa.kernels.hopper.emulate import EmulationError, emulate, reset_shadows, shadow
 
     src = inspect.getsource(fn.fn)
@@ -187,7 +190,7 @@ def _mutated_catches(fn, edits):
         src = src.replace(old, new)
     reset_shadows()
     shadow(fn, source=src)
-    paged, _ = _varlen(*LENS, 4, 2, 64, 64, True, seed=1)
+    paged, _ = _varlen(*LENS, 4, 2, 64, 64, True, seed=1, window=window)
     try:
         try:
             out, _, _ = emulate(paged)
@@ -195,7 +198,7 @@ def _mutated_catches(fn, edits):
             return
         p = paged
         ref = attention_ref(p.q, p.k, p.v, causal=True, cu_seqlens_q=p.cu_seqlens_q, cu_seqlens_k=p.cu_seqlens_k,
-                            page_table=p.page_table)
+                            page_table=p.page_table, window_size=window)
         assert torch.isnan(out).any() or rel_l2(out, ref) > 1e-2, "mutation not caught"
     finally:
         reset_shadows()
@@ -214,6 +217,54 @@ def test_emulated_mutations_caught(fn, edits):
     from leanfa.kernels.hopper import pipeline
 
     _mutated_catches(getattr(pipeline, fn), edits)
+
+
+#: (window_size, causal): a causal window at a block edge and inside one, the general band, a right side alone
+WINDOWS = [((128, -1), True), ((70, -1), True), ((200, 50), False), ((-1, 100), False)]
+
+
+@emulation
+@pytest.mark.parametrize("page_size", [16, 64, 128])
+@pytest.mark.parametrize("window,causal", WINDOWS)
+@pytest.mark.parametrize("persistent", ["0", "1"])
+def test_emulated_window_over_pages(page_size, window, causal, persistent, monkeypatch):
+    """Sliding windows over paged K/V: the producer starts at the band's first key block, an absolute block of the
+    sequence, and loads it through the page table: the reference, and the bits of the same window over contiguous
+    K/V (the same band blocks in the same order)."""
+    monkeypatch.setenv("LEANFA_HOPPER_PERSISTENT", persistent)
+    paged, contiguous = _varlen(*LENS, 4, 2, 64, page_size, causal, seed=page_size + 1, window=window)
+    assert paged.has_window
+    _emulate_and_check(paged, contiguous)
+
+
+@emulation
+def test_emulated_window_over_pages_dense_q_and_mixed():
+    """A window over the whole table with dense q (``flash_attn_func``'s form), and the mixed mode with a window."""
+    from leanfa.kernels.hopper.emulate import emulate
+
+    gen = torch.Generator().manual_seed(11)
+    ks = [torch.randn((384, 1, 64), generator=gen) for _ in range(2)]
+    vs = [torch.randn((384, 1, 64), generator=gen) for _ in range(2)]
+    kc, vc, table = _caches(ks, vs, 64, gen)
+    table = table[:, :6].contiguous()  # exactly the sequences' pages: capacity 384
+    q = torch.randn((2, 300, 2, 64), generator=gen).to(BF16)
+    out, lse, _ = emulate(_problem(q, kc, vc, page_table=table, window_size=(100, -1)))
+    ref, ref_lse = attention_ref(q, kc, vc, causal=True, return_lse=True, page_table=table, window_size=(100, -1))
+    assert rel_l2(out, ref) < 1e-2 and float((lse.double() - ref_lse).abs().max()) < 1e-3
+    want, want_lse, _ = emulate(_problem(q, torch.stack(ks).to(BF16), torch.stack(vs).to(BF16),
+                                         window_size=(100, -1)))
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    paged, contiguous = _varlen(*LENS, 4, 2, 64, 64, True, seed=5, window=(129, -1))
+    _emulate_and_check(_mixed(paged), _mixed(contiguous))
+
+
+@emulation
+def test_emulated_window_over_pages_mutation_caught():
+    """The paged load must get the absolute key block: a block relative to the band's first is caught."""
+    from leanfa.kernels.hopper import pipeline
+
+    _mutated_catches(pipeline.produce_kv, [("load_kv_paged(k_desc, v_desc, hkv, j,",
+                                            "load_kv_paged(k_desc, v_desc, hkv, j - FIRST,")], window=(100, -1))
 
 
 # ----------------------------------------------------------------------------- host side (CPU)
@@ -242,8 +293,8 @@ def _plain():
 
 
 def test_dispatch_routes_paged(monkeypatch):
-    """Paged calls the Hopper kernel reads go there with no warning; the forms it does not read (packed q without
-    cu_seqlens_k, FP8 V, seqused_k) run on the portable kernel with one warning each."""
+    """Paged calls the Hopper kernel reads go there with no warning, with a sliding window too; the forms it does
+    not read (packed q without cu_seqlens_k, FP8 V, seqused_k) run on the portable kernel with one warning each."""
     dispatch = hopper_accepts_everything(monkeypatch)
     paged = dataclasses.replace(_plain(), k=KC, v=KC, kv_heads=1, max_seqlen_k=128, page_table=TABLE)
     with warnings.catch_warnings():
@@ -252,6 +303,10 @@ def test_dispatch_routes_paged(monkeypatch):
     packed = dict(q=Q[0], cu_seqlens_q=torch.tensor([0, 8], dtype=I32))
     varlen = dataclasses.replace(paged, **packed, cu_seqlens_k=torch.tensor([0, 100], dtype=I32))
     assert dispatch.hopper_applies(varlen) == (True, "")
+    with warnings.catch_warnings():  # a sliding window over the pages: the Hopper kernel too
+        warnings.simplefilter("error")
+        assert dispatch.hopper_applies(dataclasses.replace(varlen, window_left=100)) == (True, "")
+        assert dispatch.hopper_applies(dataclasses.replace(paged, window_left=30, window_right=5)) == (True, "")
     per_sequence = dataclasses.replace(paged, **packed)
     with pytest.warns(UserWarning, match="packed queries and no cu_seqlens_k"):
         assert not dispatch.hopper_applies(per_sequence)[0]
@@ -304,6 +359,9 @@ def test_make_plan_paged():
     big = L.make_plan(q, kc.reshape(3, 128, 1, 128), kc.reshape(3, 128, 1, 128), out, None, *scales,
                       page_table=table[:, :2], **common)
     assert big.constexprs["KV_BOXES"] == 1 and list(big.args[1].block_shape) == [1, 1, 128, 128]
+    both = L.make_plan(q, kc, kc, out, None, *scales, page_table=table, window=(50, -1), **common)  # + a window
+    assert both.constexprs["WINDOW"] and not both.constexprs["CAUSAL"] and both.constexprs["PAGE_SIZE"] == 64
+    assert both.args[at] is table and list(both.args[1].block_shape) == [1, 1, 64, 128]
     with pytest.raises(ValueError, match="paged FP8 V"):
         L.make_plan(q.to(FP8), kc.to(FP8), kc.to(FP8), out, None, *scales, page_table=table, **common)
     plain = L.make_plan(q, q[:, :, :1], q[:, :, :1], out, None, *scales, **common)
@@ -395,6 +453,32 @@ def test_gpu_mixed_mode(page_size):
     gold = attention_ref(p.q, p.k, p.v, causal=True, cu_seqlens_q=p.cu_seqlens_q, cu_seqlens_k=p.cu_seqlens_k,
                          page_table=p.page_table)
     assert rel_l2(out, gold) < 3e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [16, 64, 128])
+@pytest.mark.parametrize("window,causal", [((1024, -1), True), ((700, 300), False)])
+def test_gpu_window_over_pages(page_size, window, causal):
+    """A sliding window over paged caches (vLLM's ``block_table`` call with ``cu_seqlens_k``) on the Hopper kernel:
+    ``backend="auto"`` picks it, the reference, and the bits of the same window over contiguous K/V."""
+    if not _sm90():
+        pytest.skip("the Hopper kernel needs sm90")
+    from leanfa.kernels import dispatch
+
+    lens_q, lens_k = [512, 1000, 77, 2048, 1], [3000, 1000, 4100, 2048, 700]
+    paged, contiguous = _varlen(lens_q, lens_k, 16, 4, 128, page_size, causal, seed=page_size, device="cuda",
+                                window=window)
+    assert dispatch.choose(paged, "auto").kernel == "hopper"
+    out, lse = dispatch.run(paged, "hopper")
+    p = paged
+    ref, ref_lse = attention_ref(p.q, p.k, p.v, causal=causal, return_lse=True, cu_seqlens_q=p.cu_seqlens_q,
+                                 cu_seqlens_k=p.cu_seqlens_k, page_table=p.page_table, window_size=window)
+    assert rel_l2(out, ref) < TOL[BF16]
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isinf(lse), ~fin)
+    assert float((lse.double() - ref_lse)[fin].abs().max()) < 1e-3
+    want, want_lse = dispatch.run(contiguous, "hopper")
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
 
 
 @pytest.mark.gpu

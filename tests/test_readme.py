@@ -186,7 +186,7 @@ def test_snippet_runner_can_fail():
         run_snippet("import torch\nassert torch.ones(1).sum() == 2\n")
     with pytest.raises(ValueError, match="head dims"):
         run_snippet(f"import torch, leanfa\n{DEVICE_LINE}\n"
-                    "q = torch.zeros(1, 8, 2, 96, device=device, dtype=torch.bfloat16)\n"
+                    "q = torch.zeros(1, 8, 2, 100, device=device, dtype=torch.bfloat16)\n"
                     "leanfa.flash_attn_func(q, q, q)\n")
 
 

@@ -89,10 +89,10 @@ def test_keys_outside_the_band_are_never_loaded(device):
     k, v = _rand((1, 256, 1, 64), device), _rand((1, 256, 1, 64), device)
     kw = dict(causal=True, window_size=(20, -1), return_lse=True)
     ref, ref_lse = attention_ref(q, k, v, **kw)
-    # rows see keys [i + 224 - 20, i + 224]: keys below 204 are outside every window; blocks below 192
-    # (a multiple of every tile width the kernel uses: 32, 64) hold none of them
+    # rows see keys [i + 224 - 20, i + 224]: keys below 204 are outside every window; the keys below 128 (a
+    # multiple of every key block width the kernels use: 32, 64, 128) lie in blocks that hold none of them
     kn, vn = k.clone(), v.clone()
-    kn[:, :192], vn[:, :192] = float("nan"), float("nan")
+    kn[:, :128], vn[:, :128] = float("nan"), float("nan")
     out, lse = leanfa.flash_attn_func(q, kn, vn, **kw)
     _check(out, lse, ref, ref_lse, TOL[BF16])
 
@@ -258,14 +258,38 @@ def _plain_problem():
                    out_dtype=BF16, return_lse=False)
 
 
+@pytest.mark.parametrize("change", [dict(window_left=4), dict(causal=False, window_right=2),
+                                    dict(causal=False, window_left=3, window_right=5)])
+def test_hopper_dispatch_takes_windows(monkeypatch, change):
+    """Sliding windows run on the Hopper kernel (its WINDOW path), with no warning."""
+    dispatch = hopper_accepts_everything(monkeypatch)
+    problem = dataclasses.replace(_plain_problem(), **change)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert dispatch.hopper_applies(problem) == (True, "")
+        assert dispatch.portable_only_reason(problem) == ""
+
+
+def test_hopper_dispatch_keeps_fp8_d256_windows_portable(monkeypatch):
+    """FP8 (P.V in e4m3) at head dim 256 with a window runs on the portable kernel, with the reason; without a
+    window, or in BF16, at head dim 256 it stays on the Hopper kernel."""
+    dispatch = hopper_accepts_everything(monkeypatch)
+    q8 = torch.zeros(1, 8, 2, 256, dtype=torch.float8_e4m3fn)
+    wide = dataclasses.replace(_plain_problem(), q=q8, k=q8, v=q8, head_dim_qk=256, head_dim_v=256)
+    assert dispatch.hopper_applies(wide) == (True, "")
+    with pytest.warns(UserWarning, match="head dim 256"):
+        assert not dispatch.hopper_applies(dataclasses.replace(wide, window_left=4))[0]
+    assert dispatch.portable_only_reason(dataclasses.replace(_plain_problem(), head_dim_qk=256, head_dim_v=256,
+                                                             window_left=4)) == ""
+
+
 @pytest.mark.parametrize("change,reason", [
-    (dict(window_left=4), "sliding-window attention"),
-    (dict(causal=False, window_right=2), "sliding-window attention"),
     (dict(softcap=30.0), "softcap is not implemented in the Hopper kernel"),
+    (dict(window_left=4, softcap=30.0), "softcap is not implemented in the Hopper kernel"),
 ])
 def test_hopper_dispatch_refuses_with_one_warning(monkeypatch, change, reason):
-    """Where the Hopper kernel would run a call, a windowed or soft-capped call runs on the portable kernel
-    with one warning per process; backend="hopper" raises with the reason."""
+    """Where the Hopper kernel would run a call, a soft-capped call (with or without a window) runs on the
+    portable kernel with one warning per process; backend="hopper" raises with the reason."""
     dispatch = hopper_accepts_everything(monkeypatch)
     plain = _plain_problem()
     assert dispatch.hopper_applies(plain) == (True, "")

@@ -16,6 +16,8 @@ One concern per module:
 * :mod:`.errors` — error metrics and the float64 reference on a head subset;
 * :mod:`.runner` — the check-then-time loop and ratios (to cuDNN, to the best peer);
 * :mod:`.accuracy` — ``leanfa accuracy``;
+* :mod:`.model_accuracy` — ``leanfa accuracy --model``: a random Llama-shaped transformers model's prefill
+  with each attention implementation (time, attention share, logits error);
 * :mod:`.profile` / :mod:`.profile_child` — ``leanfa profile`` under Nsight Compute;
 * :mod:`.report` / :mod:`.env` — JSON, markdown, PNG; environment and output folder;
 * :mod:`.cli` — argument parsing; ``leanfa.cli`` calls :func:`.cli.main`.

@@ -48,7 +48,16 @@ BF16 Q/K/V; the table gives relative L2 error, max abs error and the worst row's
 each row's error over that of the most accurate peer of its precision (cuDNN, FA3).
 Results: JSON, markdown and a PNG in bench/results/<date>-<gpu>/ (or --out).
 
-Needs a CUDA GPU.""",
+With --model, the error of a whole model instead: a Llama-shaped model with random weights (fixed seed,
+nothing downloaded; Q and K get the outlier statistics of the activation profiles through its weights)
+prefills one prompt per length with each attention implementation: transformers' SDPA (the reference),
+leanfa BF16, leanfa FP8, FP8 Q.K with BF16 P.V, the FP8 accuracy levers (no K smoothing, Hadamard rotation,
+the first 128 keys in BF16) and FlashAttention-3 FP8 where it is installed. For each: the prefill time,
+attention's share of it, and the relative L2 error of the logits against the SDPA model in BF16 and in
+float32. Results: JSON and markdown (model-accuracy.*).
+
+Needs a CUDA GPU, except --model: without one it runs a tiny model on a short prompt under Triton's CPU
+interpreter (errors only, no times).""",
     "profile": """Read the hardware counters of one attention call under Nsight Compute (ncu): kernel
 time, SM clock, tensor-core, MUFU and issue utilization, registers, shared memory.
 
@@ -69,6 +78,8 @@ EXAMPLES = {
   leanfa bench --sweep serving          # packed serving batches, chunked prefill included
   leanfa bench --sweep chunked --quick --impl 'leanfa-*-bf16*,leanfa-*-fp8-kernel,leanfa-*-kvhead*,leanfa-*-paged*,fa3-*'
                                         # chunked prefill: paged K/V beside contiguous, and FA3
+  leanfa bench --sweep window --impl 'leanfa-hopper-bf16,leanfa-hopper-fp8-kernel,fa3-*'
+                                        # sliding window 4096 at 16K/32K beside causal 4K/8K (FLOPs of the band)
   leanfa bench --list                   # implementations, and why any cannot run here
   leanfa bench --dry-run --quick        # the cases, without running anything
 """,
@@ -76,6 +87,9 @@ EXAMPLES = {
   leanfa accuracy                       # every profile, S = 2048, causal
   leanfa accuracy --seqlen 8192 --impl leanfa-hopper-fp8,cudnn-fp8,fa3-fp8
   leanfa accuracy --inputs layer3.safetensors --profiles gaussian
+  leanfa accuracy --model               # 4 layers with Llama-3-8B's shapes at 8K and 32K tokens (GPU)
+  leanfa accuracy --model --seqlens 8k,64k --layers 2 --impl 'leanfa*,fa3_fp8'
+  leanfa accuracy --model --list        # the implementations it compares
 """,
     "profile": """examples:
   leanfa profile --model llama3-8b --seqlen 8192
@@ -129,8 +143,10 @@ def build_parser(command: str) -> argparse.ArgumentParser:
     if command == "bench":
         _common(p)
         p.add_argument("--sweep", default="standard,models,varlen",
-                       help="comma list of standard,models,varlen,serving,chunked (default standard,models,varlen; "
-                            "chunked: the serving sweep's chunked-prefill batches alone)")
+                       help="comma list of standard,models,varlen,serving,chunked,window (default "
+                            "standard,models,varlen; chunked: the serving sweep's chunked-prefill batches alone; "
+                            "window: causal sliding windows of 4096 keys at 16K/32K beside causal 4K/8K, "
+                            "--seqlens sets the windowed lengths)")
         p.add_argument("--seqlens", help="comma list overriding the sweeps' sequence lengths "
                                          "(e.g. 1k,4k,16k)")
         p.add_argument("--causal", choices=("both", "true", "false"),
@@ -153,13 +169,35 @@ def build_parser(command: str) -> argparse.ArgumentParser:
         p.add_argument("--dry-run", action="store_true", help="print the cases and exit")
     elif command == "accuracy":
         _common(p)
+        p.set_defaults(precision=None)  # fp8,bf16; None tells that --precision was not given (--model refuses it)
         p.add_argument("--profiles", help="comma list of activation presets (default: all)")
         p.add_argument("--inputs", action="append", default=[], metavar="FILE.safetensors",
                        help="captured activations (repeatable; see leanfa.activations)")
-        p.add_argument("--seqlen", type=int, default=2048, help="tokens per sequence (default 2048)")
-        p.add_argument("--batch", type=int, default=1, help="sequences (default 1)")
-        p.add_argument("--causal", type=_bool, default=True, help="true or false (default true)")
+        p.add_argument("--seqlen", type=int, help="tokens per sequence (default 2048)")
+        p.add_argument("--batch", type=int, help="sequences (default 1)")
+        p.add_argument("--causal", type=_bool, help="true or false (default true)")
         p.add_argument("--no-plots", action="store_true", help="write JSON and markdown only")
+        m = p.add_argument_group(
+            "the model-level measurement (--model)",
+            "--impl then picks among sdpa, leanfa, leanfa_fp8, leanfa_fp8qk, leanfa_fp8_no_smooth_k, "
+            "leanfa_fp8_rotate, leanfa_fp8_sink128, fa3_fp8, identity (names or globs; sdpa, the reference, "
+            "always runs). Shape defaults: Llama-3-8B's on a GPU (4 layers), a tiny model on a CPU.")
+        m.add_argument("--model", action="store_true",
+                       help="measure a whole (random, Llama-shaped) model's prefill instead of single calls")
+        m.add_argument("--seqlens", help="comma list of prompt lengths (default 8k,32k on a GPU, 256 on a CPU)")
+        m.add_argument("--layers", type=int, help="decoder layers (default 4 on a GPU, 2 on a CPU)")
+        m.add_argument("--hidden", type=int, help="hidden size (default 4096; CPU 64)")
+        m.add_argument("--heads", type=int, help="query heads (default 32; CPU 4)")
+        m.add_argument("--kv-heads", type=int, help="key/value heads (default 8; CPU 2)")
+        m.add_argument("--head-dim", type=int, help="head dim (default 128; CPU 64)")
+        m.add_argument("--intermediate", type=int, help="MLP size (default 14336; CPU 128)")
+        m.add_argument("--vocab", type=int, help="vocabulary (default 128256; CPU 256)")
+        m.add_argument("--massive", type=float,
+                       help="magnitude of the massive Q/K pair in units of the token std (default 14, as "
+                            "measured on Llama-3-8B; 0: none)")
+        m.add_argument("--reps", type=int, default=3, help="timed prefills per row (default 3)")
+        m.add_argument("--no-fp32-ref", action="store_true",
+                       help="skip the float32 reference model (saves its memory and time)")
     elif command == "profile":
         p.add_argument("--impl", default=DEFAULT_PROFILE_IMPLS,
                        help=f"comma list of implementations, profiled one by one (default "
@@ -227,7 +265,7 @@ def _print_impls(impls) -> int:
 def _select_impls(args):
     from .impls import all_impls, select
 
-    precisions = _csv(args.precision)
+    precisions = _csv(args.precision or "fp8,bf16")
     bad = [p for p in precisions or [] if p not in ("fp8", "bf16")]
     if bad:
         raise ValueError(f"--precision takes fp8,bf16; got {bad}")
@@ -251,6 +289,10 @@ def main(command: str, argv: list[str]) -> int:
             from .impls import all_impls
 
             return _print_impls(all_impls())
+        if command == "accuracy" and args.model:
+            return _model_accuracy(args)
+        if command == "accuracy":
+            _refuse_model_options(args)
         if command != "profile" and args.list:
             return _print_impls(_select_impls(args))
         if command == "bench" and args.dry_run:
@@ -366,13 +408,84 @@ def _accuracy(args) -> int:
         if not os.path.exists(f):
             raise FileNotFoundError(f"--inputs {f}: no such file")
     env = environment()
-    rows = run_accuracy(profiles, args.inputs, impls, batch=args.batch, seqlen=args.seqlen,
-                        causal=args.causal, seed=args.seed)
-    payload = {"kind": "accuracy", "env": env, "argv": sys.argv[1:], "seqlen": args.seqlen,
-               "batch": args.batch, "causal": args.causal, "rows": rows}
+    seqlen, batch = args.seqlen or 2048, args.batch or 1
+    causal = True if args.causal is None else args.causal
+    rows = run_accuracy(profiles, args.inputs, impls, batch=batch, seqlen=seqlen, causal=causal, seed=args.seed)
+    payload = {"kind": "accuracy", "env": env, "argv": sys.argv[1:], "seqlen": seqlen,
+               "batch": batch, "causal": causal, "rows": rows}
     for f in write_accuracy(_out_dir(args), payload, plots=not args.no_plots):
         print(f"wrote {f}")
     return 0 if any(r["status"] == "ok" for r in rows) else 1
+
+
+#: accuracy options of the model-level measurement (their argparse dests), and those of per-call accuracy
+MODEL_OPTIONS = ("seqlens", "layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab", "massive")
+CALL_OPTIONS = ("profiles", "inputs", "seqlen", "batch", "causal", "precision")
+
+
+def _option(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _refuse_model_options(args) -> None:
+    given = [_option(d) for d in MODEL_OPTIONS if getattr(args, d) is not None]
+    given += ["--no-fp32-ref"] * args.no_fp32_ref + ["--reps"] * (args.reps != 3)
+    if given:
+        raise ValueError(f"{', '.join(given)}: only with --model (the model-level measurement)")
+
+
+def _model_spec(args, cpu: bool):
+    from .model_accuracy import ModelSpec
+
+    given = {d: getattr(args, d) for d in ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate",
+                                           "vocab", "massive") if getattr(args, d) is not None}
+    spec = ModelSpec.tiny(**given) if cpu else ModelSpec(**given)
+    spec.check()
+    return spec
+
+
+def _model_accuracy(args) -> int:
+    """``leanfa accuracy --model``: on a GPU, or without one under Triton's CPU interpreter (set here, before
+    triton is imported)."""
+    wrong = [_option(d) for d in CALL_OPTIONS if getattr(args, d) not in (None, [])]
+    if wrong:
+        hint = " (use --seqlens)" if "--seqlen" in wrong else ""
+        raise ValueError(f"{', '.join(wrong)}: not an option of --model{hint}")
+    from .model_accuracy import ROWS, row_available, select_rows
+
+    if args.list:
+        for r in ROWS:
+            ok, why = row_available(r.name)
+            print(f"{r.name:<24} {r.precision:<6} {'available' if ok else 'unavailable: ' + why} — {r.description}")
+        return 0
+    import torch
+
+    cpu = not torch.cuda.is_available()
+    if cpu:
+        os.environ["TRITON_INTERPRET"] = "1"  # leanfa's kernels are imported later, by the first call
+    seqlens = _ints(args.seqlens) or ([256] if cpu else [8192, 32768])
+    rows = select_rows(_csv(args.impl))
+    spec = _model_spec(args, cpu)
+    if args.reps < 1:
+        raise ValueError(f"--reps must be at least 1, got {args.reps}")
+    import dataclasses
+
+    from .env import environment
+    from .model_accuracy import run_model_accuracy
+    from .report import model_accuracy_markdown, write_model_accuracy
+
+    where = "CPU (Triton interpreter; errors only)" if cpu else torch.cuda.get_device_name()
+    print(f"leanfa accuracy --model: {spec.layers} layers, hidden {spec.hidden}, heads {spec.heads}/{spec.kv_heads} "
+          f"d{spec.head_dim}, S = {', '.join(map(str, seqlens))}, on {where}", flush=True)
+    out = run_model_accuracy(spec, seqlens, rows, device="cpu" if cpu else "cuda", seed=args.seed, reps=args.reps,
+                             fp32_reference=not args.no_fp32_ref)
+    payload = {"kind": "model-accuracy", "env": environment(), "argv": sys.argv[1:],
+               "model": {**dataclasses.asdict(spec), "q_std": spec.q_token_std}, "seed": args.seed,
+               "seqlens": seqlens, "reps": args.reps, "timed": not cpu, "rows": out}
+    print("\n" + model_accuracy_markdown(payload).split("\n\n")[-1])
+    for f in write_model_accuracy(_out_dir(args), payload):
+        print(f"wrote {f}")
+    return 0 if all(r["status"] != "FAILED" for r in out) else 1
 
 
 def _profile(args) -> int:

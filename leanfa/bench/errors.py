@@ -62,7 +62,7 @@ def _subset(inputs):
     return inputs.q[:1, :, q_idx], inputs.k[:1, :, kv_idx], inputs.v[:1, :, kv_idx], {}, q_idx, True
 
 
-def reference_subset(inputs, causal: bool) -> tuple[torch.Tensor, list[int], bool]:
+def reference_subset(inputs, causal: bool, window_size=(-1, -1)) -> tuple[torch.Tensor, list[int], bool]:
     """Float64 reference output on the head subset (batch 0 unless varlen).
 
     Returns ``(ref, q_heads, batch0)``: compare it with ``out[:1, :, q_heads]`` (or
@@ -71,14 +71,14 @@ def reference_subset(inputs, causal: bool) -> tuple[torch.Tensor, list[int], boo
     from leanfa.reference import attention_ref
 
     q, k, v, kw, q_idx, batch0 = _subset(inputs)
-    return attention_ref(q, k, v, causal=causal, **kw), q_idx, batch0
+    return attention_ref(q, k, v, causal=causal, window_size=window_size, **kw), q_idx, batch0
 
 
 #: an FP8 row passes its check below max(CHECK_TOL["fp8"], FP8_FLOOR_FACTOR x the FP8 floor)
 FP8_FLOOR_FACTOR = 2.0
 
 
-def fp8_rounding_floor(inputs, causal: bool, ref: torch.Tensor) -> float:
+def fp8_rounding_floor(inputs, causal: bool, ref: torch.Tensor, window_size=(-1, -1)) -> float:
     """Relative L2 error of *exact* attention on Q, K, V rounded to e4m3 with one scale per
     tensor, on the checked head subset: the error any FP8 attention starts from before smarter
     scaling (cuDNN FP8 sits near it). On activations with strong K outliers (Qwen2.5) it
@@ -92,7 +92,7 @@ def fp8_rounding_floor(inputs, causal: bool, ref: torch.Tensor) -> float:
         return (x / s).to(torch.float8_e4m3fn).double() * s
 
     q, k, v, kw, _, _ = _subset(inputs)
-    out = attention_ref(e4m3(q), e4m3(k), e4m3(v), causal=causal, **kw)
+    out = attention_ref(e4m3(q), e4m3(k), e4m3(v), causal=causal, window_size=window_size, **kw)
     return error_metrics(out, ref)["rel_l2"]
 
 

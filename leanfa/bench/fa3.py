@@ -128,6 +128,8 @@ def call(case, x, fp8: bool) -> tuple[Callable[[], torch.Tensor], str]:
     fa3 = module()
     q, k, v = x.q, x.k, x.v
     kw: dict = {"causal": case.causal}
+    if case.window_left >= 0:  # a causal sliding window (the window sweep)
+        kw["window_size"] = case.window_size
     note = fa3.__name__
     if fp8:
         # Q's scales per sequence of queries, K's and V's per sequence of keys (longer in a

@@ -137,15 +137,25 @@ def _leanfa_call(fn: Callable[[], Any]) -> Callable[[], Any]:
     return run
 
 
+def _window_kw(case: Case) -> dict:
+    """The case's sliding window as leanfa's (and flash-attn's) keyword (none without one)."""
+    return {"window_size": case.window_size} if case.window_left >= 0 else {}
+
+
+def _no_window(case: Case, what: str) -> None:
+    if case.window_left >= 0:
+        raise NotApplicable(f"{what}: not wired for sliding windows")
+
+
 def _leanfa_bf16(backend: str):
     def prepare(case: Case, x: Inputs) -> Prepared:
         lf = _leanfa()
         if x.varlen:
             return Prepared(_leanfa_call(lambda: lf.flash_attn_varlen_func(
                 x.q, x.k, x.v, x.cu_seqlens, x.cu_seqlens_k, x.max_seqlen, x.max_seqlen_k,
-                causal=case.causal, backend=backend)))
+                causal=case.causal, backend=backend, **_window_kw(case))))
         return Prepared(_leanfa_call(lambda: lf.flash_attn_func(x.q, x.k, x.v, causal=case.causal,
-                                                                backend=backend)))
+                                                                backend=backend, **_window_kw(case))))
     return prepare
 
 
@@ -153,7 +163,7 @@ def _leanfa_fp8_e2e(backend: str, precision: str = "fp8"):
     """attention(precision="fp8"), or "fp8qk" (the mixed mode: FP8 Q·K, BF16 P·V)."""
     def prepare(case: Case, x: Inputs) -> Prepared:
         lf = _leanfa()
-        kw = _varlen_kw(x) if x.varlen else {}
+        kw = {**(_varlen_kw(x) if x.varlen else {}), **_window_kw(case)}
         return Prepared(_leanfa_call(lambda: lf.attention(x.q, x.k, x.v, causal=case.causal,
                                                           precision=precision, backend=backend, **kw)))
     return prepare
@@ -166,6 +176,7 @@ def _leanfa_fp8_sink(backend: str, prefix: int = 128):
         lf = _leanfa()
         if x.varlen and backend == "hopper":
             raise NotApplicable("bf16_sink_keys with backend='hopper' is the dense-only split")
+        _no_window(case, "bf16_sink_keys")
         kw = _varlen_kw(x) if x.varlen else {}
         return Prepared(_leanfa_call(lambda: lf.attention(x.q, x.k, x.v, causal=case.causal, precision="fp8",
                                                           backend=backend, bf16_sink_keys=prefix, **kw)))
@@ -179,10 +190,10 @@ def _leanfa_fp8_kernel(backend: str):
             quant = lf.quantize_fp8(x.q, x.k, x.v, granularity="block", smooth_k=True, **_varlen_kw(x))
             return Prepared(_leanfa_call(lambda: lf.flash_attn_varlen_func(
                 quant, None, None, x.cu_seqlens, x.cu_seqlens_k, x.max_seqlen, x.max_seqlen_k,
-                causal=case.causal, backend=backend)))
+                causal=case.causal, backend=backend, **_window_kw(case))))
         quant = lf.quantize_fp8(x.q, x.k, x.v, granularity="block", smooth_k=True)
         return Prepared(_leanfa_call(lambda: lf.flash_attn_func(quant, causal=case.causal,
-                                                                backend=backend)))
+                                                                backend=backend, **_window_kw(case))))
     return prepare
 
 
@@ -197,13 +208,14 @@ def _paged(case: Case, x: Inputs, k: torch.Tensor, v: torch.Tensor, page_size: i
 
 
 def _leanfa_bf16_paged(backend: str, page_size: int):
-    """flash_attn_varlen_func over paged BF16 caches holding the case's K/V (pages shuffled)."""
+    """flash_attn_varlen_func over paged BF16 caches holding the case's K/V (pages shuffled), with the case's
+    sliding window if it has one."""
     def prepare(case: Case, x: Inputs) -> Prepared:
         lf = _leanfa()
         paged = _paged(case, x, x.k, x.v, page_size)
         return Prepared(_leanfa_call(lambda: lf.flash_attn_varlen_func(
             x.q, paged.k_cache, paged.v_cache, x.cu_seqlens, x.cu_seqlens_k, x.max_seqlen, x.max_seqlen_k,
-            causal=case.causal, backend=backend, page_table=paged.page_table)),
+            causal=case.causal, backend=backend, page_table=paged.page_table, **_window_kw(case))),
             note=f"paged K/V, {page_size}-token pages in a shuffled order")
     return prepare
 
@@ -223,6 +235,7 @@ def _leanfa_fp8_kvhead_kernel(backend: str, page_size: int | None = None):
     in paged caches."""
     def prepare(case: Case, x: Inputs) -> Prepared:
         lf = _leanfa()
+        _no_window(case, "per-KV-head descale rows")
         if page_size is not None and not x.varlen:
             raise NotApplicable("paged K/V rows run on packed (varlen) batches")
         q8, k8, v8, desc = _fp8_per_kv_head(case, x)

@@ -363,6 +363,49 @@ def write_accuracy(out_dir: str, payload: dict, plots: bool = True, stem: str = 
     return files
 
 
+# ------------------------------------------------------------------------------ model accuracy
+
+
+def model_accuracy_markdown(payload: dict) -> str:
+    """The table of ``leanfa accuracy --model``: one row per (length, implementation)."""
+    env, rows, spec = payload.get("env", {}), payload.get("rows", []), payload.get("model", {})
+    out = [f"# leanfa accuracy --model — {env.get('gpu', '?')}", ""] + env_lines(env) + [""]
+    if spec:
+        out += ["Model: random Llama-shaped, " + ", ".join(f"{k} {v}" for k, v in spec.items()) +
+                f"; seed {payload.get('seed')}; one sequence per length.", ""]
+    out += ["Prefill time: median of CUDA-event times of whole forwards (`logits_to_keep=1`); attention: the "
+            "summed CUDA-event times of the attention calls inside those forwards (quantization included); "
+            "'prefill − identity': the prefill time minus that of the model with attention replaced by an "
+            "identity (attention's cost by subtraction, a cross-check). Errors: relative L2 of the logits (all "
+            "positions) against the same model with SDPA attention in BF16 and in float32.", ""]
+    if not payload.get("timed", True):
+        out += ["No CUDA GPU: the kernels ran under Triton's CPU interpreter; no times.", ""]
+    table = []
+    for r in rows:
+        ok = r.get("status") == "ok"
+        share = r.get("attention_share")
+        table.append([r["seqlen"], r["impl"], _fmt(r.get("prefill_ms"), ".2f", "-"),
+                      _fmt(r.get("attention_ms"), ".2f", "-"), "-" if share is None else f"{share:.1%}",
+                      _fmt(r.get("prefill_minus_identity_ms"), ".2f", "-"),
+                      _fmt(r.get("rel_l2_vs_sdpa_bf16"), ".3e", "-") if ok else r.get("status", ""),
+                      _fmt(r.get("rel_l2_vs_sdpa_fp32"), ".3e", "-") if ok else "",
+                      "; ".join(filter(None, [r.get("reason") or r.get("error"), r.get("note"),
+                                              *r.get("warnings", [])]))])
+    out.append(md_table(["S", "implementation", "prefill ms", "attention ms", "attention share",
+                         "prefill − identity ms", "logits rel L2 vs SDPA BF16", "vs SDPA FP32", "note"], table))
+    return "\n".join(out)
+
+
+def write_model_accuracy(out_dir: str, payload: dict, stem: str = "model-accuracy", data: bool = True) -> list[str]:
+    """<stem>.json (unless not ``data``) and <stem>.md."""
+    files = [write_json(os.path.join(out_dir, f"{stem}.json"), payload)] if data else []
+    md = os.path.join(out_dir, f"{stem}.md")
+    with open(md, "w") as f:
+        f.write(model_accuracy_markdown(payload) + "\n")
+    files.append(md)
+    return files
+
+
 # -------------------------------------------------------------------------------- profile
 
 
@@ -402,7 +445,7 @@ def write_profile(out_dir: str, payload: dict, stem: str = "profile", data: bool
 
 
 #: result kinds ``leanfa report`` renders, and the list of objects each one holds
-KINDS = {"bench": "rows", "accuracy": "rows", "profile": "kernels"}
+KINDS = {"bench": "rows", "accuracy": "rows", "model-accuracy": "rows", "profile": "kernels"}
 
 
 def load_result(path: str) -> dict:
@@ -451,6 +494,8 @@ def rerender(path: str, plots: bool = True) -> list[str]:
         if kind == "accuracy":
             peers.add_best_peer_error(payload.get("rows", []))
             return write_accuracy(out_dir, payload, plots=plots, stem=stem, data=False)
+        if kind == "model-accuracy":
+            return write_model_accuracy(out_dir, payload, stem=stem, data=False)
         return write_profile(out_dir, payload, stem=stem, data=False)
     except (KeyError, TypeError, AttributeError) as e:  # a row without a field the tables need
         raise ValueError(f"{path}: cannot render this {kind} result ({type(e).__name__}: {e})") from None

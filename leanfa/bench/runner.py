@@ -75,6 +75,10 @@ def _free(device: str) -> None:
         torch.cuda.empty_cache()
 
 
+#: implementation families whose rows take a case's sliding window (``Case.window_size``)
+WINDOW_FAMILIES = ("leanfa", "fa3")
+
+
 def base_row(case: Case, impl: Impl) -> dict:
     return {**case.to_dict(), "case": case.name, **impl.to_dict(), "status": None}
 
@@ -90,6 +94,8 @@ def bench_one(case: Case, impl: Impl, copies, ref_info, cfg: BenchConfig, timer,
         if not ok:
             row.update(status="n/a", reason=why)
             return row
+        if case.window_left >= 0 and impl.family not in WINDOW_FAMILIES:
+            raise NotApplicable(f"sliding windows are wired for the {', '.join(WINDOW_FAMILIES)} rows only")
         prepared = [impl.prepare(case, x) for x in copies]
         if prepared[0].note:
             row["note"] = prepared[0].note
@@ -163,8 +169,8 @@ def run_bench(cases, impls, cfg: BenchConfig, *, timer=None, sampler_factory=Non
             n = copies_for(int(input_bytes(case) * 1.5), l2_bytes=l2, factor=cfg.rotate_factor,
                            max_copies=cfg.max_copies)
             copies = make_copies(case, n, device=cfg.device, seed=cfg.seed)
-            ref_info = errors.reference_subset(copies[0], case.causal)
-            floor = (errors.fp8_rounding_floor(copies[0], case.causal, ref_info[0])
+            ref_info = errors.reference_subset(copies[0], case.causal, case.window_size)
+            floor = (errors.fp8_rounding_floor(copies[0], case.causal, ref_info[0], case.window_size)
                      if any(i.precision == "fp8" for i in impls) else None)
             ref_info = (*ref_info, floor)
         except Exception as e:

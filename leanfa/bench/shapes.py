@@ -5,7 +5,9 @@ A :class:`Case` is one attention problem (shape, mask, activation profile). FLOP
 the flash-attn convention (docs/design.md §6): ``2·B·Hq·Sq·Sk·(Dqk+Dv)`` for the two matrix
 products without a mask; causal counts the keys the bottom-right mask leaves,
 ``2·B·Hq·(Dqk+Dv)·(Sq·(Sk−Sq) + Sq²/2)`` for ``Sq <= Sk`` (half of ``Sq·Sk`` when ``Sq == Sk``, as
-before; see :func:`attention_flops`); a varlen batch sums that over its sequences.
+before; see :func:`attention_flops`); a varlen batch sums that over its sequences. A causal sliding window
+(``Case.window_left``: flash-attn's ``window_size=(left, 0)``) counts the (query, key) pairs of its band, with the
+same half diagonal.
 
 A chunked-prefill batch (:data:`SERVING_CHUNKED_BATCHES`) has per-sequence key lengths
 ``Case.seqlens_k`` longer than its query lengths ``Case.seqlens``: each sequence's queries are the
@@ -89,7 +91,14 @@ SERVING_CHUNKED_BATCHES = {
 }
 
 #: "chunked" is the serving sweep's chunked-prefill batches alone (a subset of "serving")
-SWEEPS = ("standard", "models", "varlen", "serving", "chunked")
+SWEEPS = ("standard", "models", "varlen", "serving", "chunked", "window")
+
+#: the window sweep (``--sweep window``): causal sliding windows of WINDOW_LEFT keys at WINDOW_SEQLENS, next to the
+#: plain causal cases at WINDOW_CAUSAL_SEQLENS (the target: a window's TFLOP/s, counted on its band, at least
+#: 0.95x the causal kernel's at 4K-8K); d128, 16 heads, B·S = 16K tokens as the standard sweep
+WINDOW_LEFT = 4096
+WINDOW_SEQLENS = (16384, 32768)
+WINDOW_CAUSAL_SEQLENS = (4096, 8192)
 
 
 @dataclass(frozen=True)
@@ -111,8 +120,11 @@ class Case:
     causal: bool
     seqlens: tuple[int, ...] | None = field(default=None)
     seqlens_k: tuple[int, ...] | None = field(default=None)
+    window_left: int = field(default=-1)  # a causal sliding window of this many keys back (-1: none)
 
     def __post_init__(self):
+        if self.window_left >= 0 and not self.causal:
+            raise ValueError("window_left: the bench's sliding windows are causal (window_size=(left, 0))")
         if self.seqlens_k is None:
             return
         if self.seqlens is None:
@@ -124,6 +136,11 @@ class Case:
                              f"seqlens_k={self.seqlens_k}")
         if tuple(self.seqlens_k) == tuple(self.seqlens):  # not chunked: one spelling of a plain batch
             object.__setattr__(self, "seqlens_k", None)
+
+    @property
+    def window_size(self) -> tuple[int, int]:
+        """flash-attn's ``window_size`` of this case: ``(window_left, 0)``, or ``(-1, -1)`` without a window."""
+        return (self.window_left, 0) if self.window_left >= 0 else (-1, -1)
 
     @property
     def varlen(self) -> bool:
@@ -156,7 +173,7 @@ class Case:
 
     @property
     def name(self) -> str:
-        mask = "causal" if self.causal else "full"
+        mask = ("causal" if self.causal else "full") + (f"-w{self.window_left}" if self.window_left >= 0 else "")
         if self.chunked:  # e.g. .../chunked8/S2048-Sk13765/...: longest chunk, longest key sequence
             shape, s = f"chunked{len(self.seqlens)}", f"S{self.seqlen}-Sk{self.seqlen_k}"
         else:
@@ -169,6 +186,8 @@ class Case:
         d = asdict(self)
         d["seqlens"] = list(self.seqlens) if self.seqlens else None
         d["seqlens_k"] = list(self.seqlens_k) if self.seqlens_k else None
+        if self.window_left < 0:  # (rows without a window keep their columns)
+            del d["window_left"]
         d["tokens"] = self.tokens
         if self.chunked:
             d["tokens_k"] = self.tokens_k
@@ -183,7 +202,7 @@ def activation_preset(model: str) -> str:
 
 
 def attention_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int,
-                    head_dim_v: int, causal: bool) -> float:
+                    head_dim_v: int, causal: bool, window_left: int = -1) -> float:
     """FLOPs of one forward attention, flash-attn convention: ``2·B·Hq·(Dqk+Dv)`` times the
     (query, key) pairs computed.
 
@@ -194,20 +213,30 @@ def attention_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_d
     convention flash-attn's benchmarks use and this project always has for ``Sq == Sk``
     (``Sq²/2``), so results before chunked batches stay comparable. For ``Sq > Sk`` the first
     ``Sq − Sk`` queries see no key: ``Sk²/2``.
+
+    A causal sliding window of ``window_left`` keys: query ``i`` (at key position ``p = i + Sk − Sq``) sees keys
+    ``[p − left, p]``, ``min(p, left) + 1`` of them; less the half diagonal as above, ``Σ_i min(p_i, left) + Sq/2``
+    (the causal count once ``left >= Sk − 1``).
     """
     per_pair = 2.0 * batch * heads * (head_dim + head_dim_v)
     if not causal:
         return per_pair * seqlen_q * seqlen_k
     sq = min(seqlen_q, seqlen_k)  # queries that see at least one key
-    return per_pair * (sq * (seqlen_k - sq) + sq * sq / 2)
+    if window_left < 0:
+        return per_pair * (sq * (seqlen_k - sq) + sq * sq / 2)
+    first = seqlen_k - sq  # the first such query's key position; positions first .. first + sq - 1
+    below = max(0, min(sq, window_left - first))  # queries whose position is below left: not capped
+    capped = below * first + below * (below - 1) / 2 + (sq - below) * window_left
+    return per_pair * (capped + sq / 2)
 
 
 def flops(case: Case) -> float:
     if case.varlen:
-        return sum(attention_flops(1, case.heads, sq, sk, case.head_dim, case.head_dim_v, case.causal)
+        return sum(attention_flops(1, case.heads, sq, sk, case.head_dim, case.head_dim_v, case.causal,
+                                   case.window_left)
                    for sq, sk in zip(case.seqlens, case.key_seqlens))
     return attention_flops(case.batch, case.heads, case.seqlen, case.seqlen, case.head_dim,
-                           case.head_dim_v, case.causal)
+                           case.head_dim_v, case.causal, case.window_left)
 
 
 def standard_cases(seqlens=STANDARD_SEQLENS, causal=(True, False), dims=STANDARD_DIMS) -> list[Case]:
@@ -237,6 +266,15 @@ def varlen_cases(causal=(True,), seqlens=VARLEN_SEQLENS, model=VARLEN_MODEL) -> 
     hq, hkv, dqk, dv = MODELS[model]
     return [Case("varlen", model, activation_preset(model), len(seqlens), max(seqlens), hq, hkv, dqk, dv, c,
                  tuple(seqlens)) for c in causal]
+
+
+def window_cases(seqlens=WINDOW_SEQLENS, causal_seqlens=WINDOW_CAUSAL_SEQLENS, left=WINDOW_LEFT) -> list[Case]:
+    """Causal d128 (16 heads, B·S = 16K tokens, gaussian): a sliding window of ``left`` keys at ``seqlens``, and
+    the plain causal cases at ``causal_seqlens`` it is compared with."""
+    out = [Case("window", "d128", "gaussian", max(1, STANDARD_TOKENS // s), s, STANDARD_HEADS, STANDARD_HEADS,
+                128, 128, True) for s in causal_seqlens]
+    return out + [Case("window", "d128", "gaussian", max(1, STANDARD_TOKENS // s), s, STANDARD_HEADS,
+                       STANDARD_HEADS, 128, 128, True, window_left=left) for s in seqlens]
 
 
 def serving_lengths(label: str) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
@@ -308,4 +346,8 @@ def build_cases(sweeps=SWEEPS, *, quick: bool = False, seqlens=None, causal: str
         cases += serving_cases(_causal_options(causal, (True,)))
     elif "chunked" in sweeps:
         cases += serving_cases(_causal_options(causal, (True,)), batches=tuple(SERVING_CHUNKED_BATCHES))
+    if "window" in sweeps:  # (causal only; --seqlens sets the windowed cases' lengths; quick: 16K beside 4K)
+        quick_s = tuple(s for s in QUICK_SEQLENS if s > WINDOW_LEFT)
+        cases += window_cases(tuple(seqlens) if seqlens else quick_s if quick else WINDOW_SEQLENS,
+                              WINDOW_CAUSAL_SEQLENS[:1] if quick else WINDOW_CAUSAL_SEQLENS)
     return cases

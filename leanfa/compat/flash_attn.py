@@ -1,7 +1,8 @@
 """flash-attn 2 style entry points: ``from leanfa.compat.flash_attn import flash_attn_func``.
 
 Supported subset (forward only): ``q, k, v`` ``(B, S, H, D)`` (packed ``(total, H, D)`` for
-varlen) in bf16/fp16, GQA/MQA, head dims 64/64, 128/128, 192/128, 256/256, ``softmax_scale``,
+varlen) in bf16/fp16, GQA/MQA, head dims multiples of 8 up to 256 (the Hopper kernel runs 64/64, 128/128, 192/128 and
+256/256; others the portable kernel), ``softmax_scale``,
 ``causal`` (bottom-right aligned, as flash-attn >= 2.1), ``deterministic`` (accepted; the
 forward is deterministic anyway), ``dropout_p=0.0``; the packed forms
 (:func:`flash_attn_qkvpacked_func`, :func:`flash_attn_kvpacked_func` and their varlen forms:
@@ -11,7 +12,9 @@ views of the packed tensor, nothing is copied); ``return_attn_probs=True`` retur
 dtype (flash-attn 2 materializes the probabilities only with dropout); ``window_size=(left, right)``
 (sliding-window local attention, bottom-right aligned: query ``i`` sees keys
 ``[i + Sk - Sq - left, i + Sk - Sq + right]``, -1 unbounded, ``causal`` makes ``right`` 0) and
-``softcap > 0`` (scores ``softcap * tanh(s / softcap)``), on every form; these run on the portable
+``softcap > 0`` (scores ``softcap * tanh(s / softcap)``), on every form; windows run on the Hopper
+kernel (sm90; not FP8 at head dim 256, not with ``softcap``; over paged K/V where the Hopper kernel reads the
+pages, below), ``softcap`` on the portable
 kernel. Rows whose window holds no key are 0 with LSE ``-inf``; negative sides other than -1 or a
 negative ``softcap`` raise ``ValueError``.
 

@@ -262,13 +262,13 @@ def _ring(shard, q, group, world, rank, same_layouts, causal, call, acc):
 
 
 def _check_all(q, k, v, group, causal, precision, softmax_scale, backend, cu_seqlens=None):
-    from leanfa.api import HEAD_DIMS
+    from leanfa.api import head_dims_problem
 
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     descs = [None] * world
     dist.all_gather_object(descs, describe(q, k, v, causal, precision, softmax_scale, backend, cu_seqlens),
                            group=group)
-    return world, rank, descs, validate(descs, HEAD_DIMS)
+    return world, rank, descs, validate(descs, head_dims_problem)
 
 
 def context_parallel_attention(

@@ -67,9 +67,9 @@ def _per_rank(r: int, d: dict, head_dims) -> None:
     if ks[2] != vs[2] or qs[2] % ks[2] or qs[3] != ks[3]:
         raise ValueError(f"context_parallel_attention: on rank {r}, k and v need the same heads, q's heads a "
                          f"multiple of them and q, k the same head_dim; got shapes {qs}, {ks}, {vs}")
-    if (qs[3], vs[3]) not in head_dims:
-        raise ValueError(f"context_parallel_attention: head dims (q/k {qs[3]}, v {vs[3]}) on rank {r} are not "
-                         f"supported; supported (qk, v): " + ", ".join(f"{a}/{b}" for a, b in head_dims))
+    why = head_dims(qs[3], vs[3])
+    if why:
+        raise ValueError(f"context_parallel_attention: on rank {r}: {why}")
     if not isinstance(d["causal"], bool):
         raise TypeError(f"context_parallel_attention: causal on rank {r} must be a bool, got {d['causal']}")
     if d["precision"] not in PRECISIONS:
@@ -78,7 +78,8 @@ def _per_rank(r: int, d: dict, head_dims) -> None:
 
 
 def validate(descs: list[dict], head_dims) -> int:
-    """Raise if any rank's arguments are bad or the ranks disagree; else return the total sequence length."""
+    """Raise if any rank's arguments are bad or the ranks disagree; else return the total sequence length.
+    ``head_dims(dqk, dv)``: why those head dims are not supported, or None."""
     world = len(descs)
     for r, d in enumerate(descs):
         _per_rank(r, d, head_dims)

@@ -34,6 +34,9 @@ Behaviour:
   transformers' SDPA attention with an equivalent boolean mask and a one-time warning (leanfa is a
   prefill kernel: a 1-query tile would waste its 128-row tiles). Decoding steps without padding run
   leanfa's dense kernel. Any 4-D mask falls back to SDPA the same way.
+* Variants with other :func:`leanfa.attention` levers (``smooth_k=False``, ``rotate=True``, ``bf16_sink_keys``):
+  :func:`attention_function` builds the function, to register under a name of one's own (``leanfa accuracy
+  --model`` does, :mod:`leanfa.bench.model_accuracy`).
 * Not supported (``NotImplementedError``): ``dropout > 0`` in training mode, ``softcap``,
   ``sliding_window``, ``output_attentions`` (weights are never materialized; returns None).
 """
@@ -139,7 +142,23 @@ def _padding_fallback(module, query, key, value, attention_mask, scaling, is_cau
     return sdpa_attention_forward(module, query, key, value, keep, scaling=scaling, is_causal=False, **kwargs)
 
 
-def _attention(precision: str):
+def attention_function(precision: str = "fp8", **levers):
+    """A transformers attention function (the signature ``AttentionInterface.register`` takes) that runs
+    ``leanfa.attention(..., precision=precision, **levers)``: the registered names are
+    ``attention_function("bf16")``, ``("fp8")`` and ``("fp8qk")``; ``levers`` are further keyword arguments of
+    :func:`leanfa.attention` (``smooth_k=False``, ``rotate=True``, ``bf16_sink_keys=128``, ``granularity``...),
+    for registering a variant under a name of one's own. Names ``attention`` sets itself are refused
+    (``ValueError``)."""
+    own = {"causal", "precision", "softmax_scale", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"}
+    taken = sorted(own & set(levers))
+    if taken:
+        raise ValueError(f"attention_function sets {taken} itself; pass levers of leanfa.attention only")
+    return _attention(precision, levers)
+
+
+def _attention(precision: str, levers: dict | None = None):
+    levers = dict(levers or {})
+
     def leanfa_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                                  **kwargs):
         import leanfa
@@ -171,19 +190,20 @@ def _attention(precision: str):
             k, v = (to_half(_gather(t, u.indices_k, kv_len)) for t in (key, value))
             out = leanfa.attention(q, k, v, causal=is_causal, precision=precision, softmax_scale=scale,
                                    cu_seqlens_q=u.cu_seqlens_q, cu_seqlens_k=u.cu_seqlens_k,
-                                   max_seqlen_q=u.max_seqlen_q, max_seqlen_k=u.max_seqlen_k)
+                                   max_seqlen_q=u.max_seqlen_q, max_seqlen_k=u.max_seqlen_k, **levers)
             return pad_output(out.to(out_dtype), u.indices_q, batch, q_len), None
         # (B, H, S, D) -> (B, S, H, D) views: leanfa takes any strides
         q, k, v = (to_half(t.transpose(1, 2)) for t in (query, key, value))
-        out = leanfa.attention(q, k, v, causal=is_causal, precision=precision, softmax_scale=scale)
+        out = leanfa.attention(q, k, v, causal=is_causal, precision=precision, softmax_scale=scale, **levers)
         return out.to(out_dtype), None
 
-    leanfa_attention_forward.__name__ = f"leanfa_{precision}_attention_forward"
+    suffix = "".join(f"_{k}_{v}" for k, v in levers.items())
+    leanfa_attention_forward.__name__ = f"leanfa_{precision}{suffix}_attention_forward"
     return leanfa_attention_forward
 
 
 #: the attention functions, by registered name
-ATTENTION_FUNCTIONS = {name: _attention(precision) for name, precision in NAMES.items()}
+ATTENTION_FUNCTIONS = {name: attention_function(precision) for name, precision in NAMES.items()}
 
 
 def register() -> None:

@@ -7,9 +7,10 @@ shape, supported Triton: :func:`hopper_applies`, which asks :func:`leanfa.kernel
 measured faster for the call (:func:`portable_faster`: FP8 at head dim 64), else the portable kernel.
 ``backend="hopper"`` demands the Hopper kernel (also before validation, for development) and raises
 where it does not apply; ``backend="portable"`` forces the portable kernel. Calls with features only the
-portable kernel implements (``seqused_q/k``, sliding windows, ``softcap``, the paged K/V forms of
-:func:`_paged_reason`, e.g. paged FP8 V; packed queries over a per-sequence K/V cache: :func:`portable_only_reason`)
-run there, with one warning per process and feature where the Hopper kernel would have run them.
+portable kernel implements (``seqused_q/k``, ``softcap``, the paged K/V forms of :func:`_paged_reason`, e.g.
+paged FP8 V; packed queries over a per-sequence K/V cache, sliding windows in FP8 at head dim 256:
+:func:`portable_only_reason`) run there, with one warning per process and feature where the Hopper kernel would
+have run them.
 
 On a supported Triton that never ran the GPU suite (:data:`leanfa._versions.GPU_VALIDATED`),
 ``backend="auto"`` runs the first Hopper call of each kernel configuration (:func:`config_key`) in a
@@ -136,12 +137,26 @@ def hopper_applies(problem) -> tuple[bool, str]:
     ok, why = hopper.supports(problem)
     portable_only = portable_only_reason(problem)
     if ok and portable_only:  # one warning per process and reason, as for the other portable fallbacks
-        why = portable_only
-        if why not in _WARNED:
-            _WARNED.add(why)
-            warnings.warn(f"leanfa: {why}", UserWarning, stacklevel=2)
-        return False, why
+        _warn_once(portable_only)
+        return False, portable_only
+    if not ok and why == hopper_dims_reason(problem) and not hopper.device_problem(problem):
+        _warn_once(why)  # head dims only the portable kernel runs, on a GPU where the Hopper kernel runs others
     return ok, why
+
+
+def _warn_once(why: str) -> None:
+    if why not in _WARNED:
+        _WARNED.add(why)
+        warnings.warn(f"leanfa: {why}", UserWarning, stacklevel=3)
+
+
+def hopper_dims_reason(problem) -> str:
+    """The Hopper kernel's reason for refusing ``problem``'s head dims (:func:`.hopper.supports`' words), or ``""``."""
+    hopper = _hopper()
+    dims = (problem.head_dim_qk, problem.head_dim_v)
+    if hopper is None or dims in hopper.HEAD_DIMS:
+        return ""
+    return hopper.head_dims_reason(dims)
 
 
 def portable_only_reason(problem) -> str:
@@ -155,11 +170,12 @@ def portable_only_reason(problem) -> str:
                 "the Hopper kernel: these calls run on the portable kernel")
     if problem.has_seqused:
         return "seqused_q/seqused_k are not implemented in the Hopper kernel: these calls run on the portable kernel"
-    if problem.has_window:
-        return ("sliding-window attention (window_size) is not implemented in the Hopper kernel: these calls run on "
-                "the portable kernel")
     if problem.softcap > 0:
         return "softcap is not implemented in the Hopper kernel: these calls run on the portable kernel"
+    if problem.has_window and problem.pv_fp8 and problem.head_dim_v > 128:
+        return ("sliding windows (window_size) with FP8 P.V at head dim 256 are not enabled in the Hopper kernel (its "
+                "sm90 build spills ~550 B in the key loop, against 36-76 B without a window): these calls run on the "
+                "portable kernel")
     return ""
 
 
@@ -212,10 +228,10 @@ def run(problem, backend: str):
 
 def config_key(problem) -> tuple:
     """The kernel configuration a self-check verdict holds for: input (Q/K and V: the mixed mode) and output
-    dtype, head dims, causal, varlen, BF16 sink keys, LSE and its K-mean term."""
+    dtype, head dims, causal, varlen, BF16 sink keys, LSE and its K-mean term, a sliding window."""
     p = problem
     return (p.q.dtype, p.v.dtype, p.out_dtype, p.head_dim_qk, p.head_dim_v, p.causal, p.varlen, p.sink_keys,
-            p.return_lse, p.k_mean is not None)
+            p.return_lse, p.k_mean is not None, p.has_window)
 
 
 def _self_checked(problem) -> bool:

@@ -110,21 +110,47 @@ def tile_amax(x, mask, mean, SUBTRACT_MEAN: tl.constexpr):
 
 
 @triton.jit
-def rotate_tile(x, rot_ptr, inv_sqrt_d, BLOCK_D: tl.constexpr, INTERPRETED: tl.constexpr):
-    """``x @ (rot / sqrt(D))`` in float32: ``rot_ptr`` points at a ``[BLOCK_D, BLOCK_D]`` row-major ±1 matrix
-    (zero-padded past the head dim) of ``x``'s dtype, so a 16-bit tile and the matrix enter the tensor-core
-    product exactly and the float32 accumulation is the only rounding; ``inv_sqrt_d`` is float32(1/sqrt(D))
-    (the value ``rotation_matrix``'s float32 entries have). A float32 tile runs as three TF32 products.
-    INTERPRETED (the CPU interpreter, whose ``tl.dot`` of bf16 operands returns garbage in Triton 3.6): both
-    operands in float32, the same exact products."""
-    offs_d = tl.arange(0, BLOCK_D)
-    h = tl.load(rot_ptr + offs_d[:, None] * BLOCK_D + offs_d[None, :])
+def hadamard_product(x, h, INTERPRETED: tl.constexpr):
+    """``x @ h`` in float32 for a ``[BLOCK_D, BLOCK_D]`` ±1 matrix ``h`` of ``x``'s dtype: a 16-bit tile and the
+    matrix enter the tensor-core product exactly and the float32 accumulation is the only rounding (on a GPU not
+    IEEE's: the tensor cores' sums round differently from a float32 FMA loop); a float32 tile runs as three TF32
+    products. INTERPRETED (the CPU interpreter, whose ``tl.dot`` of bf16 operands returns garbage in Triton 3.6):
+    both operands in float32, the same exact products. The one place the rotation multiplies, so a test can
+    stand in for the GPU's rounding."""
     if INTERPRETED:
         y = tl.dot(x.to(tl.float32), h.to(tl.float32), input_precision="ieee")
     elif x.dtype == tl.float32:
         y = tl.dot(x, h, input_precision="tf32x3")
     else:
         y = tl.dot(x, h)
+    return y
+
+
+@triton.jit
+def rotate_tile(x, rot_ptr, inv_sqrt_d, BLOCK_D: tl.constexpr, INTERPRETED: tl.constexpr):
+    """``x @ (rot / sqrt(D))`` in float32 (:func:`hadamard_product`): ``rot_ptr`` points at a ``[BLOCK_D, BLOCK_D]``
+    row-major ±1 matrix (zero-padded past the head dim) of ``x``'s dtype; ``inv_sqrt_d`` is float32(1/sqrt(D))
+    (the value ``rotation_matrix``'s float32 entries have)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    h = tl.load(rot_ptr + offs_d[:, None] * BLOCK_D + offs_d[None, :])
+    return hadamard_product(x, h, INTERPRETED) * inv_sqrt_d
+
+
+@triton.jit
+def rotate_residual(r, rot_ptr, inv_sqrt_d, BLOCK_D: tl.constexpr, INTERPRETED: tl.constexpr):
+    """``r @ (rot / sqrt(D))`` for a float32 tile ``r`` (K minus its mean) and the ±1 matrix of :func:`rotate_tile`
+    (any dtype): on the GPU as two bf16 products, ``r``'s bf16 rounding and the bf16 rounding of what that left
+    (``r`` to 2^-17 relative, far below e4m3's 2^-4), accumulated in float32; under the interpreter one float32
+    product. A zero row stays exactly zero whatever the product's rounding."""
+    offs_d = tl.arange(0, BLOCK_D)
+    h = tl.load(rot_ptr + offs_d[:, None] * BLOCK_D + offs_d[None, :])
+    if INTERPRETED:
+        y = hadamard_product(r, h, INTERPRETED)
+    else:
+        hb = h.to(tl.bfloat16)
+        hi = r.to(tl.bfloat16)
+        y = hadamard_product(hi, hb, INTERPRETED)
+        y += hadamard_product((r - hi.to(tl.float32)).to(tl.bfloat16), hb, INTERPRETED)
     return y * inv_sqrt_d
 
 
@@ -143,20 +169,25 @@ def quantize_tile(xb, yb, s0, seqlen, store_len, stride_xs, stride_xd, stride_ys
     here as amax / 448 (:func:`tile_amax`) and stored when COMPUTE_SCALE, else read. Without
     a mean the tile is converted to float32 only once the scale is known (fewer live registers).
 
-    ROTATE (with COMPUTE_SCALE, not CHANNEL_SCALE): where ``rot_flag`` is true the tile is first rotated
-    (:func:`rotate_tile`), then ``mean`` (which the caller gives in the rotated space) is subtracted.
+    ROTATE (with COMPUTE_SCALE, not CHANNEL_SCALE): where ``rot_flag`` is true the tile is rotated: without a
+    mean by :func:`rotate_tile`, with one (``mean`` in the inputs' space) after it is subtracted
+    (:func:`rotate_residual`), so a token equal to the mean (a 1-token sequence) stays exactly zero. (Rotating first
+    and subtracting the rotated mean left such a row the difference of two float32 sums rounded apart, the
+    tensor cores' and finish_kv_stats' FMAs, which its own block scale took to full e4m3 range.)
     """
     offs_d = tl.arange(0, BLOCK_D)
     local = tl.arange(0, BLOCK_S)  # 32-bit offsets inside the block (the base is 64-bit)
     mask = (s0 + local[:, None] < seqlen) & (offs_d[None, :] < HEAD_DIM)
     x = tl.load(xb + local[:, None] * stride_xs + offs_d[None, :] * stride_xd, mask=mask, other=0.0)
     if ROTATE:
-        if rot_flag:
+        if SUBTRACT_MEAN:
+            xf = tl.where(mask, x.to(tl.float32) - mean[None, :], 0.0)
+            if rot_flag:
+                xf = rotate_residual(xf, rot_ptr, inv_sqrt_d, BLOCK_D, EXACT_ROUND)
+        elif rot_flag:
             xf = rotate_tile(x, rot_ptr, inv_sqrt_d, BLOCK_D, EXACT_ROUND)
         else:
             xf = x.to(tl.float32)
-        if SUBTRACT_MEAN:
-            xf = tl.where(mask, xf - mean[None, :], 0.0)
         amax = tl.max(tl.max(tl.abs(xf), 1), 0)
         descale = tl.where(amax > 0.0, amax / E4M3_MAX_C, 1.0)
         tl.store(scale_ptr, descale)
@@ -363,7 +394,7 @@ def rotation_wanted(q_energy, k_energy, D: tl.constexpr, MIN_CONCENTRATION: tl.c
 @triton.jit(do_not_specialize=["seqlen_dense", "num_heads", "nblk", "batch", "room", "group"])
 def finish_kv_stats(
     KSUM, VAMAX, CU, KMEAN, VS, CU_V, V8, seqlen_dense, num_heads, nblk, batch, room, stride_v8h, stride_v8d,
-    KSQ, QSQ, FLAGS, ROT, group, inv_sqrt_d,
+    KSQ, QSQ, FLAGS, KMEAN_INPUT, ROT, group, inv_sqrt_d,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_C: tl.constexpr, ROWS: tl.constexpr, BLOCK_S: tl.constexpr,
     VARLEN: tl.constexpr, WANT_KSUM: tl.constexpr, ALIGN_V: tl.constexpr, TAIL: tl.constexpr,
     WANT_V: tl.constexpr = True, ROTATE: tl.constexpr = 0, Q_SAMPLES: tl.constexpr = 4,
@@ -386,10 +417,11 @@ def finish_kv_stats(
     ROTATE (1: every head, 2: the adaptive choice; the launch then has one program per head, BLOCK_C covering
     every channel): writes ``FLAGS[pid]`` (int8), 1 where the head's Q and K are to be rotated by the ±1 matrix
     ``ROT`` (``[BLOCK_R, BLOCK_R]``, zero-padded) times ``inv_sqrt_d``, and then writes the K mean in the
-    rotated space (``mean @ ROT * inv_sqrt_d``: the mean of the rotated K). ROTATE=2 rotates where Q and K
-    concentrate their energy in the same channels (:func:`rotation_wanted`), from the K programs' per-block sums
-    of squares ``KSQ`` (like KSUM) and the Q sample's ``QSQ`` rows (``group`` query heads of ``Q_SAMPLES`` rows
-    per KV head, in order, from :func:`kv_stats`).
+    rotated space (``mean @ ROT * inv_sqrt_d``: the mean of the rotated K) to KMEAN and the mean itself, which
+    :func:`quantize_qkv` subtracts before it rotates, to ``KMEAN_INPUT`` ``(B*Hkv, DQK)``. ROTATE=2 rotates where
+    Q and K concentrate their energy in the same channels (:func:`rotation_wanted`), from the K programs'
+    per-block sums of squares ``KSQ`` (like KSUM) and the Q sample's ``QSQ`` rows (``group`` query heads of
+    ``Q_SAMPLES`` rows per KV head, in order, from :func:`kv_stats`).
     """
     pid = tl.program_id(0)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -427,6 +459,7 @@ def finish_kv_stats(
         if tl.program_id(1) == 0:
             tl.store(FLAGS + pid, flag.to(tl.int8))
         if WANT_KSUM:
+            tl.store(KMEAN_INPUT + pid * DQK + offs_c, mean, mask=offs_c < DQK)
             rot = tl.load(ROT + offs_c[:, None] * BLOCK_R + offs_c[None, :],
                           mask=(offs_c[:, None] < BLOCK_R) & (offs_c[None, :] < BLOCK_R), other=0.0)
             rotated = tl.sum(mean[:, None] * rot.to(tl.float32), 0) * inv_sqrt_d
@@ -465,7 +498,7 @@ def quantize_qkv(
     stride_q8b, stride_q8s, stride_q8h, stride_q8d,
     stride_k8b, stride_k8s, stride_k8h, stride_k8d,
     stride_v8b, stride_v8s, stride_v8h, stride_v8d,
-    FLAGS, ROT, inv_sqrt_d,
+    FLAGS, KMEAN_INPUT, ROT, inv_sqrt_d,
     DQK: tl.constexpr, BLOCK_DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_S: tl.constexpr, V_PAD: tl.constexpr, VARLEN: tl.constexpr, SMOOTH_K: tl.constexpr,
     EXACT_ROUND: tl.constexpr, PACKED: tl.constexpr, ROTATE: tl.constexpr = 0,
@@ -487,7 +520,8 @@ def quantize_qkv(
 
     ROTATE (1: every head, 2: per KV head): the Q and K blocks of KV head ``kv`` (Q: its query heads) are
     rotated before they are quantized where ``FLAGS[kv]`` (from :func:`finish_kv_stats`, which also gave KMEAN
-    in the rotated space there) is nonzero; ROTATE=1 rotates all without reading FLAGS. ``ROT``: the
+    in the rotated space there) is nonzero; ROTATE=1 rotates all without reading FLAGS. K subtracts the mean in
+    the inputs' space, ``KMEAN_INPUT``, before it rotates (:func:`quantize_tile`). ``ROT``: the
     ``[BLOCK_DQK, BLOCK_DQK]`` ±1 matrix in the inputs' dtype, ``inv_sqrt_d`` its scale (:func:`rotate_tile`).
     V is never rotated.
     """
@@ -532,7 +566,10 @@ def quantize_qkv(
             offs_dk = tl.arange(0, BLOCK_DQK)
             mean = tl.zeros([BLOCK_DQK], tl.float32)
             if SMOOTH_K:
-                mean = tl.load(KMEAN + kv * DQK + offs_dk, mask=offs_dk < DQK, other=0.0)
+                if ROTATE:  # subtracted before the rotation
+                    mean = tl.load(KMEAN_INPUT + kv * DQK + offs_dk, mask=offs_dk < DQK, other=0.0)
+                else:
+                    mean = tl.load(KMEAN + kv * DQK + offs_dk, mask=offs_dk < DQK, other=0.0)
             if s0 < seqlen:
                 if ROTATE == 2:
                     k_flag = tl.load(FLAGS + kv) != 0

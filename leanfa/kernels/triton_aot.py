@@ -196,7 +196,8 @@ def fused_quant_compiles(target, dqk: int, dv: int, varlen: bool, smooth: bool, 
                                target, num_warps=STATS_WARPS)
     t = dict(KSUM="*fp32", VAMAX="*fp32", CU="*i32", KMEAN="*fp32", VS="*fp32", CU_V="*i32", V8="*u8",
              seqlen_dense="i32", num_heads="i32", nblk="i32", batch="i32", room="i32", stride_v8h="i32",
-             stride_v8d="i32", KSQ="*fp32", QSQ="*fp32", FLAGS="*i8", ROT="*bf16", group="i32", inv_sqrt_d="fp32")
+             stride_v8d="i32", KSQ="*fp32", QSQ="*fp32", FLAGS="*i8", KMEAN_INPUT="*fp32", ROT="*bf16", group="i32",
+             inv_sqrt_d="fp32")
     finish = (dict(BLOCK_C=max(bd_qk, bd_v), ROWS=ROTATE_FINISH_ROWS) if rotate
               else dict(BLOCK_C=FINISH_CHANNELS, ROWS=FINISH_ROWS))
     yield "finish_kv_stats", _compile(quantize.finish_kv_stats, t,
@@ -210,7 +211,7 @@ def fused_quant_compiles(target, dqk: int, dv: int, varlen: bool, smooth: bool, 
     t = {n: "i32" for n in quantize.quantize_qkv.arg_names}
     t.update({n: "*bf16" for n in ("Q", "K", "V")}, **{n: "*fp8e4nv" for n in ("Q8", "K8", "V8")},
              CU_Q="*i32", CU_K="*i32", CU_V="*i32", **{n: "*fp32" for n in ("QS", "KS", "KMEAN", "VS")},
-             FLAGS="*i8", ROT="*bf16", inv_sqrt_d="fp32")
+             FLAGS="*i8", KMEAN_INPUT="*fp32", ROT="*bf16", inv_sqrt_d="fp32")
     yield "quantize_qkv", _compile(quantize.quantize_qkv, t,
                                    dict(**dims, BLOCK_S=SCALE_BLOCK, V_PAD=V_TOKEN_ALIGN, VARLEN=varlen,
                                         SMOOTH_K=smooth, EXACT_ROUND=False, PACKED=varlen, ROTATE=rotate,

@@ -2,7 +2,7 @@
 
 One concern per module: :mod:`.layouts` (register/shared layouts), :mod:`.pipeline` (TMA +
 mbarrier K/V ring), :mod:`.schedule` (which query tiles a program computes), :mod:`.masking`
-(which key blocks a tile visits, diagonal/tail masks), :mod:`.softmax`
+(which key blocks a tile visits, diagonal/tail masks, sliding windows' bands), :mod:`.softmax`
 (Lean-P online softmax), :mod:`.ablation` (timing ablations),
 :mod:`.epilogue` (output rows: register stores, or for dense calls a shared-memory box and one TMA
 store per warpgroup; the LSE's K-mean term), :mod:`.sink` (BF16 sink keys),
@@ -40,6 +40,12 @@ IN_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+def head_dims_reason(dims) -> str:
+    """Why the kernel does not run head dims ``dims`` (Dqk, Dv) (not one of :data:`HEAD_DIMS`)."""
+    return (f"head dims {dims[0]}/{dims[1]} are not implemented in the Hopper kernel "
+            f"({', '.join(f'{a}/{b}' for a, b in HEAD_DIMS)}): these calls run on the portable kernel")
+
+
 def sink_problem(dims, sink_keys) -> str | None:
     """Why the kernel cannot attend ``sink_keys`` BF16 sink keys in an FP8 call of head dims ``dims`` (Dqk, Dv),
     or None (:func:`.launch.sink_problem`)."""
@@ -65,24 +71,32 @@ def supports(problem) -> tuple[bool, str]:
     return verdict
 
 
-def _supports(problem) -> tuple[bool, str]:
+def device_problem(problem) -> str:
+    """Why the Hopper kernel cannot run anything here (Triton, device), or ``""``: what the call's shape, dtypes
+    and options decide comes after."""
     if _versions.unsupported({"triton": triton.__version__}):
         supported = ", ".join(f"{v}.x" for v in _versions.SUPPORTED["triton"])
-        return False, f"the Hopper kernel builds with triton {supported} only (found {triton.__version__})"
-    q, k, v = (_launch.as_bshd(t) for t in (problem.q, problem.k, problem.v))
-    if q.device.type != "cuda":
-        return False, f"the Hopper kernel needs CUDA tensors (got {q.device})"
+        return f"the Hopper kernel builds with triton {supported} only (found {triton.__version__})"
+    if problem.q.device.type != "cuda":
+        return f"the Hopper kernel needs CUDA tensors (got {problem.q.device})"
     if torch.version.hip is not None:
-        return False, "the Hopper kernel needs an NVIDIA GPU"
-    cap = capability(q.device)
+        return "the Hopper kernel needs an NVIDIA GPU"
+    cap = capability(problem.q.device)
     if cap != (9, 0):
-        return False, f"the Hopper kernel needs an sm90 GPU (found sm{cap[0]}{cap[1]})"
+        return f"the Hopper kernel needs an sm90 GPU (found sm{cap[0]}{cap[1]})"
+    return ""
+
+
+def _supports(problem) -> tuple[bool, str]:
+    why = device_problem(problem)
+    if why:
+        return False, why
+    q, k, v = (_launch.as_bshd(t) for t in (problem.q, problem.k, problem.v))
     if q.numel() == 0 or k.numel() == 0:  # a TMA descriptor cannot have a zero-sized dim
         return False, "empty inputs (no query or no key token): nothing for TMA to load"
     dims = (problem.head_dim_qk, problem.head_dim_v)
     if dims not in HEAD_DIMS:
-        return False, (f"head dims {dims[0]}/{dims[1]} are not implemented in the Hopper kernel "
-                       f"({', '.join(f'{a}/{b}' for a, b in HEAD_DIMS)})")
+        return False, head_dims_reason(dims)
     if q.dtype not in IN_DTYPES or v.dtype not in IN_DTYPES:
         return False, f"dtype {q.dtype} (v {v.dtype}) is not supported by the Hopper kernel"
     if problem.out_dtype not in OUT_DTYPES:
@@ -109,6 +123,8 @@ def _supports(problem) -> tuple[bool, str]:
         why = varlen_tiles.table_problem(q.shape[1], problem.cu_seqlens_q.numel() - 1, _launch.BLOCK_M)
         if why:
             return False, why
+    if problem.sink_keys and problem.has_window:  # (the API refuses the pair before it gets here)
+        return False, "the Hopper kernel does not combine sliding windows (window_size) with BF16 sink keys"
     if problem.sink_keys:
         why = _launch.sink_problem(problem.pv_fp8, dims, problem.sink_keys,
                                    (("q", problem.sink_q), ("k", problem.sink_k), ("v", problem.sink_v)))
@@ -119,10 +135,13 @@ def _supports(problem) -> tuple[bool, str]:
 
 def plan_kwargs(problem) -> dict:
     """``make_plan``'s keywords for ``problem``: the varlen ones (none when dense; a packed FP8 V's aligned
-    starts among them), the BF16 sink keys' ``sink`` tuple (none without) and paged K/V's ``page_table``."""
+    starts among them), the BF16 sink keys' ``sink`` tuple (none without), paged K/V's ``page_table`` and the sliding
+    window's ``window`` (none without either)."""
     kw = {}
     if problem.paged:
         kw.update(page_table=problem.page_table)
+    if problem.has_window:
+        kw.update(window=(problem.window_left, problem.window_right))
     if problem.varlen:
         kw.update(cu_seqlens_q=problem.cu_seqlens_q, cu_seqlens_k=problem.cu_seqlens_k,
                   max_seqlen_q=problem.max_seqlen_q, max_seqlen_k=problem.max_seqlen_k,
@@ -157,7 +176,7 @@ def _signature(problem):
     prepared = problem.varlen or problem.pv_fp8 and not _launch.v_is_kmajor(problem.v)
     if plan_cache.enabled(knobs) and (not prepared or plan_cache.prepared_enabled(knobs)):
         scalars = (problem.causal, problem.softmax_scale, problem.return_lse, problem.sink_keys, problem.out_dtype,
-                   problem.max_seqlen_q, problem.max_seqlen_k)
+                   problem.max_seqlen_q, problem.max_seqlen_k, problem.window_left, problem.window_right)
         key = plan_cache.signature(_inputs(problem), scalars, knobs)
     _memo.last = (weakref.ref(problem), key)
     return key
@@ -179,7 +198,7 @@ def plan(problem):
     tiles = problem.scheduler_metadata
     if problem.varlen and tiles is None:  # the call's tile table (made every call unless the caller made it)
         tiles = varlen_tiles.build(problem.cu_seqlens_q, problem.cu_seqlens_k, q.shape[1], problem.max_seqlen_k,
-                                   problem.causal, _launch.BLOCK_M)
+                                   problem.causal, _launch.BLOCK_M, (problem.window_left, problem.window_right))
     inputs = (q, k, v, problem.q_scale, problem.k_scale, problem.v_scale, problem.k_mean, sq, sk, sv,
               problem.cu_seqlens_q, problem.cu_seqlens_k, cu_v, tiles, out, lse, problem.page_table)
     if key is not None:

@@ -38,6 +38,7 @@ class Variant:
     varlen: bool = False  # packed (total, H, D) inputs with cu_seqlens
     sink: bool = False  # FP8 with the first 128 keys attended from BF16 inputs (sink.py)
     page_size: int = 0  # paged K/V: caches (num_pages, page_size, H, D) through a page table (0: contiguous)
+    window: tuple = (-1, -1)  # flash-attn's window_size as Problem stores it (-1: unbounded; causal: right -1)
 
     @property
     def name(self) -> str:
@@ -46,7 +47,8 @@ class Variant:
         return (f"{tag}{self.dtype}-d{self.dqk}/{self.dv}-{'causal' if self.causal else 'full'}"
                 f"{'-lse' if self.return_lse else ''}{'-kmean' if self.k_mean else ''}"
                 f"{'-vT' if vk else ''}{'-varlen' if self.varlen else ''}{'-sink' if self.sink else ''}"
-                f"{f'-paged{self.page_size}' if self.page_size else ''}")
+                f"{f'-paged{self.page_size}' if self.page_size else ''}"
+                f"{'-window%d,%d' % self.window if self.window != (-1, -1) else ''}")
 
 
 def _fake_problem(v: Variant):
@@ -91,7 +93,7 @@ def _fake_problem(v: Variant):
         varlen["page_table"] = torch.zeros(2 if v.varlen else B, -(-S // v.page_size), dtype=torch.int32)
     with mock.patch.dict(os.environ, {k: str(x) for k, x in v.env}):  # restored on exit
         return L.make_plan(q, k, v_, out, lse if v.return_lse else None, qs, ks, vs, km, causal=v.causal,
-                           softmax_scale=v.dqk ** -0.5, return_lse=v.return_lse, **varlen)
+                           softmax_scale=v.dqk ** -0.5, return_lse=v.return_lse, window=v.window, **varlen)
 
 
 def _signature(fn, args, constexprs):

@@ -41,7 +41,7 @@ from .gluon_compat import gl, gluon, mbarrier, tma, warpgroup_mma, warpgroup_mma
 from .ablation import ABLATE_ONEWG, ablates
 from .epilogue import kmean_lse_term, load_v_scale, stage_and_copy, stage_and_store, write_rows
 from .layouts import a_operand_layout, p_operand, staged_out_layout, wgmma_layout
-from .masking import kv_block_range, mask_scores
+from .masking import kv_block_range, mask_band, mask_scores, window_block_range
 from .pipeline import alloc_barriers, invalidate_barriers, load_q, produce_kv, qk_async, release_slot, v_tile, wait_k
 from .schedule import program_tiles, round_tile, sequence_bounds, tile_coords, varlen_tile_coords
 from .sink import load_sink, sink_block
@@ -91,18 +91,21 @@ def _fp8_blocks(n_end, SINK: gl.constexpr):
 
 @gluon.jit
 def _producer(args, cu_seqlens_v, sink_t, CAUSAL: gl.constexpr, V_KMAJOR: gl.constexpr, VARLEN: gl.constexpr,
-              CONSUMERS: gl.constexpr, SINK: gl.constexpr, pages_t=None, PAGE_SIZE: gl.constexpr = 0):
+              CONSUMERS: gl.constexpr, SINK: gl.constexpr, WINDOW: gl.constexpr = False, pages_t=None,
+              PAGE_SIZE: gl.constexpr = 0):
     """Per tile: the ``WGS`` 64-row Q boxes (after the consumers released the previous tile's), then
     the tile's key blocks through the ring; ``ring`` counts key blocks over all of this program's
     tiles. ``CONSUMERS`` is ``WGS`` (1 only in the ``onewg`` timing ablation: no Q box for the idle
     warpgroups). ``cu_seqlens_v``: ``None``, or (FP8 varlen) each sequence's first token in V's
     descriptor, a multiple of 16 (:func:`.launch.align_varlen_v`). ``SINK`` (BF16 sink keys, :mod:`.sink`):
     ``sink_t`` holds the 16-bit Q/K/V descriptors, their buffers and barrier; the tile's 16-bit Q and
-    sink block load with its Q, and the FP8 blocks start at block 1. ``PAGE_SIZE`` > 0 (paged K/V): ``pages_t`` is
-    ``(page_table, stride_b, stride_n)``, and the key blocks load page by page (:func:`.pipeline.load_kv_paged`)."""
+    sink block load with its Q, and the FP8 blocks start at block 1. ``WINDOW``: only the blocks of the tile's
+    band, ``[n_start, n_end)`` (:func:`.masking.window_block_range`, ``window`` = (left, right)). ``PAGE_SIZE`` > 0
+    (paged K/V): ``pages_t`` is ``(page_table, stride_b, stride_n)``, and the key blocks load page by page
+    (:func:`.pipeline.load_kv_paged`; a window's blocks are the sequence's absolute key blocks too)."""
     (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars,
      seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, tiles, num_bh, num_heads, group_size, num_m_tiles,
-     first_tile, tile_step, num_tiles) = args
+     first_tile, tile_step, num_tiles, window) = args
     QK_CHUNKS: gl.constexpr = k_bufs.shape[0] // v_bufs.shape[0]
     ring = 0
     qi = 0  # Q tiles loaded so far (tiles with no key block to visit load none)
@@ -111,6 +114,9 @@ def _producer(args, cu_seqlens_v, sink_t, CAUSAL: gl.constexpr, V_KMAJOR: gl.con
         b, h, hkv, m_start, tma_b, q_start, k_start, sq, sk, n_full, n_end = _tile(
             t, num_bh, num_heads, group_size, num_m_tiles, num_tiles, seqlen_q, seqlen_k, cu_seqlens_q,
             cu_seqlens_k, tiles, k_bufs.shape[3], CAUSAL, VARLEN)
+        if WINDOW:
+            n_start, n_lfull, n_full, n_end = window_block_range(m_start, sq, sk, n_full, n_end, window[0], window[1],
+                                                                 WGS * WG_ROWS, k_bufs.shape[3])
         if n_end > 0:
             if qi > 0:
                 mbarrier.wait(q_empty.index(0), (qi - 1) & 1)
@@ -141,9 +147,14 @@ def _producer(args, cu_seqlens_v, sink_t, CAUSAL: gl.constexpr, V_KMAJOR: gl.con
             pages = (page_table + b * stride_ptb, stride_ptn)
         else:
             pages = None
-        produce_kv(k_desc, v_desc, tma_b, hkv, n_end, k_bufs, v_bufs, k_bars, v_bars, empty_bars, V_KMAJOR, k_start,
-                   ring, v_start, FIRST, pages, sk, PAGE_SIZE)
-        ring += _fp8_blocks(n_end, SINK)
+        if WINDOW:  # (no sink: the two are not combined)
+            produce_kv(k_desc, v_desc, tma_b, hkv, n_end, k_bufs, v_bufs, k_bars, v_bars, empty_bars, V_KMAJOR,
+                       k_start, ring, v_start, n_start, pages, sk, PAGE_SIZE)
+            ring += n_end - n_start
+        else:
+            produce_kv(k_desc, v_desc, tma_b, hkv, n_end, k_bufs, v_bufs, k_bars, v_bars, empty_bars, V_KMAJOR,
+                       k_start, ring, v_start, FIRST, pages, sk, PAGE_SIZE)
+            ring += _fp8_blocks(n_end, SINK)
 
 
 # ----------------------------------------------------------------------------- consumer pieces
@@ -156,16 +167,21 @@ def _issue_qk(q_smem, k_bufs, k_bars, j, s_zero, W: gl.constexpr, QK_CHUNKS: gl.
 
 
 @gluon.jit
-def _softmax_block(s, j, c, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full,
+def _softmax_block(s, j, c, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, band,
                    p_dtype: gl.constexpr, p_layout: gl.constexpr, o_layout: gl.constexpr,
-                   CAUSAL: gl.constexpr, P_OFFSET: gl.constexpr, ABLATE: gl.constexpr):
+                   CAUSAL: gl.constexpr, P_OFFSET: gl.constexpr, ABLATE: gl.constexpr, WINDOW: gl.constexpr = False):
     """Lean P of key block ``j`` (masked on the diagonal / tail blocks only; ``c``: the block's
     score scale): the PV operand P, the new row max and sum, and the factor ``alpha`` (O's layout)
-    that rescales O to the new max."""
+    that rescales O to the new max. ``WINDOW``: ``band = (n_start, n_lfull, left, right)``, the blocks before
+    ``n_lfull`` masked too (:func:`.masking.mask_band`)."""
     BLOCK_N: gl.constexpr = s.shape[1]
     PARTIAL_L: gl.constexpr = len(l_i.shape) == 2  # per-thread partial row sums (see _consumer_tile)
-    if j >= n_full:
-        s = mask_scores(s, offs_m, j * BLOCK_N + offs_n0, seqlen_q, seqlen_k, CAUSAL)
+    if WINDOW:
+        if (j < band[1]) | (j >= n_full):
+            s = mask_band(s, offs_m, j * BLOCK_N + offs_n0, seqlen_q, seqlen_k, band[2], band[3])
+    else:
+        if j >= n_full:
+            s = mask_scores(s, offs_m, j * BLOCK_N + offs_n0, seqlen_q, seqlen_k, CAUSAL)
     p, m_i, l_i, alpha = online_softmax_step(s, c, m_i, l_i, P_OFFSET, ABLATE, PARTIAL_L)
     alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     p_op = p_operand(p, p_dtype, p_layout)
@@ -191,11 +207,11 @@ def _issue_pv(p_op, v, acc, alpha_o, TWO_LEVEL: gl.constexpr):
 
 
 @gluon.jit
-def _consumer_block(s, j, c, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, q_smem, k_bufs, v_bufs,
+def _consumer_block(s, j, c, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, band, q_smem, k_bufs, v_bufs,
                     k_bars, v_bars, empty_bars, ring, s_zero, tr, v_scale_row, stride_vsd,
                     p_layout: gl.constexpr, o_layout: gl.constexpr, CAUSAL: gl.constexpr, V_KMAJOR: gl.constexpr,
                     P_OFFSET: gl.constexpr, ABLATE: gl.constexpr, TWO_LEVEL: gl.constexpr, NEXT: gl.constexpr,
-                    READ_VS: gl.constexpr, W: gl.constexpr):
+                    READ_VS: gl.constexpr, W: gl.constexpr, WINDOW: gl.constexpr = False):
     """Key block ``j`` (ring position ``ring + j``): softmax of its scores ``s``, then ``[PV_j, QK_{j+1}]``
     (``NEXT``; else PV_j alone) issued together and waited for, PV folded into O and the K/V slot
     released. Returns ``(acc, m_i, l_i, S_{j+1}, v_scale)``: with ``READ_VS`` (the last block) V's descale
@@ -203,8 +219,8 @@ def _consumer_block(s, j, c, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k,
     under the block's PV (0 otherwise). ``tr``: this warpgroup's trace record (:mod:`.trace`), or ``None``."""
     QK_CHUNKS: gl.constexpr = k_bufs.shape[0] // v_bufs.shape[0]
     STAGES: gl.constexpr = v_bufs.shape[0]
-    p_op, m_i, l_i, alpha_o = _softmax_block(s, j, c, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full,
-                                             v_bufs.dtype, p_layout, o_layout, CAUSAL, P_OFFSET, ABLATE)
+    p_op, m_i, l_i, alpha_o = _softmax_block(s, j, c, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, band,
+                                             v_bufs.dtype, p_layout, o_layout, CAUSAL, P_OFFSET, ABLATE, WINDOW)
     if READ_VS:
         v_sc = load_v_scale(v_scale_row, stride_vsd, acc.shape[1], o_layout)
     else:
@@ -235,7 +251,7 @@ def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, q_empty,
                    HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, PV_FP8: gl.constexpr,
                    V_KMAJOR: gl.constexpr, RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, ABLATE: gl.constexpr,
                    TWO_LEVEL: gl.constexpr, SINK: gl.constexpr, STORE_TMA: gl.constexpr,
-                   STORE_STAGED: gl.constexpr, W: gl.constexpr):
+                   STORE_STAGED: gl.constexpr, W: gl.constexpr, band, WINDOW: gl.constexpr = False):
     """Warpgroup ``W`` (of ``WGS``) on one tile: rows ``[m_start + 64 W, + 64)`` of sequence ``b`` against its key
     blocks ``[0, n_end)``, which sit at ring positions ``ring + j``. Output row ``r`` is token ``q_start + r`` of ``out`` (and of the LSE). ``out_t``,
     ``lse_t`` and the ``*_scale_t``/``k_mean_t`` tables are ``(pointer, strides...)`` tuples. ``SINK``
@@ -249,7 +265,9 @@ def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, q_empty,
     (:func:`.epilogue.stage_and_copy`). ``IS_FP8``: S comes
     from an FP8 wgmma (Q, K in e4m3 with their scales); ``PV_FP8``: P and V are e4m3 too (P scaled by
     2^P_OFFSET into its range), else P is packed to V's 16-bit dtype for a 16-bit PV wgmma (the mixed mode
-    when IS_FP8)."""
+    when IS_FP8). ``WINDOW`` (a sliding window): the blocks ``[n_start, n_end)`` of the tile's band, ``band =
+    (n_start, n_lfull, left, right)`` (:func:`.masking.window_block_range`), at ring positions
+    ``ring + j - n_start``."""
     out_ptr, stride_ob, stride_os, stride_oh = out_t
     lse_ptr, stride_lb, stride_lh = lse_t
     q_scale_ptr, stride_qsb, stride_qsh, stride_qsblk = q_scale_t
@@ -259,6 +277,10 @@ def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, q_empty,
     QK_CHUNKS: gl.constexpr = k_bufs.shape[0] // v_bufs.shape[0]
     BLOCK_N: gl.constexpr = k_bufs.shape[3]
     FIRST: gl.constexpr = 1 if SINK else 0  # the first FP8 key block; ring position ring + j - FIRST
+    if WINDOW:  # (no sink with a window)
+        first = band[0]
+    else:
+        first = FIRST
     QK_BITS: gl.constexpr = 8 if IS_FP8 else 16  # the operands of S = Q K^T ...
     PV_BITS: gl.constexpr = 8 if PV_FP8 else 16  # ... and of P V (16 in the mixed mode)
     P_OFFSET: gl.constexpr = 8.0 if PV_FP8 else 0.0  # (e4m3 P's range; a 16-bit P needs none)
@@ -283,21 +305,21 @@ def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, q_empty,
 
     # S_FIRST
     s = s_zero
-    if n_end > FIRST:
+    if n_end > first:
         s_acc = _issue_qk(q_smem, k_bufs, k_bars, ring, s_zero, W, QK_CHUNKS)
         s = warpgroup_mma_wait(0, deps=(s_acc, ))
     record_clock(tr, 0, 2, n_end)
-    ring = ring - FIRST  # key block j sits at ring position ring + j
+    ring = ring - first  # key block j sits at ring position ring + j
     # Blocks [0, n_end - 1) issue the next block's S with their PV; the last one is peeled off, so
     # S has one definition per iteration (with a conditional second QK, ptxas copied all 64 S
     # registers at every block). The K scale is loaded a block ahead, off the softmax's path.
-    k_sc = _k_scale(k_scale_row, stride_ksblk, FIRST * BLOCK_N, FIRST < n_end)
-    for j in range(FIRST, n_end - 1):
+    k_sc = _k_scale(k_scale_row, stride_ksblk, first * BLOCK_N, first < n_end)
+    for j in range(first, n_end - 1):
         k_sc_next = _k_scale(k_scale_row, stride_ksblk, (j + 1) * BLOCK_N, j + 1 < n_end)
         acc, m_i, l_i, s, _ = _consumer_block(
-            s, j, c_q * k_sc, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, q_smem, k_bufs,
+            s, j, c_q * k_sc, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, band, q_smem, k_bufs,
             v_bufs, k_bars, v_bars, empty_bars, ring, s_zero, tr, v_scale_row, stride_vsd, p_layout,
-            o_layout, CAUSAL, V_KMAJOR, P_OFFSET, ABLATE, TWO_LEVEL, True, False, W)
+            o_layout, CAUSAL, V_KMAJOR, P_OFFSET, ABLATE, TWO_LEVEL, True, False, W, WINDOW)
         k_sc = k_sc_next
     # Q's last reader, the QK of block n_end - 1, has retired
     EARLY_Q: gl.constexpr = not SINK and not HAS_KMEAN
@@ -308,11 +330,11 @@ def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, q_empty,
     # tile's critical path); not at head dim 256 (O's 128 registers leave no room: AOT spills 52 -> 144 B)
     # or with the sink (its block follows: 4 -> 40 B)
     VS_EARLY: gl.constexpr = HEAD_DV <= 128 and not SINK
-    if n_end > FIRST:
+    if n_end > first:
         acc, m_i, l_i, s, v_sc = _consumer_block(
-            s, n_end - 1, c_q * k_sc, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, q_smem,
+            s, n_end - 1, c_q * k_sc, acc, m_i, l_i, offs_m, offs_n0, seqlen_q, seqlen_k, n_full, band, q_smem,
             k_bufs, v_bufs, k_bars, v_bars, empty_bars, ring, s_zero, tr, v_scale_row, stride_vsd,
-            p_layout, o_layout, CAUSAL, V_KMAJOR, P_OFFSET, ABLATE, TWO_LEVEL, False, VS_EARLY, W)
+            p_layout, o_layout, CAUSAL, V_KMAJOR, P_OFFSET, ABLATE, TWO_LEVEL, False, VS_EARLY, W, WINDOW)
     else:
         if VS_EARLY:
             v_sc = load_v_scale(v_scale_row, stride_vsd, HEAD_DV, o_layout)
@@ -371,13 +393,19 @@ def _consumer_step(t, ring, qi, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars,
                    HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, PV_FP8: gl.constexpr,
                    V_KMAJOR: gl.constexpr, RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, ABLATE: gl.constexpr,
                    TWO_LEVEL: gl.constexpr, VARLEN: gl.constexpr, SINK: gl.constexpr, STORE_TMA: gl.constexpr,
-                   STORE_STAGED: gl.constexpr, W: gl.constexpr):
+                   STORE_STAGED: gl.constexpr, W: gl.constexpr, window, WINDOW: gl.constexpr = False):
     """Tile ``t``; ``ring``, ``qi``: key blocks and Q tiles of the program's earlier tiles (ring position,
     ``q_bars`` phase). Returns them updated.
-    ``trace``: the clock-trace buffer (:mod:`.trace`), or ``None``."""
+    ``trace``: the clock-trace buffer (:mod:`.trace`), or ``None``. ``WINDOW``: ``window = (left, right)``."""
     b, h, hkv, m_start, tma_b, q_start, k_start, sq, sk, n_full, n_end = _tile(
         t, num_bh, num_heads, group_size, num_m_tiles, num_tiles, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k,
         tiles, k_bufs.shape[3], CAUSAL, VARLEN)
+    if WINDOW:
+        n_start, n_lfull, n_full, n_end = window_block_range(m_start, sq, sk, n_full, n_end, window[0], window[1],
+                                                             WGS * WG_ROWS, k_bufs.shape[3])
+        band = (n_start, n_lfull, window[0], window[1])
+    else:
+        band = window  # (unused)
     tr = trace
     if trace is not None:
         tr = trace_row(trace, t, W, WGS)
@@ -390,16 +418,21 @@ def _consumer_step(t, ring, qi, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars,
                    sq, sk, qk_scale, sm_scale,
                    b, h, hkv, q_start, m_start, n_full, n_end, ring, tr, sink_t, qi, ostore,
                    HEAD_DV, CAUSAL, IS_FP8, PV_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, ABLATE,
-                   TWO_LEVEL, SINK, STORE_TMA, STORE_STAGED, W)
+                   TWO_LEVEL, SINK, STORE_TMA, STORE_STAGED, W, band, WINDOW)
     loaded = gl.minimum(n_end, 1)  # this tile had a Q tile
-    return ring + _fp8_blocks(n_end, SINK), qi + loaded
+    if WINDOW:
+        ring += n_end - n_start
+    else:
+        ring += _fp8_blocks(n_end, SINK)
+    return ring, qi + loaded
 
 
 @gluon.jit
 def _consumer(args, trace, sink_t, ostore, HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr,
               PV_FP8: gl.constexpr, V_KMAJOR: gl.constexpr, RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr,
               ABLATE: gl.constexpr, TWO_LEVEL: gl.constexpr, VARLEN: gl.constexpr, PERSISTENT: gl.constexpr,
-              SINK: gl.constexpr, STORE_TMA: gl.constexpr, STORE_STAGED: gl.constexpr, W: gl.constexpr):
+              SINK: gl.constexpr, STORE_TMA: gl.constexpr, STORE_STAGED: gl.constexpr, W: gl.constexpr,
+              WINDOW: gl.constexpr = False):
     """Warpgroup ``W`` over this program's tiles; in each it hands its Q box back (``q_empty``
     counts every consumer warpgroup), so the producer can load the next tile's. Tiles with no key block to
     visit (causal rows before the first key, varlen tiles past a sequence) load no Q. One tile per
@@ -409,7 +442,7 @@ def _consumer(args, trace, sink_t, ostore, HEAD_DV: gl.constexpr, CAUSAL: gl.con
     (q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars,
      out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
      seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k, tiles,
-     num_bh, num_heads, group_size, num_m_tiles, first_tile, tile_step, num_tiles) = args
+     num_bh, num_heads, group_size, num_m_tiles, first_tile, tile_step, num_tiles, window) = args
     if W > 0 and ablates(ABLATE, ABLATE_ONEWG):
         pass
     elif PERSISTENT:
@@ -423,7 +456,7 @@ def _consumer(args, trace, sink_t, ostore, HEAD_DV: gl.constexpr, CAUSAL: gl.con
                 seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k, tiles,
                 num_bh, num_heads, group_size, num_m_tiles, num_tiles, trace, sink_t, ostore,
                 HEAD_DV, CAUSAL, IS_FP8, PV_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, ABLATE, TWO_LEVEL, VARLEN, SINK,
-                STORE_TMA, STORE_STAGED, W)
+                STORE_TMA, STORE_STAGED, W, window, WINDOW)
     else:
         _consumer_step(
             first_tile, 0, 0, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars,
@@ -431,7 +464,7 @@ def _consumer(args, trace, sink_t, ostore, HEAD_DV: gl.constexpr, CAUSAL: gl.con
             seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k, tiles,
             num_bh, num_heads, group_size, num_m_tiles, num_tiles, trace, sink_t, ostore,
             HEAD_DV, CAUSAL, IS_FP8, PV_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, ABLATE, TWO_LEVEL, VARLEN, SINK,
-            STORE_TMA, STORE_STAGED, W)
+            STORE_TMA, STORE_STAGED, W, window, WINDOW)
     if STORE_TMA:
         tma.store_wait(0)  # the last tile's output store has read its shared memory
 
@@ -442,23 +475,25 @@ def _partitions(cargs, pargs, trace, cu_seqlens_v, psink, csink, ostore,
                 V_KMAJOR: gl.constexpr,
                 RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, ABLATE: gl.constexpr, TWO_LEVEL: gl.constexpr,
                 VARLEN: gl.constexpr, PERSISTENT: gl.constexpr, CONSUMERS: gl.constexpr, SINK: gl.constexpr,
-                STORE_TMA: gl.constexpr, STORE_STAGED: gl.constexpr, pages_t=None, PAGE_SIZE: gl.constexpr = 0):
+                STORE_TMA: gl.constexpr, STORE_STAGED: gl.constexpr, WINDOW: gl.constexpr = False, pages_t=None,
+                PAGE_SIZE: gl.constexpr = 0):
     """The warp-specialized body: the two consumer warpgroups (the first in the default partition) and
     the producer warp. ``psink``/``csink``: the BF16 sink keys' tuples, or None; ``pages_t``, ``PAGE_SIZE``: paged
     K/V (the producer's alone)."""
     gl.warp_specialize([
         (_consumer, (cargs, trace, csink, ostore, HEAD_DV, CAUSAL, IS_FP8, PV_FP8, V_KMAJOR, RETURN_LSE,
-                     HAS_KMEAN, ABLATE, TWO_LEVEL, VARLEN, PERSISTENT, SINK, STORE_TMA, STORE_STAGED, 0)),
+                     HAS_KMEAN, ABLATE, TWO_LEVEL, VARLEN, PERSISTENT, SINK, STORE_TMA, STORE_STAGED, 0, WINDOW)),
         (_consumer, (cargs, trace, csink, ostore, HEAD_DV, CAUSAL, IS_FP8, PV_FP8, V_KMAJOR, RETURN_LSE,
-                     HAS_KMEAN, ABLATE, TWO_LEVEL, VARLEN, PERSISTENT, SINK, STORE_TMA, STORE_STAGED, 1)),
-        (_producer, (pargs, cu_seqlens_v, psink, CAUSAL, V_KMAJOR, VARLEN, CONSUMERS, SINK, pages_t, PAGE_SIZE)),
+                     HAS_KMEAN, ABLATE, TWO_LEVEL, VARLEN, PERSISTENT, SINK, STORE_TMA, STORE_STAGED, 1, WINDOW)),
+        (_producer, (pargs, cu_seqlens_v, psink, CAUSAL, V_KMAJOR, VARLEN, CONSUMERS, SINK, WINDOW, pages_t,
+                     PAGE_SIZE)),
     ], [WG_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 # ----------------------------------------------------------------------------- kernel
 
 # head counts vary per call: not specialized (sequence lengths stay specialized)
-@gluon.jit(do_not_specialize=["num_heads", "group_size", "num_m_tiles", "num_bh"])
+@gluon.jit(do_not_specialize=["num_heads", "group_size", "num_m_tiles", "num_bh", "window_left", "window_right"])
 def attn_fwd_pingpong_kernel(
     q_desc, k_desc, v_desc,
     out_ptr, stride_ob, stride_os, stride_oh,
@@ -470,6 +505,7 @@ def attn_fwd_pingpong_kernel(
     seqlen_q, seqlen_k, num_heads, group_size, num_m_tiles,
     qk_scale,  # softmax_scale * log2(e)
     sm_scale,  # softmax_scale (for the K-mean LSE correction)
+    window_left, window_right,  # WINDOW: the band's sides (>= 0; launch.window_bounds), else unused
     num_bh,  # batch * query heads: tile t is query tile (num_m_tiles - 1 - t // num_bh) of (b, h) = t % num_bh
     cu_seqlens_q, cu_seqlens_k,  # varlen: (batch + 1) int32 token offsets (dense: unused)
     tiles,  # varlen: the int32 tile table (varlen_tiles.py; dense: unused)
@@ -490,6 +526,7 @@ def attn_fwd_pingpong_kernel(
     num_warps: gl.constexpr,
     MIXED: gl.constexpr = False,  # IS_FP8 with a 16-bit V: FP8 QK, P and V in 16 bits (attention(precision="fp8qk"))
     STORE_STAGED: gl.constexpr = False,  # varlen: the output staged in shared memory, 16-byte row-masked stores
+    WINDOW: gl.constexpr = False,  # a sliding window (window_left/right): only the band's key blocks (masking.py)
     PAGE_SIZE: gl.constexpr = 0,  # paged K/V: keys per page; k_desc/v_desc are over the caches [page, head, row, dim]
     KV_BOXES: gl.constexpr = 1,  # paged K/V: boxes (pages) per key block (page_size < BLOCK_N)
 ):
@@ -500,6 +537,7 @@ def attn_fwd_pingpong_kernel(
     gl.static_assert(IS_FP8 or not MIXED, "the mixed mode has FP8 Q and K")
     PV_FP8: gl.constexpr = IS_FP8 and not MIXED  # IS_FP8: the QK side; PV_FP8: P and V in e4m3
     TWO_LEVEL: gl.constexpr = PV_FP8 and not PV_IN_MMA
+    gl.static_assert(not (WINDOW and SINK), "sliding windows are not combined with the BF16 sink keys")
 
     first_tile, tile_step, num_tiles = program_tiles(num_bh, num_m_tiles, num_heads, tiles, PERSISTENT, VARLEN)
 
@@ -525,10 +563,11 @@ def attn_fwd_pingpong_kernel(
              (q_scale_ptr, stride_qsb, stride_qsh, stride_qsblk), (k_scale_ptr, stride_ksb, stride_ksh, stride_ksblk),
              (v_scale_ptr, stride_vsb, stride_vsh, stride_vsd), (k_mean_ptr, stride_kmb, stride_kmh, stride_kmd),
              seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, cu_seqlens_k, tiles,
-             num_bh, num_heads, group_size, num_m_tiles, first_tile, tile_step, num_tiles)
+             num_bh, num_heads, group_size, num_m_tiles, first_tile, tile_step, num_tiles,
+             (window_left, window_right))
     pargs = (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars,
              seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, tiles, num_bh, num_heads, group_size, num_m_tiles,
-             first_tile, tile_step, num_tiles)
+             first_tile, tile_step, num_tiles, (window_left, window_right))
     if STORE_TMA:  # one output box per consumer warpgroup
         o_smem = gl.allocate_shared_memory(out_desc.dtype, [WGS] + out_desc.block_type.shape, out_desc.layout)
         ostore = (out_desc, o_smem)
@@ -549,13 +588,13 @@ def attn_fwd_pingpong_kernel(
                     (sink_q_desc, sink_k_desc, sink_v_desc, qs_smem, ks_smem, vs_smem, sink_bar),
                     (qs_smem, ks_smem, vs_smem, sink_bar), ostore,
                     HEAD_DV, CAUSAL, IS_FP8, PV_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, ABLATE, TWO_LEVEL, VARLEN,
-                    PERSISTENT, CONSUMERS, SINK, STORE_TMA, STORE_STAGED, (page_table, stride_ptb, stride_ptn),
+                    PERSISTENT, CONSUMERS, SINK, STORE_TMA, STORE_STAGED, WINDOW, (page_table, stride_ptb, stride_ptn),
                     PAGE_SIZE)
         invalidate_barriers(sink_bar, 1)
     else:  # (the None sink_q_desc stands for both sink tuples: a None made here cannot be passed on)
         _partitions(cargs, pargs, trace, cu_seqlens_v, sink_q_desc, sink_q_desc, ostore,
                     HEAD_DV, CAUSAL, IS_FP8, PV_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, ABLATE, TWO_LEVEL, VARLEN,
-                    PERSISTENT, CONSUMERS, SINK, STORE_TMA, STORE_STAGED, (page_table, stride_ptb, stride_ptn),
+                    PERSISTENT, CONSUMERS, SINK, STORE_TMA, STORE_STAGED, WINDOW, (page_table, stride_ptb, stride_ptn),
                     PAGE_SIZE)
 
     invalidate_barriers(q_bars, WGS)

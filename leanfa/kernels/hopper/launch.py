@@ -341,9 +341,23 @@ def prepare_v(q: torch.Tensor, v: torch.Tensor, cu_seqlens_k=None, max_seqlen_k=
     return (v, None) if v_is_kmajor(v) else (transpose_fp8_v(v), None)
 
 
+def window_bounds(causal: bool, window: tuple[int, int], max_seqlen_q: int, max_seqlen_k: int
+                  ) -> tuple[int, int] | None:
+    """The kernel's ``(window_left, window_right)`` for flash-attn's ``window_size`` as :class:`leanfa.problem.Problem`
+    stores it (``-1``: unbounded; ``causal`` is a right side of 0), or None without a window: both sides >= 0, an
+    unbounded one as a bound past every key of every sequence (left ``max_seqlen_k``, right ``max_seqlen_q``: query
+    ``i`` sits at key ``i + Sk - Sq``), so the kernel's band needs no case for it (:mod:`.masking`)."""
+    left, right = window
+    if left < 0 and right < 0:
+        return None
+    if causal:
+        right = 0
+    return (left if left >= 0 else max(int(max_seqlen_k), 1), right if right >= 0 else max(int(max_seqlen_q), 1))
+
+
 def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: bool,
               softmax_scale: float, return_lse: bool, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, sink=None,
-              prepared_v=None, tile_table=None, cu_seqlens_v=None, page_table=None) -> Plan:
+              prepared_v=None, tile_table=None, cu_seqlens_v=None, page_table=None, window=(-1, -1)) -> Plan:
     """Kernel arguments for dense (B, S, H, D) tensors (``out`` (B, Sq, Hq, Dv)), or packed varlen
     (total, H, D) ones with ``cu_seqlens_*`` / ``max_seqlen_*`` (``out`` (total_q, Hq, Dv)).
     ``sink``: ``(sink_keys, q16, k16, v16)``, FP8 with the first keys attended from the 16-bit inputs
@@ -352,7 +366,9 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
     :func:`leanfa.quantize_fp8`'s aligned layout). ``tile_table``: varlen, the call's
     :func:`.varlen_tiles.build` (made here when not given). ``page_table``: paged K/V, ``k``/``v`` the caches
     ``(num_pages, page_size, Hkv, D)`` and ``page_table`` int32 ``(B, max_pages)`` (:func:`paged_problem` says which
-    caches); varlen, ``cu_seqlens_k`` gives the key lengths; dense, every sequence has ``max_pages * page_size``."""
+    caches); varlen, ``cu_seqlens_k`` gives the key lengths; dense, every sequence has ``max_pages * page_size``.
+    ``window``: flash-attn's ``window_size`` as :class:`leanfa.problem.Problem` normalizes it (:func:`window_bounds`;
+    not with ``sink``)."""
     varlen = cu_seqlens_q is not None
     if page_table is not None:
         why = paged_problem(k.shape[1], v if prepared_v is None else prepared_v[0])
@@ -368,6 +384,9 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
         B, Sq, Sk = cu_seqlens_q.shape[0] - 1, int(max_seqlen_q), int(max_seqlen_k)
     elif page_table is not None:  # dense: every sequence has the table's capacity
         Sk = page_table.shape[1] * k.shape[1]
+    bounds = window_bounds(causal, window, Sq, Sk)  # (None: no window)
+    if bounds is not None and sink is not None:
+        raise ValueError("window_size: the Hopper kernel does not combine sliding windows with BF16 sink keys")
     is_fp8 = q.dtype == torch.float8_e4m3fn  # the QK side ...
     pv_fp8 = v.dtype == torch.float8_e4m3fn  # ... and the PV side: the mixed mode has FP8 Q/K and a 16-bit V
     mixed = is_fp8 and not pv_fp8
@@ -423,13 +442,14 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
         km, *broadcast_strides(km),
         Sq, Sk, Hq, Hq // Hkv, num_m_tiles,
         float(softmax_scale * LOG2E), float(softmax_scale),
+        *(bounds or (0, 0)),
     )
     args += (B * Hq, )
     tiles = B * Hq * num_m_tiles
     if varlen:  # lse (Hq, total_q)
         lse_strides = (0, lse.stride(0)) if lse is not None else (0, 0)
         if tile_table is None:
-            tile_table = varlen_tiles.build(cu_seqlens_q, cu_seqlens_k, total_q, Sk, causal, block_m)
+            tile_table = varlen_tiles.build(cu_seqlens_q, cu_seqlens_k, total_q, Sk, causal, block_m, window)
         tiles = varlen_tiles.capacity(total_q, B, block_m) * Hq  # (from the shapes alone: CUDA-graph safe)
         args += (cu_seqlens_q, cu_seqlens_k, tile_table, *lse_strides)
     else:  # lse (B, Hq, Sq); the cu_seqlens and tile-table pointers are unused
@@ -439,13 +459,14 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
     args += (trace, cu_seqlens_v, *pages, *sink_descs, out_desc)
     persistent = _flag("LEANFA_HOPPER_PERSISTENT", persistent_default(is_fp8, sink_mode, Dv, has_kmean, Dqk))
     constexprs = dict(
-        HEAD_DQK=Dqk, HEAD_DV=Dv, CAUSAL=bool(causal), IS_FP8=is_fp8, V_KMAJOR=kmajor,
+        HEAD_DQK=Dqk, HEAD_DV=Dv, CAUSAL=bool(causal) and bounds is None, IS_FP8=is_fp8, V_KMAJOR=kmajor,
         RETURN_LSE=bool(return_lse), HAS_KMEAN=has_kmean,
         STAGES=_stages(Dqk, Dv, q.element_size(), block_n, block_m, sink_bytes + out_bytes, v.element_size()),
         num_warps=WG_WARPS,
         ABLATE=_ablation(), PV_IN_MMA=wide_head(Dv),
         PERSISTENT=persistent, VARLEN=varlen, SINK=sink_mode, STORE_TMA=o_tma, MIXED=mixed, STORE_STAGED=o_staged,
         PAGE_SIZE=k.shape[1] if page_table is not None else 0, KV_BOXES=kv_boxes,
+        WINDOW=bounds is not None,  # (a window's band holds the causal side too: CAUSAL is off)
     )
     if persistent:  # one program per SM (one CTA fits an SM: > 114 KB of shared memory)
         grid = (max(min(tiles, _num_sms(q.device)), 1), )

@@ -161,13 +161,13 @@ def qk_async(q_smem, Q_FIRST: gl.constexpr, k_bufs, slot, s_zero, QK_CHUNKS: gl.
 
 @gluon.jit
 def produce_kv(k_desc, v_desc, b, hkv, n_end, k_bufs, v_bufs, k_bars, v_bars, empty_bars, V_KMAJOR: gl.constexpr,
-               k_start=0, ring_base=0, v_start=None, FIRST: gl.constexpr = 0, pages=None, seqlen_k=0,
-               PAGE_SIZE: gl.constexpr = 0):
+               k_start=0, ring_base=0, v_start=None, FIRST=0, pages=None, seqlen_k=0, PAGE_SIZE: gl.constexpr = 0):
     """The producer warp's loop: key blocks ``[FIRST, n_end)`` into the ring, block ``j`` at ring
     position ``g = ring_base + j - FIRST``. Position ``g >= STAGES`` reuses the slot of ``g - STAGES``,
     so it waits for that one's release: phase ``g // STAGES - 1`` of ``empty[g % STAGES]``. (``FIRST``
-    = 1 with BF16 sink keys: block 0 is read in 16 bits instead, :mod:`.sink`.) ``PAGE_SIZE`` > 0: paged
-    K/V, the sequence's ``seqlen_k`` keys through its page-table row ``pages`` (:func:`load_kv_paged`)."""
+    = 1 with BF16 sink keys: block 0 is read in 16 bits instead, :mod:`.sink`; a sliding window's first
+    block, a runtime value.) ``PAGE_SIZE`` > 0: paged K/V, the sequence's ``seqlen_k`` keys through its
+    page-table row ``pages`` (:func:`load_kv_paged`; ``j`` is the sequence's absolute key block, a window's too)."""
     STAGES: gl.constexpr = v_bufs.shape[0]
     QK_CHUNKS: gl.constexpr = k_bufs.shape[0] // STAGES
     for j in range(FIRST, n_end):
