@@ -330,8 +330,8 @@ def flash_attn_func(
             ``causal=True`` the right side is 0 (flash-attn's rule). Rows whose window holds no key get
             output 0 and LSE ``-inf``. ``left``/``right`` below -1 raise ``ValueError``. Runs on the
             Hopper kernel where the call would (only the key blocks of each query tile's band are read;
-            FP8 at head dim 256, and with ``seqused_*`` or ``page_table``, on the portable kernel: one
-            warning per process).
+            FP8 at head dim 256, with ``seqused_*``, and paged calls the Hopper kernel does not read
+            (``page_table``, below), on the portable kernel: one warning per process).
         softcap: flash-attn's score capping: with ``softcap > 0`` the scores ``s = softmax_scale * q.k``
             become ``softcap * tanh(s / softcap)`` before the softmax (and in the LSE); 0 (default) is
             off, negative values raise ``ValueError``. Runs on the Hopper kernel where the call would (tanh
@@ -347,8 +347,12 @@ def flash_attn_func(
             128 keys) or is a multiple of it: 1, 2, 4, 8, 16, 32, 64, or a multiple of 128 (else ``ValueError``;
             :func:`leanfa.problem.page_size_supported`); the page ids a call reads
             must lie in ``[0, num_pages)``, checked on CPU tensors only (a check on GPU values would synchronize).
-            Any page order; windows, softcap, FP8 with descales compose with it. Runs on the portable kernel (one
-            warning where the Hopper kernel would have run).
+            Any page order; windows, softcap, FP8 with descales compose with it. On sm90 the Hopper kernel runs it
+            for 16-bit caches with a power-of-two ``page_size`` from 16 keys and no ``seqused_k`` (every entry the
+            table's capacity), windows included; it reads the rows of a sequence's last page past its keys
+            (masked out of the scores), which must then hold finite values. The other paged calls (FP8 caches,
+            ``seqused_k``, other page sizes, softcap) run on the portable kernel (one warning where the Hopper
+            kernel would have run).
 
     Any strides are accepted; inputs are never copied. Empty inputs (``B``, ``Sq`` or ``Sk`` 0)
     are allowed: the output is empty, or 0 with LSE ``-inf`` where no key exists.
@@ -422,7 +426,9 @@ def flash_attn_varlen_func(
     ``page_table``, ``cu_seqlens_k=None`` takes ``k``/``v`` as dense ``(B, Sk, Hkv, D)`` tensors (a KV cache of
     ``Sk`` slots per sequence; ``seqused_k`` its used lengths). ``max_seqlen_k`` is then ignored (may be None).
     Queries of a sequence are its last positions (chunked prefill, ``Sq < Sk``, bottom-right aligned).
-    These calls run on the portable kernel.
+    Paged calls with ``cu_seqlens_k`` run on the Hopper kernel on sm90 under :func:`flash_attn_func`'s
+    ``page_table`` conditions (16-bit caches, power-of-two pages from 16 keys, no ``seqused_k``); the others
+    (``cu_seqlens_k=None``, FP8 caches, ...) on the portable kernel.
 
     ``cu_seqlens`` values are validated on CPU tensors only (a check on GPU values would
     synchronize); on the GPU the caller guarantees them.

@@ -20,9 +20,10 @@ Swap ``from flash_attn_interface import flash_attn_func`` for
   whose window holds no key are 0 with LSE ``-inf``. Negative sides other than -1, or a negative
   ``softcap``, raise ``ValueError``. Windows run on the Hopper kernel (only the key blocks of each
   query tile's band are read), dense and varlen, BF16/FP16, FP8 and the mixed mode, except FP8 at head
-  dim 256; so does ``softcap`` (tanh on the SFU, ``tanh.approx.f32``, as FA3), with or without a window, at
-  every head dim the kernel runs; windows or ``softcap`` with ``seqused`` or paged K/V, and windows in FP8 at
-  head dim 256, run on the portable kernel (one warning where the Hopper kernel would have run);
+  dim 256, and over the paged caches the Hopper kernel reads (below); so does ``softcap`` (tanh on the SFU,
+  ``tanh.approx.f32``, as FA3), with or without a window, at every head dim the kernel runs; windows or
+  ``softcap`` with ``seqused``, and windows in FP8 at head dim 256, run on the portable kernel (one warning
+  where the Hopper kernel would have run);
 * paged K/V and KV caches (prefill, chunked prefill): :func:`flash_attn_with_kvcache` with
   ``cache_seqlens`` (int or int32 ``(B,)``), ``page_table`` (int32 ``(B, max_pages)`` over caches
   ``(num_pages, page_size, Hkv, D)``, ``page_size`` 1, 2, 4, 8, 16, 32, 64 or a multiple of 128; else ``ValueError``) or a
@@ -31,8 +32,13 @@ Swap ``from flash_attn_interface import flash_attn_func`` for
   ``softcap``; and vLLM's ``block_table=`` on :func:`flash_attn_varlen_func` (``k``/``v`` the paged
   caches, key lengths from ``cu_seqlens_k`` and/or ``seqused_k``; ``cu_seqlens_k`` may be None). The
   page ids a call reads must lie in ``[0, num_pages)``: checked on CPU tensors only (a check of GPU
-  values would synchronize). These calls run on the portable kernel (the Hopper kernel does not read
-  page tables yet: one warning);
+  values would synchronize). On sm90 the Hopper kernel reads paged 16-bit caches of a power-of-two
+  ``page_size`` from 16 keys where the key lengths come from ``cu_seqlens_k`` (packed ``q``) or are the
+  whole table (dense ``q``, no ``seqused_k``/``cache_seqlens``), with or without a window; the other paged
+  calls (``seqused_k``, ``cache_seqlens``, ``cu_seqlens_k=None``, FP8 caches, other page sizes, ``softcap``)
+  run on the portable kernel (one warning). The Hopper kernel reads the rows of a sequence's last page past its keys
+  (masked out of the scores): they must hold finite values (stale keys or zeros do; NaN/Inf there gives
+  NaN rows);
 * empty batches: sequences that are all empty, ``max_seqlen_q = max_seqlen_k = 0``;
 * ``return_attn_probs=True`` returns ``(out, softmax_lse)`` as FA3 does;
 * ``deterministic``, ``num_splits``, ``pack_gqa``, ``sm_margin``, ``scheduler_metadata``,
@@ -89,7 +95,8 @@ def flash_attn_varlen_func(
     """FA3 ``flash_attn_varlen_func``: ``out``, or ``(out, softmax_lse)`` (``(H, total_q)``; with
     ``cu_seqlens_q = cu_seqlens_k = None`` dense ``(B, S, H, D)`` tensors and LSE ``(B, H, Sq)``).
     ``block_table`` (vLLM's FA fork): ``k``/``v`` are paged caches ``(num_pages, page_size, Hkv, D)``; the key
-    lengths come from ``cu_seqlens_k`` (its differences) and/or ``seqused_k``."""
+    lengths come from ``cu_seqlens_k`` (its differences) and/or ``seqused_k`` (with ``cu_seqlens_k`` alone, 16-bit
+    caches run on the Hopper kernel on sm90: the module docstring says which)."""
     from . import api
 
     _check_fa3(qv, attention_chunk)

@@ -45,6 +45,11 @@ def variants():
     out.append(Variant("mixed", 128, 128, True, return_lse=True, k_mean=True))
     for (dqk, dv), causal in (((64, 64), True), ((256, 256), True), ((128, 128), True), ((192, 128), False)):
         out.append(Variant("mixed", dqk, dv, causal, return_lse=dqk == 256, varlen=dqk in (128, 192)))
+    # paged K/V (16-bit V caches): 64-key pages (two boxes per key block), 128 (one), 16 (eight), dense q over the
+    # whole table, head dim 256 (BF16 64-key blocks from 128-key pages), the mixed mode
+    for dtype, d, page_size, varlen in (("bf16", 128, 64, True), ("bf16", 128, 128, True), ("bf16", 64, 16, True),
+                                        ("bf16", 128, 64, False), ("bf16", 256, 128, True), ("mixed", 128, 64, True)):
+        out.append(Variant(dtype, d, d, True, varlen=varlen, page_size=page_size))
     # sliding windows (WINDOW: the band's key blocks only): causal windows, the general band, varlen, head dims
     for dtype, (dqk, dv), causal, window, varlen in (
             ("fp8", (128, 128), True, (4096, -1), False), ("bf16", (128, 128), True, (4096, -1), False),
@@ -69,6 +74,9 @@ def variants():
             ("mixed", (256, 256), True, False, True, False, nw)):
         out.append(Variant(dtype, dqk, dv, causal, return_lse=lse, k_mean=kmean, varlen=varlen, window=window,
                            softcap=30.0))
+    # sliding windows over paged K/V (the band's absolute key blocks through the page table)
+    for dtype, d, page_size, varlen in (("bf16", 128, 64, True), ("bf16", 128, 128, False), ("mixed", 128, 64, True)):
+        out.append(Variant(dtype, d, d, True, varlen=varlen, page_size=page_size, window=(4096, -1)))
     # the default knobs above; below varlen, the other head dims, the sink and the measured options
     for dtype, causal in (("fp8", True), ("fp8", False), ("bf16", True), ("bf16", False)):  # head dim 64
         out.append(Variant(dtype, 64, 64, causal))

@@ -76,6 +76,10 @@ def hopper_accepts_everything(monkeypatch):
         def supports(problem):
             return True, ""
 
+        @staticmethod
+        def paged_problem(page_size, v):
+            return None
+
     monkeypatch.setattr(dispatch, "_hopper", lambda: AcceptingHopper)
     monkeypatch.setattr(dispatch, "_WARNED", set())
     return dispatch

@@ -124,8 +124,8 @@ def test_whole_table_without_lengths(device):
     kc, vc, table = _paged(ks, vs, 32, BF16, device, gen)
     table = table[:, :2].contiguous()  # exactly the sequences' pages
     q = torch.randn((2, 20, 2, 64), generator=gen).to(BF16).to(device)
-    out = leanfa.flash_attn_func(q, kc, vc, causal=True, page_table=table)
-    want = leanfa.flash_attn_func(q, _dense(ks, BF16, device), _dense(vs, BF16, device), causal=True,
+    out = leanfa.flash_attn_func(q, kc, vc, causal=True, page_table=table, backend="portable")  # (sm90: Hopper's
+    want = leanfa.flash_attn_func(q, _dense(ks, BF16, device), _dense(vs, BF16, device), causal=True,  # own test)
                                   backend="portable")
     assert torch.equal(out, want)
 
@@ -202,7 +202,7 @@ def test_varlen_q_paged(device, lengths_from, page_size):
     else:
         keys = dict(cu_seqlens_k=None, max_seqlen_k=None, seqused_k=torch.tensor(lens_k, dtype=I32, device=device))
     out, lse = leanfa.flash_attn_varlen_func(q, kc, vc, cu_seqlens_q=cu_q, max_seqlen_q=max(lens_q), causal=True,
-                                             return_lse=True, page_table=table, **keys)
+                                             return_lse=True, page_table=table, backend="portable", **keys)
     ref, ref_lse = attention_ref(q, kc, vc, causal=True, return_lse=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
                                  page_table=table)
     _check(out, lse, ref, ref_lse, BF16)
@@ -235,11 +235,12 @@ def test_varlen_q_dense_cache(device):
 def test_drop_ins_equal_native(device):
     """FA3 ``flash_attn_with_kvcache`` (page_table, int and tensor cache_seqlens, dense and packed q), FA3/vLLM
     ``flash_attn_varlen_func(block_table=)``, flash-attn 2's ``flash_attn_varlen_func(block_table=)`` and
-    ``flash_attn_with_kvcache(block_table=)``: the native call's bits."""
+    ``flash_attn_with_kvcache(block_table=)``: the native call's bits. (8-key pages: every form runs on the portable
+    kernel, also on sm90, so that all give the same bits.)"""
     gen = torch.Generator().manual_seed(6)
     lens, sq, hq, hkv, d = [70, 70], 30, 4, 2, 64
     ks, vs = _seqs(lens, hkv, d, gen)
-    kc, vc, table = _paged(ks, vs, 32, BF16, device, gen)
+    kc, vc, table = _paged(ks, vs, 8, BF16, device, gen)
     q = torch.randn((2, sq, hq, d), generator=gen).to(BF16).to(device)
     used = torch.tensor(lens, dtype=I32, device=device)
     want, want_lse = leanfa.flash_attn_func(q, kc, vc, causal=True, return_lse=True, page_table=table, seqused_k=used)
@@ -355,8 +356,9 @@ def test_page_sizes_table():
 
 
 def test_hopper_dispatch_refuses_paged_with_one_warning(monkeypatch):
-    """Where the Hopper kernel would run a call, a paged call runs on the portable kernel instead, with one
-    warning per process; ``backend="hopper"`` raises."""
+    """Where the Hopper kernel would run a call, a paged call it does not read (packed q without cu_seqlens_k; the
+    others: tests/test_hopper_paged.py) runs on the portable kernel instead, with one warning per process;
+    ``backend="hopper"`` raises. A paged call it reads goes there."""
     dispatch = hopper_accepts_everything(monkeypatch)
     plain = Problem(q=Q, k=Q, v=Q, batch=1, heads=2, kv_heads=2, head_dim_qk=64, head_dim_v=64,
                     max_seqlen_q=8, max_seqlen_k=8, cu_seqlens_q=None, cu_seqlens_k=None, causal=True,
@@ -364,13 +366,15 @@ def test_hopper_dispatch_refuses_paged_with_one_warning(monkeypatch):
                     out_dtype=BF16, return_lse=False)
     assert dispatch.hopper_applies(plain) == (True, "")
     paged = dataclasses.replace(plain, k=KC, v=KC, kv_heads=1, max_seqlen_k=32, page_table=TABLE)
+    assert dispatch.hopper_applies(paged) == (True, "")
+    per_sequence = dataclasses.replace(paged, q=Q[0], cu_seqlens_q=torch.tensor([0, 8], dtype=I32))
     with pytest.warns(UserWarning, match="paged K/V .* not implemented in the Hopper kernel"):
-        assert dispatch.choose(paged, "auto").kernel == "portable"
+        assert dispatch.choose(per_sequence, "auto").kernel == "portable"
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the second refusal is silent
-        assert not dispatch.hopper_applies(paged)[0]
-    with pytest.raises(ValueError, match="page_table"):
-        dispatch.choose(paged, "hopper")
+        assert not dispatch.hopper_applies(per_sequence)[0]
+    with pytest.raises(ValueError, match="cu_seqlens_k"):
+        dispatch.choose(per_sequence, "hopper")
     packed = dataclasses.replace(plain, q=Q[0], cu_seqlens_q=torch.tensor([0, 8], dtype=I32))
     with pytest.warns(UserWarning, match="per-sequence"):
         assert not dispatch.hopper_applies(packed)[0]
@@ -420,8 +424,8 @@ def test_gpu_window_paged_dense_q(device):
 
 @pytest.mark.gpu
 def test_gpu_dispatch_paged_runs_portable(device, monkeypatch):
-    """On the GPU a paged call asks the real Hopper ``supports`` (on sm90 it accepts the layout) and runs on the
-    portable kernel; on sm90 with one warning naming paged K/V."""
+    """On the GPU a paged call with ``seqused_k`` asks the real Hopper ``supports`` (on sm90 it accepts the layout)
+    and runs on the portable kernel; on sm90 with one warning naming seqused_k."""
     from leanfa import api
     from leanfa.kernels import dispatch
 
@@ -438,8 +442,8 @@ def test_gpu_dispatch_paged_runs_portable(device, monkeypatch):
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         assert dispatch.choose(problem, "auto").kernel == "portable"
-    if torch.cuda.get_device_capability() == (9, 0):
-        assert any("paged K/V" in str(w.message) for w in seen)
+    if torch.cuda.get_device_capability() == (9, 0):  # (seqused_k: the paged form the Hopper kernel does not read)
+        assert any("seqused" in str(w.message) for w in seen)
     out = leanfa.flash_attn_func(q, kc, vc, causal=True, page_table=table, seqused_k=used)
     ref = attention_ref(q, kc, vc, causal=True, page_table=table, seqlens_k=used)
     assert rel_l2(out, ref) < TOL[BF16]

@@ -21,7 +21,9 @@ Rows:
   (:func:`leanfa.bench.inputs.paged_kv`, built before the timing); ``leanfa-<backend>-fp8-paged<P>-kernel`` the
   same on e4m3 Q and caches with FA3's per-(sequence, KV head) descales (a KV cache's FP8 format), and
   ``leanfa-<backend>-fp8-kvhead-kernel`` those FP8 inputs with contiguous K/V (the paged FP8 rows' baseline).
-  Paged calls run on the portable kernel: the ``hopper`` paged rows are "n/a" with leanfa's reason;
+  The ``hopper`` BF16 paged rows run the Hopper kernel (beside ``leanfa-hopper-bf16``, the same batch contiguous:
+  the paged target is >= 0.95x of it); FP8 paged calls run on the portable kernel, so the ``hopper`` FP8 paged rows
+  are "n/a" with leanfa's reason;
 * ``cudnn-bf16``: torch SDPA forced to ``SDPBackend.CUDNN_ATTENTION`` (varlen: cuDNN
   frontend graph with ragged offsets; a chunked-prefill batch, ``Sq < Sk``, with the
   bottom-right causal mask) — the BF16 baseline;
@@ -211,14 +213,14 @@ def _paged(case: Case, x: Inputs, k: torch.Tensor, v: torch.Tensor, page_size: i
 
 
 def _leanfa_bf16_paged(backend: str, page_size: int):
-    """flash_attn_varlen_func over paged BF16 caches holding the case's K/V (pages shuffled)."""
+    """flash_attn_varlen_func over paged BF16 caches holding the case's K/V (pages shuffled), with the case's
+    sliding window if it has one."""
     def prepare(case: Case, x: Inputs) -> Prepared:
         lf = _leanfa()
-        _no_window(case, "paged rows")
         paged = _paged(case, x, x.k, x.v, page_size)
         return Prepared(_leanfa_call(lambda: lf.flash_attn_varlen_func(
             x.q, paged.k_cache, paged.v_cache, x.cu_seqlens, x.cu_seqlens_k, x.max_seqlen, x.max_seqlen_k,
-            causal=case.causal, backend=backend, page_table=paged.page_table)),
+            causal=case.causal, backend=backend, page_table=paged.page_table, **_window_kw(case))),
             note=f"paged K/V, {page_size}-token pages in a shuffled order")
     return prepare
 

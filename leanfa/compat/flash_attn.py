@@ -13,19 +13,23 @@ dtype (flash-attn 2 materializes the probabilities only with dropout); ``window_
 (sliding-window local attention, bottom-right aligned: query ``i`` sees keys
 ``[i + Sk - Sq - left, i + Sk - Sq + right]``, -1 unbounded, ``causal`` makes ``right`` 0) and
 ``softcap > 0`` (scores ``softcap * tanh(s / softcap)``), on every form; windows and ``softcap`` run on
-the Hopper kernel (sm90; not with paged K/V; windows not in FP8 at head dim 256), else on the portable
+the Hopper kernel (sm90; windows not in FP8 at head dim 256; over paged K/V where the Hopper kernel reads the
+pages, below), else on the portable
 kernel. Rows whose window holds no key are 0 with LSE ``-inf``; negative sides other than -1 or a
 negative ``softcap`` raise ``ValueError``.
 
-Paged K/V and KV caches (prefill, chunked prefill), on the portable kernel (one warning where the
-Hopper kernel would have run): ``block_table=`` (int32 ``(B, max_pages)``) on
+Paged K/V and KV caches (prefill, chunked prefill): ``block_table=`` (int32 ``(B, max_pages)``) on
 :func:`flash_attn_varlen_func`, ``k``/``v`` then the paged caches ``(num_pages, page_size, Hkv, D)``
 and ``cu_seqlens_k`` the key counts; :func:`flash_attn_with_kvcache` with ``cache_seqlens`` (int or
 int32 ``(B,)``) over a dense ``(B, S_cache, Hkv, D)`` cache or, with ``block_table``, a paged one,
 returning ``out`` or ``(out, softmax_lse)`` with ``return_softmax_lse``. ``page_size`` is 1, 2, 4,
 8, 16, 32, 64 or a multiple of 128 (else ``ValueError``); ``Sq < Sk`` causal is bottom-right aligned; GQA, windows and
 ``softcap`` compose with paging. The page ids a call reads must lie in ``[0, num_pages)``: checked
-on CPU tensors only (a check of GPU values would synchronize).
+on CPU tensors only (a check of GPU values would synchronize). On sm90, :func:`flash_attn_varlen_func` with
+``block_table`` over 16-bit caches (a power-of-two ``page_size`` from 16 keys; ``cu_seqlens_k`` the key counts)
+runs on the Hopper kernel, which reads the rows of a sequence's last page past its keys (masked out of the
+scores: they must hold finite values); :func:`flash_attn_with_kvcache` (``cache_seqlens``), FP8 caches and other
+page sizes run on the portable kernel (one warning where the Hopper kernel would have run).
 
 Anything else raises ``NotImplementedError`` naming the option: ``dropout_p > 0``,
 ``alibi_slopes``, and in :func:`flash_attn_with_kvcache` the in-place append (``k``/``v``), rotary

@@ -7,9 +7,9 @@ shape, supported Triton: :func:`hopper_applies`, which asks :func:`leanfa.kernel
 measured faster for the call (:func:`portable_faster`: FP8 at head dim 64), else the portable kernel.
 ``backend="hopper"`` demands the Hopper kernel (also before validation, for development) and raises
 where it does not apply; ``backend="portable"`` forces the portable kernel. Calls with features only the
-portable kernel implements (``seqused_q/k``, paged K/V, packed queries over a
-per-sequence K/V cache, sliding windows in FP8 at head dim 256: :func:`portable_only_reason`) run there, with one
-warning per process and feature where the Hopper kernel would have run them.
+portable kernel implements (``seqused_q/k``, the paged K/V forms of :func:`_paged_reason`, e.g. paged FP8 V;
+packed queries over a per-sequence K/V cache, sliding windows in FP8 at head dim 256: :func:`portable_only_reason`)
+run there, with one warning per process and feature where the Hopper kernel would have run them.
 
 On a supported Triton that never ran the GPU suite (:data:`leanfa._versions.GPU_VALIDATED`),
 ``backend="auto"`` runs the first Hopper call of each kernel configuration (:func:`config_key`) in a
@@ -161,8 +161,9 @@ def hopper_dims_reason(problem) -> str:
 def portable_only_reason(problem) -> str:
     """Why only the portable kernel runs ``problem`` (features the Hopper kernel does not implement), or ``""``."""
     if problem.paged:
-        return ("paged K/V (page_table/block_table) is not implemented in the Hopper kernel: these calls run on the "
-                "portable kernel")
+        why = _paged_reason(problem)
+        if why:
+            return why
     if problem.kv_per_sequence:
         return ("packed queries (cu_seqlens_q) over a per-sequence (batch, seqlen) K/V cache are not implemented in "
                 "the Hopper kernel: these calls run on the portable kernel")
@@ -173,6 +174,18 @@ def portable_only_reason(problem) -> str:
                 "sm90 build spills ~550 B in the key loop, against 36-76 B without a window): these calls run on the "
                 "portable kernel")
     return ""
+
+
+def _paged_reason(problem) -> str:
+    """Why the Hopper kernel does not read this call's paged K/V, or ``""``: it reads packed queries with
+    ``cu_seqlens_k`` (the key lengths) and dense queries over the whole table, 16-bit V caches stored token-major,
+    pages of a power of two from 16 keys (:func:`leanfa.kernels.hopper.launch.paged_problem`)."""
+    if problem.kv_per_sequence:
+        return ("paged K/V with packed queries and no cu_seqlens_k (key lengths from seqused_k or the page table) is "
+                "not implemented in the Hopper kernel: these calls run on the portable kernel")
+    hopper = _hopper()
+    why = hopper.paged_problem(problem.page_size, problem.v) if hopper is not None else "Gluon is not available"
+    return f"{why}: these calls run on the portable kernel" if why else ""
 
 
 def choose(problem, backend: str) -> Choice:
@@ -285,7 +298,7 @@ def probe_problem(problem):
     inputs: one sequence of :data:`SELF_CHECK_TOKENS` tokens (varlen: :data:`SELF_CHECK_VARLEN`), two query
     heads (sharing one KV head where ``problem`` has grouped KV heads), unit descales; FP8 V stored
     transposed (tokens innermost), as :func:`leanfa.quantize_fp8` writes it (the mixed mode's 16-bit V
-    token-major)."""
+    token-major). K/V are contiguous: a paged call's probe has no page table (its paged loads are not self-checked)."""
     p = problem
     dev = p.q.device
     g = torch.Generator(device=dev).manual_seed(0)
@@ -317,7 +330,7 @@ def probe_problem(problem):
     return dataclasses.replace(
         p, q=q, k=k, v=v, batch=batch, heads=hq, kv_heads=hkv, **seqlens, softmax_scale=dqk ** -0.5,
         q_scale=ones.expand(batch, hq, 1), k_scale=ones.expand(batch, hkv, 1), v_scale=ones.expand(batch, hkv, dv),
-        k_mean=k_mean, **sink)
+        k_mean=k_mean, page_table=None, **sink)
 
 
 def _describe(problem) -> str:

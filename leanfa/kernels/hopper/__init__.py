@@ -52,6 +52,12 @@ def sink_problem(dims, sink_keys) -> str | None:
     return _launch.sink_problem(True, dims, sink_keys)
 
 
+def paged_problem(page_size: int, v) -> str | None:
+    """Why the kernel cannot read paged K/V caches of ``page_size`` keys per page with this V cache, or None
+    (:func:`.launch.paged_problem`)."""
+    return _launch.paged_problem(page_size, _launch.as_bshd(v))
+
+
 def supports(problem) -> tuple[bool, str]:
     """Whether the Hopper kernel can run ``problem``; if not, the reason (the verdict of a signature seen
     before is reused: it depends on nothing else)."""
@@ -95,7 +101,7 @@ def _supports(problem) -> tuple[bool, str]:
         return False, f"dtype {q.dtype} (v {v.dtype}) is not supported by the Hopper kernel"
     if problem.out_dtype not in OUT_DTYPES:
         return False, f"out_dtype {problem.out_dtype} is not supported by the Hopper kernel"
-    kmajor = _launch.v_is_kmajor(v)
+    kmajor = _launch.v_is_kmajor(v) and not problem.paged  # (a paged V cache is read token-major)
     # FP8 V in any layout but the transposed one quantize_fp8 writes (e.g. token-major, FA3 style; and a
     # packed FP8 V without quantize_fp8's aligned starts, cu_seqlens_v) is copied by the plan into that layout,
     # 16-byte aligned (launch.transpose_fp8_v, align_varlen_v): only the copy's layout reaches TMA
@@ -109,6 +115,10 @@ def _supports(problem) -> tuple[bool, str]:
             return False, why
     if problem.max_seqlen_q >= 2**31 or problem.max_seqlen_k >= 2**31:
         return False, "sequence too long"
+    if problem.paged:
+        why = _launch.paged_problem(problem.page_size, v)
+        if why:
+            return False, why
     if problem.varlen:
         why = varlen_tiles.table_problem(q.shape[1], problem.cu_seqlens_q.numel() - 1, _launch.BLOCK_M)
         if why:
@@ -125,9 +135,11 @@ def _supports(problem) -> tuple[bool, str]:
 
 def plan_kwargs(problem) -> dict:
     """``make_plan``'s keywords for ``problem``: the varlen ones (none when dense; a packed FP8 V's aligned
-    starts among them), the BF16 sink
-    keys' ``sink`` tuple (none without), the sliding window's ``window`` and ``softcap`` (none without)."""
+    starts among them), the BF16 sink keys' ``sink`` tuple (none without), paged K/V's ``page_table``, the sliding
+    window's ``window`` and ``softcap`` (none without either)."""
     kw = {}
+    if problem.paged:
+        kw.update(page_table=problem.page_table)
     if problem.has_window:
         kw.update(window=(problem.window_left, problem.window_right))
     if problem.softcap > 0:
@@ -150,7 +162,7 @@ _memo = threading.local()  # the last problem's key: supports() and plan() of on
 def _inputs(problem) -> tuple:
     return (problem.q, problem.k, problem.v, problem.q_scale, problem.k_scale, problem.v_scale, problem.k_mean,
             problem.sink_q, problem.sink_k, problem.sink_v, problem.cu_seqlens_q, problem.cu_seqlens_k,
-            problem.cu_seqlens_v)
+            problem.cu_seqlens_v, problem.page_table)
 
 
 def _signature(problem):
@@ -191,7 +203,7 @@ def plan(problem):
         tiles = varlen_tiles.build(problem.cu_seqlens_q, problem.cu_seqlens_k, q.shape[1], problem.max_seqlen_k,
                                    problem.causal, _launch.BLOCK_M, (problem.window_left, problem.window_right))
     inputs = (q, k, v, problem.q_scale, problem.k_scale, problem.v_scale, problem.k_mean, sq, sk, sv,
-              problem.cu_seqlens_q, problem.cu_seqlens_k, cu_v, tiles, out, lse)
+              problem.cu_seqlens_q, problem.cu_seqlens_k, cu_v, tiles, out, lse, problem.page_table)
     if key is not None:
         key = plan_cache.extend(key, (v, cu_v, tiles, out, lse), inputs)
         template = PLANS.get(key)

@@ -75,6 +75,9 @@ class _Buf:
     store_reader: object = None  # the partition whose TMA store is still reading this buffer
     store_done_epoch: int = -1  # the epoch of the store_wait that retired the last store
     store_epoch: int = -1  # the epoch of the last generic store (a generic load of it needs a barrier after)
+    # the row ranges of the buffer the TMA copies of its current fill write (paged K/V: one box per page), or None
+    # for a fill by one copy of the whole buffer
+    parts: set | None = None
 
     def reader(self, part):
         return self.read_parts.setdefault(part, [0, 0, -1, False])
@@ -219,7 +222,10 @@ class SmemView:
     def _tensor(self):
         t = self.alloc.data if self.idx is None else self.alloc.data[self.idx]
         for op, arg in self.ops:
-            t = t.reshape(arg) if op == "reshape" else t.permute(arg)
+            if op == "slice":
+                t = t.narrow(arg[2], arg[0], arg[1])
+            else:
+                t = t.reshape(arg) if op == "reshape" else t.permute(arg)
         return t
 
     @property
@@ -239,6 +245,16 @@ class SmemView:
 
     def permute(self, order):
         return SmemView(self.alloc, self.idx, self.ops + (("permute", tuple(order)),))
+
+    def slice(self, start, length, dim=0):
+        """Rows ``[start, start + length)`` along ``dim`` of one buffer (a TMA destination: part of its fill)."""
+        if self.idx is None or self.ops:
+            M.err("slice() of a whole allocation or of a reshaped view is not modelled")
+        return SmemView(self.alloc, self.idx, (("slice", (int(start), int(length), int(dim))),))
+
+    def part(self):
+        """The ``(start, length, dim)`` of a sliced view, or None for the whole buffer."""
+        return next((arg for op, arg in self.ops if op == "slice"), None)
 
     def buf(self):
         if self.idx is None:
@@ -308,8 +324,11 @@ class Barrier:
                 b.state = "landed"
 
     def _complete_one(self):
-        buf, fn, nbytes, alloc, idx = self.inflight.pop(0)
-        alloc.data[idx] = fn()
+        buf, fn, nbytes, alloc, idx, view = self.inflight.pop(0)
+        if view is None:
+            alloc.data[idx] = fn()
+        else:
+            view._tensor().copy_(fn())
         self.tx -= nbytes
         self.landed.append(buf)
         if self.tx < 0:
@@ -486,6 +505,17 @@ class _TMA:
             return
         coords = tuple(int(c) for c in coord)
         b = result.buf()
+        part = result.part()
+        if b.state == "pending" and part is not None and b.parts is not None and b.bar is bar:
+            # another part of the same fill (paged K/V: the next page's box), on the same barrier
+            dim = part[2]
+            if any(p[2] != dim or (p[0] < part[0] + part[1] and part[0] < p[0] + p[1]) for p in b.parts):
+                M.err(f"TMA {desc.name}{coords} overlaps another copy of the same fill ({sorted(b.parts)} vs {part})")
+            b.parts.add(part)
+            M.progress += 1
+            bar.inflight.append((b, lambda: desc.box(coords), desc.block_type.nbytes, result.alloc, result.idx, result))
+            M.events.append(("load", desc.name, coords))
+            return
         if b.state == "pending":
             M.err(f"TMA into a buffer whose previous copy is still in flight ({desc.name}{coords})")
         if b.readers:
@@ -508,8 +538,10 @@ class _TMA:
             M.err("TMA on an uninitialised mbarrier")
         b.state, b.bar, b.coords, b.desc_name = "pending", bar, coords, desc.name
         b.free, b.read_parts = False, {}
+        b.parts = None if part is None else {part}
         M.progress += 1
-        bar.inflight.append((b, lambda: desc.box(coords), desc.block_type.nbytes, result.alloc, result.idx))
+        bar.inflight.append((b, lambda: desc.box(coords), desc.block_type.nbytes, result.alloc, result.idx,
+                             None if part is None else result))
         M.events.append(("load", desc.name, coords))
 
 

@@ -37,6 +37,7 @@ class Variant:
     env: tuple = ()  # ((name, value), ...) LEANFA_HOPPER_* knobs set while planning
     varlen: bool = False  # packed (total, H, D) inputs with cu_seqlens
     sink: bool = False  # FP8 with the first 128 keys attended from BF16 inputs (sink.py)
+    page_size: int = 0  # paged K/V: caches (num_pages, page_size, H, D) through a page table (0: contiguous)
     window: tuple = (-1, -1)  # flash-attn's window_size as Problem stores it (-1: unbounded; causal: right -1)
     softcap: float = 0.0  # flash-attn's softcap (0: off)
 
@@ -47,6 +48,7 @@ class Variant:
         return (f"{tag}{self.dtype}-d{self.dqk}/{self.dv}-{'causal' if self.causal else 'full'}"
                 f"{'-lse' if self.return_lse else ''}{'-kmean' if self.k_mean else ''}"
                 f"{'-vT' if vk else ''}{'-varlen' if self.varlen else ''}{'-sink' if self.sink else ''}"
+                f"{f'-paged{self.page_size}' if self.page_size else ''}"
                 f"{'-window%d,%d' % self.window if self.window != (-1, -1) else ''}"
                 f"{'-softcap%g' % self.softcap if self.softcap else ''}")
 
@@ -87,6 +89,10 @@ def _fake_problem(v: Variant):
                                     torch.tensor([0, 112, 272], dtype=torch.int32))
     if v.sink:
         varlen["sink"] = (128, *sixteen)
+    if v.page_size:  # the keys in caches of S pages (a stand-in table: only its type matters; dense: S keys each)
+        k = torch.zeros(S, v.page_size, H, v.dqk, dtype=dt)
+        v_ = torch.zeros(S, v.page_size, H, v.dv, dtype=v_dt)
+        varlen["page_table"] = torch.zeros(2 if v.varlen else B, -(-S // v.page_size), dtype=torch.int32)
     with mock.patch.dict(os.environ, {k: str(x) for k, x in v.env}):  # restored on exit
         return L.make_plan(q, k, v_, out, lse if v.return_lse else None, qs, ks, vs, km, causal=v.causal,
                            softmax_scale=v.dqk ** -0.5, return_lse=v.return_lse, window=v.window, **varlen,

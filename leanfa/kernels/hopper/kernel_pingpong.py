@@ -93,7 +93,8 @@ def _fp8_blocks(n_end, SINK: gl.constexpr):
 
 @gluon.jit
 def _producer(args, cu_seqlens_v, sink_t, CAUSAL: gl.constexpr, V_KMAJOR: gl.constexpr, VARLEN: gl.constexpr,
-              CONSUMERS: gl.constexpr, SINK: gl.constexpr, WINDOW: gl.constexpr = False):
+              CONSUMERS: gl.constexpr, SINK: gl.constexpr, WINDOW: gl.constexpr = False, pages_t=None,
+              PAGE_SIZE: gl.constexpr = 0):
     """Per tile: the ``WGS`` 64-row Q boxes (after the consumers released the previous tile's), then
     the tile's key blocks through the ring; ``ring`` counts key blocks over all of this program's
     tiles. ``CONSUMERS`` is ``WGS`` (1 only in the ``onewg`` timing ablation: no Q box for the idle
@@ -101,7 +102,9 @@ def _producer(args, cu_seqlens_v, sink_t, CAUSAL: gl.constexpr, V_KMAJOR: gl.con
     descriptor, a multiple of 16 (:func:`.launch.align_varlen_v`). ``SINK`` (BF16 sink keys, :mod:`.sink`):
     ``sink_t`` holds the 16-bit Q/K/V descriptors, their buffers and barrier; the tile's 16-bit Q and
     sink block load with its Q, and the FP8 blocks start at block 1. ``WINDOW``: only the blocks of the tile's
-    band, ``[n_start, n_end)`` (:func:`.masking.window_block_range`, ``window`` = (left, right))."""
+    band, ``[n_start, n_end)`` (:func:`.masking.window_block_range`, ``window`` = (left, right)). ``PAGE_SIZE`` > 0
+    (paged K/V): ``pages_t`` is ``(page_table, stride_b, stride_n)``, and the key blocks load page by page
+    (:func:`.pipeline.load_kv_paged`; a window's blocks are the sequence's absolute key blocks too)."""
     (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars,
      seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, tiles, num_bh, num_heads, group_size, num_m_tiles,
      first_tile, tile_step, num_tiles, window) = args
@@ -112,10 +115,10 @@ def _producer(args, cu_seqlens_v, sink_t, CAUSAL: gl.constexpr, V_KMAJOR: gl.con
         t = round_tile(r, first_tile, tile_step)
         b, h, hkv, m_start, tma_b, q_start, k_start, sq, sk, n_full, n_end = _tile(
             t, num_bh, num_heads, group_size, num_m_tiles, num_tiles, seqlen_q, seqlen_k, cu_seqlens_q,
-            cu_seqlens_k, tiles, k_desc.block_type.shape[2], CAUSAL, VARLEN)
+            cu_seqlens_k, tiles, k_bufs.shape[3], CAUSAL, VARLEN)
         if WINDOW:
             n_start, n_lfull, n_full, n_end = window_block_range(m_start, sq, sk, n_full, n_end, window[0], window[1],
-                                                                 WGS * WG_ROWS, k_desc.block_type.shape[2])
+                                                                 WGS * WG_ROWS, k_bufs.shape[3])
         if n_end > 0:
             if qi > 0:
                 mbarrier.wait(q_empty.index(0), (qi - 1) & 1)
@@ -141,13 +144,18 @@ def _producer(args, cu_seqlens_v, sink_t, CAUSAL: gl.constexpr, V_KMAJOR: gl.con
         else:
             v_start = gl.load(cu_seqlens_v + b)
         FIRST: gl.constexpr = 1 if SINK else 0
+        if PAGE_SIZE > 0:  # this sequence's row of the page table
+            page_table, stride_ptb, stride_ptn = pages_t
+            pages = (page_table + b * stride_ptb, stride_ptn)
+        else:
+            pages = None
         if WINDOW:  # (no sink: the two are not combined)
             produce_kv(k_desc, v_desc, tma_b, hkv, n_end, k_bufs, v_bufs, k_bars, v_bars, empty_bars, V_KMAJOR,
-                       k_start, ring, v_start, n_start)
+                       k_start, ring, v_start, n_start, pages, sk, PAGE_SIZE)
             ring += n_end - n_start
         else:
             produce_kv(k_desc, v_desc, tma_b, hkv, n_end, k_bufs, v_bufs, k_bars, v_bars, empty_bars, V_KMAJOR,
-                       k_start, ring, v_start, FIRST)
+                       k_start, ring, v_start, FIRST, pages, sk, PAGE_SIZE)
             ring += _fp8_blocks(n_end, SINK)
 
 
@@ -497,9 +505,10 @@ def _partitions(cargs, pargs, trace, cu_seqlens_v, psink, csink, ostore,
                 RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, ABLATE: gl.constexpr, TWO_LEVEL: gl.constexpr,
                 VARLEN: gl.constexpr, PERSISTENT: gl.constexpr, CONSUMERS: gl.constexpr, SINK: gl.constexpr,
                 STORE_TMA: gl.constexpr, STORE_STAGED: gl.constexpr, WINDOW: gl.constexpr = False,
-                SOFTCAP: gl.constexpr = 0):
+                SOFTCAP: gl.constexpr = 0, pages_t=None, PAGE_SIZE: gl.constexpr = 0):
     """The warp-specialized body: the two consumer warpgroups (the first in the default partition) and
-    the producer warp. ``psink``/``csink``: the BF16 sink keys' tuples, or None."""
+    the producer warp. ``psink``/``csink``: the BF16 sink keys' tuples, or None; ``pages_t``, ``PAGE_SIZE``: paged
+    K/V (the producer's alone)."""
     gl.warp_specialize([
         (_consumer, (cargs, trace, csink, ostore, HEAD_DV, CAUSAL, IS_FP8, PV_FP8, V_KMAJOR, RETURN_LSE,
                      HAS_KMEAN, ABLATE, TWO_LEVEL, VARLEN, PERSISTENT, SINK, STORE_TMA, STORE_STAGED, 0, WINDOW,
@@ -507,7 +516,8 @@ def _partitions(cargs, pargs, trace, cu_seqlens_v, psink, csink, ostore,
         (_consumer, (cargs, trace, csink, ostore, HEAD_DV, CAUSAL, IS_FP8, PV_FP8, V_KMAJOR, RETURN_LSE,
                      HAS_KMEAN, ABLATE, TWO_LEVEL, VARLEN, PERSISTENT, SINK, STORE_TMA, STORE_STAGED, 1, WINDOW,
                      SOFTCAP)),
-        (_producer, (pargs, cu_seqlens_v, psink, CAUSAL, V_KMAJOR, VARLEN, CONSUMERS, SINK, WINDOW)),
+        (_producer, (pargs, cu_seqlens_v, psink, CAUSAL, V_KMAJOR, VARLEN, CONSUMERS, SINK, WINDOW, pages_t,
+                     PAGE_SIZE)),
     ], [WG_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -533,6 +543,7 @@ def attn_fwd_pingpong_kernel(
     stride_lb, stride_lh,  # LSE strides of batch and head (dense (B, H, Sq); varlen (H, total_q))
     trace,  # None, or the int32 clock-trace buffer (LEANFA_HOPPER_TRACE, see trace.py)
     cu_seqlens_v,  # None, or (FP8 varlen) each sequence's first token in V, 16-aligned (launch.align_varlen_v)
+    page_table, stride_ptb, stride_ptn,  # None, or (PAGE_SIZE) paged K/V's int32 page table (B, max_pages)
     sink_q_desc, sink_k_desc, sink_v_desc,  # None, or (SINK) the 16-bit Q, K, V of the BF16 sink keys (sink.py)
     out_desc,  # None, or (STORE_TMA) the output as (B, H, S, D) for TMA stores of 64-row boxes
     softcap,  # SOFTCAP: flash-attn's softcap (qk_scale is then softmax_scale / softcap), else unused
@@ -549,6 +560,8 @@ def attn_fwd_pingpong_kernel(
     STORE_STAGED: gl.constexpr = False,  # varlen: the output staged in shared memory, 16-byte row-masked stores
     WINDOW: gl.constexpr = False,  # a sliding window (window_left/right): only the band's key blocks (masking.py)
     SOFTCAP: gl.constexpr = 0,  # soft-capped scores (softcap); 2: K was smoothed, tanh's argument gets q . mean back
+    PAGE_SIZE: gl.constexpr = 0,  # paged K/V: keys per page; k_desc/v_desc are over the caches [page, head, row, dim]
+    KV_BOXES: gl.constexpr = 1,  # paged K/V: boxes (pages) per key block (page_size < BLOCK_N)
 ):
     gl.static_assert(num_warps == WG_WARPS, "the kernel launches with num_warps=4 (the first consumer warpgroup)")
     gl.static_assert(q_desc.block_type.shape[2] == WG_ROWS, "the kernel loads Q in 64-row boxes")
@@ -564,8 +577,13 @@ def attn_fwd_pingpong_kernel(
 
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [WGS * QK_CHUNKS] + q_desc.block_type.shape,
                                        q_desc.layout)
-    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES * QK_CHUNKS] + k_desc.block_type.shape, k_desc.layout)
-    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    if KV_BOXES > 1:  # a key block's slot holds KV_BOXES page boxes (pipeline.load_kv_paged; V token-major)
+        KV_ROWS: gl.constexpr = KV_BOXES * k_desc.block_type.shape[2]
+        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES * QK_CHUNKS, 1, 1, KV_ROWS, DCHUNK], k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, 1, 1, KV_ROWS, HEAD_DV], v_desc.layout)
+    else:
+        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES * QK_CHUNKS] + k_desc.block_type.shape, k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     q_bars = alloc_barriers(WGS)
     CONSUMERS: gl.constexpr = 1 if ablates(ABLATE, ABLATE_ONEWG) else WGS  # the working ones
     q_empty = alloc_barriers(1, CONSUMERS)  # every consumer warpgroup is done with the tile's Q
@@ -604,12 +622,14 @@ def attn_fwd_pingpong_kernel(
                     (sink_q_desc, sink_k_desc, sink_v_desc, qs_smem, ks_smem, vs_smem, sink_bar),
                     (qs_smem, ks_smem, vs_smem, sink_bar), ostore,
                     HEAD_DV, CAUSAL, IS_FP8, PV_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, ABLATE, TWO_LEVEL, VARLEN,
-                    PERSISTENT, CONSUMERS, SINK, STORE_TMA, STORE_STAGED, WINDOW, SOFTCAP)
+                    PERSISTENT, CONSUMERS, SINK, STORE_TMA, STORE_STAGED, WINDOW, SOFTCAP,
+                    (page_table, stride_ptb, stride_ptn), PAGE_SIZE)
         invalidate_barriers(sink_bar, 1)
     else:  # (the None sink_q_desc stands for both sink tuples: a None made here cannot be passed on)
         _partitions(cargs, pargs, trace, cu_seqlens_v, sink_q_desc, sink_q_desc, ostore,
                     HEAD_DV, CAUSAL, IS_FP8, PV_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, ABLATE, TWO_LEVEL, VARLEN,
-                    PERSISTENT, CONSUMERS, SINK, STORE_TMA, STORE_STAGED, WINDOW, SOFTCAP)
+                    PERSISTENT, CONSUMERS, SINK, STORE_TMA, STORE_STAGED, WINDOW, SOFTCAP,
+                    (page_table, stride_ptb, stride_ptn), PAGE_SIZE)
 
     invalidate_barriers(q_bars, WGS)
     invalidate_barriers(q_empty, 1)

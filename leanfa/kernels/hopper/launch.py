@@ -180,13 +180,34 @@ def _smem_layout(block: tuple, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(list(block), _GL_DTYPES[dtype])
 
 
-def _desc(t: torch.Tensor, shape, strides, block):
-    layout = _smem_layout(tuple(block), t.dtype)
+def _desc(t: torch.Tensor, shape, strides, block, layout_block=None):
+    """A TMA descriptor of ``block`` boxes over ``t`` viewed as ``shape``/``strides``; its shared layout is that of
+    ``layout_block`` boxes where given (a paged cache's page boxes land in the rows of a whole key block's slot)."""
+    layout = _smem_layout(tuple(block if layout_block is None else layout_block), t.dtype)
     # a size-1 dim's stride is never used, but TMA wants every stride 16-byte aligned: give it the
     # tensor's span (a multiple of an aligned stride)
     span = max(st * n for st, n in zip(strides, shape))
     strides = [span if n == 1 else st for st, n in zip(strides[:-1], shape[:-1])] + [strides[-1]]
     return TensorDescriptor(t, shape, strides, block, layout)
+
+
+#: paged K/V (``page_table``): page sizes the kernel reads, powers of two from 16 keys. A page of fewer keys than a
+#: key block is one TMA box per page (a block of 128 keys spans 128 / page_size of them); a larger page holds whole
+#: blocks (one box each). Other page sizes run on the portable kernel.
+MIN_PAGE_SIZE = 16
+
+
+def paged_problem(page_size: int, v: torch.Tensor) -> str | None:
+    """Why the kernel cannot read paged K/V caches of ``page_size`` keys per page with this V cache, or None."""
+    if v.dtype == torch.float8_e4m3fn:
+        return ("paged FP8 V is not implemented in the Hopper kernel (its FP8 PV reads V K-major, tokens innermost; a "
+                "token-major paged V cache would need a transposed copy of the whole cache per call)")
+    if v_is_kmajor(v):
+        return "paged K/V: the Hopper kernel reads a V cache stored token-major (head dim contiguous)"
+    if page_size < MIN_PAGE_SIZE or page_size & (page_size - 1):
+        return (f"paged K/V with page_size {page_size}: the Hopper kernel reads pages of a power of two from "
+                f"{MIN_PAGE_SIZE} keys")
+    return None
 
 
 def as_bshd(t: torch.Tensor) -> torch.Tensor:
@@ -338,18 +359,25 @@ def window_bounds(causal: bool, window: tuple[int, int], max_seqlen_q: int, max_
 
 def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: bool,
               softmax_scale: float, return_lse: bool, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, sink=None,
-              prepared_v=None, tile_table=None, cu_seqlens_v=None, window=(-1, -1), softcap: float = 0.0) -> Plan:
+              prepared_v=None, tile_table=None, cu_seqlens_v=None, page_table=None, window=(-1, -1),
+              softcap: float = 0.0) -> Plan:
     """Kernel arguments for dense (B, S, H, D) tensors (``out`` (B, Sq, Hq, Dv)), or packed varlen
     (total, H, D) ones with ``cu_seqlens_*`` / ``max_seqlen_*`` (``out`` (total_q, Hq, Dv)).
     ``sink``: ``(sink_keys, q16, k16, v16)``, FP8 with the first keys attended from the 16-bit inputs
     (:mod:`.sink`; :func:`sink_problem` says what is supported). ``prepared_v``: :func:`prepare_v`'s result
     when the caller made it (``v`` is then unused); else it is made here (``cu_seqlens_v``: a packed FP8 V in
     :func:`leanfa.quantize_fp8`'s aligned layout). ``tile_table``: varlen, the call's
-    :func:`.varlen_tiles.build` (made here when not given). ``window``: flash-attn's ``window_size`` as
-    :class:`leanfa.problem.Problem` normalizes it (:func:`window_bounds`; not with ``sink``). ``softcap > 0``:
-    flash-attn's score capping (the kernel's ``SOFTCAP``: 2 with ``k_mean``, whose ``q . mean`` goes inside tanh's
-    argument instead of the LSE; not with ``sink``)."""
+    :func:`.varlen_tiles.build` (made here when not given). ``page_table``: paged K/V, ``k``/``v`` the caches
+    ``(num_pages, page_size, Hkv, D)`` and ``page_table`` int32 ``(B, max_pages)`` (:func:`paged_problem` says which
+    caches); varlen, ``cu_seqlens_k`` gives the key lengths; dense, every sequence has ``max_pages * page_size``.
+    ``window``: flash-attn's ``window_size`` as :class:`leanfa.problem.Problem` normalizes it (:func:`window_bounds`;
+    not with ``sink``). ``softcap > 0``: flash-attn's score capping (the kernel's ``SOFTCAP``: 2 with ``k_mean``, whose
+    ``q . mean`` goes inside tanh's argument instead of the LSE; not with ``sink``)."""
     varlen = cu_seqlens_q is not None
+    if page_table is not None:
+        why = paged_problem(k.shape[1], v if prepared_v is None else prepared_v[0])
+        if why:
+            raise ValueError(why)
     v, cu_seqlens_v = (prepared_v if prepared_v is not None
                        else prepare_v(q, v, cu_seqlens_k, max_seqlen_k, cu_seqlens_v))
     q, k, v = as_bshd(q), as_bshd(k), as_bshd(v)
@@ -358,6 +386,8 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
     total_q = q.shape[1]  # (varlen: the packed tokens, viewed as a batch of one)
     if varlen:
         B, Sq, Sk = cu_seqlens_q.shape[0] - 1, int(max_seqlen_q), int(max_seqlen_k)
+    elif page_table is not None:  # dense: every sequence has the table's capacity
+        Sk = page_table.shape[1] * k.shape[1]
     bounds = window_bounds(causal, window, Sq, Sk)  # (None: no window)
     if bounds is not None and sink is not None:
         raise ValueError("window_size: the Hopper kernel does not combine sliding windows with BF16 sink keys")
@@ -372,11 +402,18 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
     block_m = BLOCK_M  # query rows per tile
     q_rows = 64  # one 64-row Q box per consumer warpgroup
     q_desc = _desc(q, *_bshd_as_bhsd(q), [1, 1, q_rows, dchunk])
-    k_desc = _desc(k, *_bshd_as_bhsd(k), [1, 1, block_n, dchunk])
-    if kmajor:
-        v_desc = _desc(v, *_v_kmajor_dims(v), [1, 1, Dv, block_n])
+    kv_boxes = 1
+    if page_table is not None:  # over the caches as [page, head, row, dim], in boxes of at most a page
+        page_box = min(k.shape[1], block_n)
+        kv_boxes = block_n // page_box
+        k_desc = _desc(k, *_bshd_as_bhsd(k), [1, 1, page_box, dchunk], [1, 1, block_n, dchunk])
+        v_desc = _desc(v, *_bshd_as_bhsd(v), [1, 1, page_box, Dv], [1, 1, block_n, Dv])
     else:
-        v_desc = _desc(v, *_bshd_as_bhsd(v), [1, 1, block_n, Dv])
+        k_desc = _desc(k, *_bshd_as_bhsd(k), [1, 1, block_n, dchunk])
+        if kmajor:
+            v_desc = _desc(v, *_v_kmajor_dims(v), [1, 1, Dv, block_n])
+        else:
+            v_desc = _desc(v, *_bshd_as_bhsd(v), [1, 1, block_n, Dv])
     num_m_tiles = triton_cdiv(Sq, block_m)
     # the kernel reads table[b, h, token // 128] for every Q tile / key block: a table must have one
     # entry per 128-token block, or a single broadcast one (stride 0, see scales.broadcast_strides)
@@ -425,7 +462,8 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
     else:  # lse (B, Hq, Sq); the cu_seqlens and tile-table pointers are unused
         args += (v_scale, v_scale, v_scale, Hq * Sq, Sq)
     trace = trace_buffer(B * Hq * num_m_tiles, q.device) if _flag("LEANFA_HOPPER_TRACE", False) else None
-    args += (trace, cu_seqlens_v, *sink_descs, out_desc, float(softcap))
+    pages = (page_table, *page_table.stride()) if page_table is not None else (None, None, None)
+    args += (trace, cu_seqlens_v, *pages, *sink_descs, out_desc, float(softcap))
     persistent = _flag("LEANFA_HOPPER_PERSISTENT", persistent_default(is_fp8, sink_mode, Dv, has_kmean, Dqk,
                                                                        cap_mode > 0 and pv_fp8))
     constexprs = dict(
@@ -435,6 +473,7 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
         num_warps=WG_WARPS,
         ABLATE=_ablation(), PV_IN_MMA=wide_head(Dv),
         PERSISTENT=persistent, VARLEN=varlen, SINK=sink_mode, STORE_TMA=o_tma, MIXED=mixed, STORE_STAGED=o_staged,
+        PAGE_SIZE=k.shape[1] if page_table is not None else 0, KV_BOXES=kv_boxes,
         WINDOW=bounds is not None,  # (a window's band holds the causal side too: CAUSAL is off)
         SOFTCAP=cap_mode,
     )

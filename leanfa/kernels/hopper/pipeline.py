@@ -5,6 +5,10 @@ Key block ``j`` always lives in ring slot ``j % STAGES``; its ready barrier comp
 Descriptors are rank 4: ``[batch, head, seq, dim]`` for Q/K (and V stored token-major),
 ``[batch, head, dim, seq]`` for V stored transposed (``V_KMAJOR``: FP8 PV needs a K-major B).
 TMA zero-fills everything outside ``[0, seqlen)``, so tail tiles never read a neighbour's data.
+
+Paged K/V (``PAGE_SIZE`` > 0, :func:`load_kv_paged`): the descriptors are over the caches ``(num_pages, page_size,
+Hkv, D)`` as ``[page, head, row, dim]``, with boxes of ``min(page_size, BLOCK_N)`` rows; a key block is
+``BLOCK_N / box`` boxes (one per page it spans), each into its rows of the block's ring slot.
 """
 
 from __future__ import annotations
@@ -77,6 +81,52 @@ def load_kv(k_desc, v_desc, b, hkv, block, k_bufs, v_bufs, k_bars, v_bars,
 
 
 @gluon.jit
+def box_rows(buf, i, BOX: gl.constexpr):
+    """Rows ``[i * BOX, (i + 1) * BOX)`` of a ``[1, 1, rows, cols]`` ring slot (the slot itself when it is one box)."""
+    if BOX == buf.shape[2]:
+        return buf
+    return buf.slice(i * BOX, BOX, dim=2)
+
+
+@gluon.jit
+def page_box(pages, n, seqlen_k, PAGE_SIZE: gl.constexpr):
+    """``(page, row)`` of the box holding key ``n`` of a sequence of ``seqlen_k`` keys whose page ids are
+    ``pages = (row, stride)`` (its row of the page table): page ``row[(n // PAGE_SIZE) * stride]``, row
+    ``n % PAGE_SIZE``. A box past the sequence's last key gets page -1 (TMA zero-fills it: no table entry past
+    the sequence is read)."""
+    row_ptr, stride = pages
+    page = gl.load(row_ptr + (gl.minimum(n, seqlen_k - 1) // PAGE_SIZE) * stride)
+    return gl.where(n < seqlen_k, page, -1), n % PAGE_SIZE
+
+
+@gluon.jit
+def load_kv_paged(k_desc, v_desc, hkv, block, k_bufs, v_bufs, k_bars, v_bars, STAGES: gl.constexpr,
+                  QK_CHUNKS: gl.constexpr, ring_index, pages, seqlen_k, PAGE_SIZE: gl.constexpr):
+    """:func:`load_kv` from paged caches: key block ``block`` of a sequence whose page-table row is ``pages`` as
+    ``BLOCK_N / box`` boxes (``box = min(PAGE_SIZE, BLOCK_N)``: the descriptors' box rows), box ``i`` into rows
+    ``[i * box, (i + 1) * box)`` of the ring slot; each barrier expects the whole block's bytes. Rows of a
+    sequence's last page past its keys are read as stored (masked out of the scores: they must be finite)."""
+    BLOCK_N: gl.constexpr = k_bufs.shape[3]
+    BOX: gl.constexpr = k_desc.block_type.shape[2]
+    BOXES: gl.constexpr = BLOCK_N // BOX
+    DCHUNK: gl.constexpr = k_desc.block_type.shape[3]
+    slot = ring_index % STAGES
+    n0 = block * BLOCK_N
+    kb = k_bars.index(slot)
+    mbarrier.expect(kb, BOXES * QK_CHUNKS * k_desc.block_type.nbytes)
+    for i in gl.static_range(BOXES):
+        page, row = page_box(pages, n0 + i * BOX, seqlen_k, PAGE_SIZE)
+        for c in gl.static_range(QK_CHUNKS):
+            tma.async_copy_global_to_shared(k_desc, [page, hkv, row, c * DCHUNK], kb,
+                                            box_rows(k_bufs.index(slot * QK_CHUNKS + c), i, BOX))
+    vb = v_bars.index(slot)
+    mbarrier.expect(vb, BOXES * v_desc.block_type.nbytes)
+    for i in gl.static_range(BOXES):
+        page, row = page_box(pages, n0 + i * BOX, seqlen_k, PAGE_SIZE)
+        tma.async_copy_global_to_shared(v_desc, [page, hkv, row, 0], vb, box_rows(v_bufs.index(slot), i, BOX))
+
+
+@gluon.jit
 def wait_k(k_bars, block, STAGES: gl.constexpr):
     """Wait for key block ``block``; return its ring slot."""
     slot = block % STAGES
@@ -111,20 +161,25 @@ def qk_async(q_smem, Q_FIRST: gl.constexpr, k_bufs, slot, s_zero, QK_CHUNKS: gl.
 
 @gluon.jit
 def produce_kv(k_desc, v_desc, b, hkv, n_end, k_bufs, v_bufs, k_bars, v_bars, empty_bars, V_KMAJOR: gl.constexpr,
-               k_start=0, ring_base=0, v_start=None, FIRST=0):
+               k_start=0, ring_base=0, v_start=None, FIRST=0, pages=None, seqlen_k=0, PAGE_SIZE: gl.constexpr = 0):
     """The producer warp's loop: key blocks ``[FIRST, n_end)`` into the ring, block ``j`` at ring
     position ``g = ring_base + j - FIRST``. Position ``g >= STAGES`` reuses the slot of ``g - STAGES``,
     so it waits for that one's release: phase ``g // STAGES - 1`` of ``empty[g % STAGES]``. (``FIRST``
     = 1 with BF16 sink keys: block 0 is read in 16 bits instead, :mod:`.sink`; a sliding window's first
-    block, a runtime value.)"""
+    block, a runtime value.) ``PAGE_SIZE`` > 0: paged K/V, the sequence's ``seqlen_k`` keys through its
+    page-table row ``pages`` (:func:`load_kv_paged`; ``j`` is the sequence's absolute key block, a window's too)."""
     STAGES: gl.constexpr = v_bufs.shape[0]
     QK_CHUNKS: gl.constexpr = k_bufs.shape[0] // STAGES
     for j in range(FIRST, n_end):
         g = ring_base + j - FIRST
         if g >= STAGES:
             mbarrier.wait(empty_bars.index(g % STAGES), ((g // STAGES) - 1) & 1)
-        load_kv(k_desc, v_desc, b, hkv, j, k_bufs, v_bufs, k_bars, v_bars, STAGES, V_KMAJOR, QK_CHUNKS, k_start, g,
-                v_start)
+        if PAGE_SIZE > 0:
+            load_kv_paged(k_desc, v_desc, hkv, j, k_bufs, v_bufs, k_bars, v_bars, STAGES, QK_CHUNKS, g, pages,
+                          seqlen_k, PAGE_SIZE)
+        else:
+            load_kv(k_desc, v_desc, b, hkv, j, k_bufs, v_bufs, k_bars, v_bars, STAGES, V_KMAJOR, QK_CHUNKS, k_start,
+                    g, v_start)
 
 
 @gluon.jit
