@@ -51,6 +51,17 @@ class _Module:
 
 
 sys.modules["flash_attn_interface"] = _Module()
+
+
+@pytest.fixture(autouse=True)
+def _release_cached_memory():
+    """Each case's tensors go back to the device after it: the caching allocators of parallel workers otherwise
+    hold the GPU's memory between cases (H200 run 95: out-of-memory failures in the other workers)."""
+    yield
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 EVERY = @EVERY@
 
 
