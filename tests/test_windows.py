@@ -303,6 +303,8 @@ def test_hopper_dispatch_takes_softcap(monkeypatch, change):
     (dict(seqused_k=torch.tensor([5], dtype=I32)), "seqused_q/seqused_k are not implemented in the Hopper kernel"),
     (dict(seqused_q=torch.tensor([5], dtype=I32), window_left=4, softcap=30.0),
      "seqused_q/seqused_k are not implemented in the Hopper kernel"),
+    (dict(q=torch.zeros(1, 8, 2, 64, dtype=torch.float8_e4m3fn), softcap=30.0),
+     "softcap with FP8 Q.K is not yet validated in the Hopper kernel"),
 ])
 def test_hopper_dispatch_refuses_with_one_warning(monkeypatch, change, reason):
     """Where the Hopper kernel would run a call, a call with a portable-only feature (here seqused_*, with or
