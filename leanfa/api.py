@@ -351,7 +351,7 @@ def flash_attn_func(
             for 16-bit caches with a power-of-two ``page_size`` from 16 keys and no ``seqused_k`` (every entry the
             table's capacity), windows included; it reads the rows of a sequence's last page past its keys
             (masked out of the scores), which must then hold finite values. The other paged calls (FP8 caches,
-            ``seqused_k``, other page sizes, softcap) run on the portable kernel (one warning where the Hopper
+            ``seqused_k``, other page sizes, FP8 softcap) run on the portable kernel (one warning where the Hopper
             kernel would have run).
 
     Any strides are accepted; inputs are never copied. Empty inputs (``B``, ``Sq`` or ``Sk`` 0)

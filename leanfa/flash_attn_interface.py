@@ -20,10 +20,10 @@ Swap ``from flash_attn_interface import flash_attn_func`` for
   whose window holds no key are 0 with LSE ``-inf``. Negative sides other than -1, or a negative
   ``softcap``, raise ``ValueError``. Windows run on the Hopper kernel (only the key blocks of each
   query tile's band are read), dense and varlen, BF16/FP16, FP8 and the mixed mode, except FP8 at head
-  dim 256, and over the paged caches the Hopper kernel reads (below); so does ``softcap`` (tanh on the SFU,
-  ``tanh.approx.f32``, as FA3), with or without a window, at every head dim the kernel runs; windows or
-  ``softcap`` with ``seqused``, and windows in FP8 at head dim 256, run on the portable kernel (one warning
-  where the Hopper kernel would have run);
+  dim 256, and over the paged caches the Hopper kernel reads (below); so does 16-bit ``softcap`` (tanh on the
+  SFU, ``tanh.approx.f32``, as FA3), with or without a window, at every head dim the kernel runs; FP8
+  ``softcap`` (not yet validated there), windows or ``softcap`` with ``seqused``, and windows in FP8 at head
+  dim 256, run on the portable kernel (one warning where the Hopper kernel would have run);
 * paged K/V and KV caches (prefill, chunked prefill): :func:`flash_attn_with_kvcache` with
   ``cache_seqlens`` (int or int32 ``(B,)``), ``page_table`` (int32 ``(B, max_pages)`` over caches
   ``(num_pages, page_size, Hkv, D)``, ``page_size`` 1, 2, 4, 8, 16, 32, 64 or a multiple of 128; else ``ValueError``) or a
@@ -35,7 +35,7 @@ Swap ``from flash_attn_interface import flash_attn_func`` for
   values would synchronize). On sm90 the Hopper kernel reads paged 16-bit caches of a power-of-two
   ``page_size`` from 16 keys where the key lengths come from ``cu_seqlens_k`` (packed ``q``) or are the
   whole table (dense ``q``, no ``seqused_k``/``cache_seqlens``), with or without a window; the other paged
-  calls (``seqused_k``, ``cache_seqlens``, ``cu_seqlens_k=None``, FP8 caches, other page sizes, ``softcap``)
+  calls (``seqused_k``, ``cache_seqlens``, ``cu_seqlens_k=None``, FP8 caches, other page sizes, FP8 ``softcap``)
   run on the portable kernel (one warning). The Hopper kernel reads the rows of a sequence's last page past its keys
   (masked out of the scores): they must hold finite values (stale keys or zeros do; NaN/Inf there gives
   NaN rows);
