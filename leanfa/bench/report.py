@@ -91,7 +91,11 @@ def _case_cell(r: dict) -> list:
 
 def _mask_cell(r: dict) -> str:
     mask = "causal" if r["causal"] else "full"
-    return f"{mask}, window {r['window_left']}" if r.get("window_left") is not None else mask
+    if r.get("window_left") is not None:
+        mask += f", window {r['window_left']}"
+    if r.get("softcap"):
+        mask += f", softcap {r['softcap']:g}"
+    return mask
 
 
 def _speed_cell(r: dict | None) -> str:
