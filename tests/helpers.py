@@ -83,3 +83,53 @@ def hopper_accepts_everything(monkeypatch):
     monkeypatch.setattr(dispatch, "_hopper", lambda: AcceptingHopper)
     monkeypatch.setattr(dispatch, "_WARNED", set())
     return dispatch
+
+
+def public_call(q, k, v, *, precision, cu=None, **kw):
+    """The public API as a user calls it: BF16 ``flash_attn_func`` (``flash_attn_varlen_func`` with ``cu``, a dict of
+    ``cu_seqlens_q/k`` and ``max_seqlen_q/k``), else ``leanfa.attention(precision=...)``; ``kw`` passed through."""
+    import leanfa
+
+    if precision == "bf16":
+        if cu is None:
+            return leanfa.flash_attn_func(q, k, v, **kw)
+        return leanfa.flash_attn_varlen_func(q, k, v, **cu, **kw)
+    return leanfa.attention(q, k, v, precision=precision, **(cu or {}), **kw)
+
+
+def check_out_lse(out, lse, ref, ref_lse, tol, lse_tol):
+    """No NaN (every element written over the poison), ``out`` within ``tol`` relative L2 of ``ref``, the LSE -inf
+    exactly where ``ref_lse`` is (rows with no visible key, whose output must be 0), finite LSEs within ``lse_tol``.
+    ``out`` is ``(B, S, H, D)`` or packed ``(total, H, D)``, the LSE ``(B, H, S)`` or ``(H, total)``."""
+    assert not torch.isnan(out).any(), "NaN (or never written) in out"
+    assert not torch.isnan(lse).any(), "NaN (or never written) in lse"
+    err = float((out.double() - ref).norm() / ref.norm().clamp(min=1e-30))
+    assert err < tol, err
+    empty = torch.isneginf(ref_lse)
+    assert torch.equal(torch.isneginf(lse), empty), "LSE -inf pattern (rows with no visible key)"
+    rows_out = out.transpose(-3, -2) if out.dim() == 4 else out.transpose(0, 1)  # (.., H, S, D) as the LSE
+    assert rows_out[empty].abs().max() == 0 if empty.any() else True, "rows with no key are 0"
+    if (~empty).any():
+        lse_err = float((lse.double() - ref_lse)[~empty].abs().max())
+        assert lse_err < lse_tol, lse_err
+
+
+def quantized_problem(q, k, v, *, causal, precision, lse=True, cu=None, **options):
+    """A validated :class:`leanfa.problem.Problem` of BF16 ``q, k, v`` in ``precision``: ``"bf16"`` as they are,
+    ``"fp8"`` through ``quantize_fp8`` (K smoothed), ``"fp8qk"`` FP8 Q/K with the 16-bit V (the mixed mode); ``cu``
+    the packed batch's ``cu_seqlens_q/k`` and ``max_seqlen_q/k``; ``options`` (``window_size``, ``softcap``) passed
+    to ``_build_problem``."""
+    import leanfa
+    from leanfa.api import _build_problem
+
+    kw = dict(q_descale=None, k_descale=None, v_descale=None, k_mean=None)
+    if precision == "fp8":
+        qq = leanfa.quantize_fp8(q, k, v, **(cu or {}))
+        q, k, v, kw = qq.q, qq.k, qq.v, qq.descales()
+    elif precision == "fp8qk":
+        qq = leanfa.quantize_fp8(q, k, v, **(cu or {}))
+        q, k = qq.q, qq.k
+        kw = dict(q_descale=qq.q_descale, k_descale=qq.k_descale, v_descale=None, k_mean=qq.k_mean)
+    cu = cu or dict(cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None)
+    return _build_problem(q, k, v, varlen=cu["cu_seqlens_q"] is not None, **cu, softmax_scale=None, causal=causal,
+                          return_lse=lse, out_dtype=None, **options, **kw)

@@ -123,22 +123,30 @@ def test_emulated_head_dims(page_size):
         _emulate_and_check(*_varlen(*lens, 2, 1, d, page_size, True, seed=d))
 
 
+def _dense_q_over_whole_table(seed, keys, queries, **kw):
+    """``flash_attn_func``'s paged form on the emulated kernel: dense q over two sequences' 64-key pages, the table
+    cut to exactly their pages (every sequence the table's capacity, ``keys``), with ``kw`` (window, softcap); checked
+    against the reference, and bit for bit against the same call over contiguous K/V."""
+    from leanfa.kernels.hopper.emulate import emulate
+
+    gen = torch.Generator().manual_seed(seed)
+    scale = kw.pop("scale", 1.0)
+    ks = [scale * torch.randn((keys, 1, 64), generator=gen) for _ in range(2)]
+    vs = [torch.randn((keys, 1, 64), generator=gen) for _ in range(2)]
+    kc, vc, table = _caches(ks, vs, 64, gen)
+    table = table[:, :keys // 64].contiguous()
+    q = (scale * torch.randn((2, queries, 2, 64), generator=gen)).to(BF16)
+    out, lse, _ = emulate(_problem(q, kc, vc, page_table=table, **kw))
+    ref, ref_lse = attention_ref(q, kc, vc, causal=True, return_lse=True, page_table=table, **kw)
+    assert rel_l2(out, ref) < 1e-2 and float((lse.double() - ref_lse).abs().max()) < 1e-3
+    want, want_lse, _ = emulate(_problem(q, torch.stack(ks).to(BF16), torch.stack(vs).to(BF16), **kw))
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+
+
 @emulation
 def test_emulated_dense_q_whole_table():
     """``flash_attn_func``'s form: dense q, every sequence the table's capacity (chunked: Sq < Sk, bottom-right)."""
-    from leanfa.kernels.hopper.emulate import emulate
-
-    gen = torch.Generator().manual_seed(7)
-    ks = [torch.randn((192, 1, 64), generator=gen) for _ in range(2)]
-    vs = [torch.randn((192, 1, 64), generator=gen) for _ in range(2)]
-    kc, vc, table = _caches(ks, vs, 64, gen)
-    table = table[:, :3].contiguous()  # exactly the sequences' pages: capacity 192
-    q = torch.randn((2, 70, 2, 64), generator=gen).to(BF16)
-    out, lse, _ = emulate(_problem(q, kc, vc, page_table=table))
-    ref, ref_lse = attention_ref(q, kc, vc, causal=True, return_lse=True, page_table=table)
-    assert rel_l2(out, ref) < 1e-2 and float((lse.double() - ref_lse).abs().max()) < 1e-3
-    want, want_lse, _ = emulate(_problem(q, torch.stack(ks).to(BF16), torch.stack(vs).to(BF16)))
-    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    _dense_q_over_whole_table(7, 192, 70)
 
 
 @emulation
@@ -240,20 +248,7 @@ def test_emulated_window_over_pages(page_size, window, causal, persistent, monke
 @emulation
 def test_emulated_window_over_pages_dense_q_and_mixed():
     """A window over the whole table with dense q (``flash_attn_func``'s form), and the mixed mode with a window."""
-    from leanfa.kernels.hopper.emulate import emulate
-
-    gen = torch.Generator().manual_seed(11)
-    ks = [torch.randn((384, 1, 64), generator=gen) for _ in range(2)]
-    vs = [torch.randn((384, 1, 64), generator=gen) for _ in range(2)]
-    kc, vc, table = _caches(ks, vs, 64, gen)
-    table = table[:, :6].contiguous()  # exactly the sequences' pages: capacity 384
-    q = torch.randn((2, 300, 2, 64), generator=gen).to(BF16)
-    out, lse, _ = emulate(_problem(q, kc, vc, page_table=table, window_size=(100, -1)))
-    ref, ref_lse = attention_ref(q, kc, vc, causal=True, return_lse=True, page_table=table, window_size=(100, -1))
-    assert rel_l2(out, ref) < 1e-2 and float((lse.double() - ref_lse).abs().max()) < 1e-3
-    want, want_lse, _ = emulate(_problem(q, torch.stack(ks).to(BF16), torch.stack(vs).to(BF16),
-                                         window_size=(100, -1)))
-    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    _dense_q_over_whole_table(11, 384, 300, window_size=(100, -1))
     paged, contiguous = _varlen(*LENS, 4, 2, 64, 64, True, seed=5, window=(129, -1))
     _emulate_and_check(_mixed(paged), _mixed(contiguous))
 
@@ -502,19 +497,5 @@ def test_gpu_fp8_paged_stays_portable(monkeypatch):
 @emulation
 def test_emulated_softcap_over_pages():
     """softcap (the consumers' scores) over paged K/V (the producer's loads) compose: a dense q over the whole
-    table with softcap 5 and a window, against the reference and bit for bit against the same call over
-    contiguous K/V."""
-    from leanfa.kernels.hopper.emulate import emulate
-
-    gen = torch.Generator().manual_seed(13)
-    ks = [4 * torch.randn((384, 1, 64), generator=gen) for _ in range(2)]  # (scores of ~+-30: tanh saturates)
-    vs = [torch.randn((384, 1, 64), generator=gen) for _ in range(2)]
-    kc, vc, table = _caches(ks, vs, 64, gen)
-    table = table[:, :6].contiguous()
-    q = (4 * torch.randn((2, 300, 2, 64), generator=gen)).to(BF16)
-    kw = dict(softcap=5.0, window_size=(100, -1))
-    out, lse, _ = emulate(_problem(q, kc, vc, page_table=table, **kw))
-    ref, ref_lse = attention_ref(q, kc, vc, causal=True, return_lse=True, page_table=table, **kw)
-    assert rel_l2(out, ref) < 1e-2 and float((lse.double() - ref_lse).abs().max()) < 1e-3
-    want, want_lse, _ = emulate(_problem(q, torch.stack(ks).to(BF16), torch.stack(vs).to(BF16), **kw))
-    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    table with softcap 5 and a window, scores of ~+-30 where tanh saturates."""
+    _dense_q_over_whole_table(13, 384, 300, softcap=5.0, window_size=(100, -1), scale=4.0)

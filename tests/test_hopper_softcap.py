@@ -20,7 +20,7 @@ import torch
 
 import leanfa
 from leanfa.reference import attention_ref
-from helpers import cu_seqlens
+from helpers import check_out_lse, cu_seqlens, public_call, quantized_problem
 
 BF16 = torch.bfloat16
 ON_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -41,19 +41,9 @@ def _inputs(lq, lk, hq, hkv, d, seed, varlen, scale=1.0, dv=None):
 
 
 def _problem(q, k, v, *, causal, softcap, precision, window=(-1, -1), lse=True, cu=None):
-    from leanfa.api import _build_problem
-
-    kw = dict(q_descale=None, k_descale=None, v_descale=None, k_mean=None)
-    if precision == "fp8":  # quantize_fp8 smooths K (stores K - mean): the kernel's SOFTCAP == 2
-        qq = leanfa.quantize_fp8(q, k, v, **(cu or {}))
-        q, k, v, kw = qq.q, qq.k, qq.v, qq.descales()
-    elif precision == "fp8qk":  # FP8 Q/K, the 16-bit V (the mixed mode)
-        qq = leanfa.quantize_fp8(q, k, v, **(cu or {}))
-        q, k = qq.q, qq.k
-        kw = dict(q_descale=qq.q_descale, k_descale=qq.k_descale, v_descale=None, k_mean=qq.k_mean)
-    cu = cu or dict(cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None)
-    return _build_problem(q, k, v, varlen=cu["cu_seqlens_q"] is not None, **cu, softmax_scale=None, causal=causal,
-                          return_lse=lse, out_dtype=None, window_size=window, softcap=softcap, **kw)
+    """(FP8: quantize_fp8 smooths K, so the kernel's SOFTCAP is 2)"""
+    return quantized_problem(q, k, v, causal=causal, precision=precision, lse=lse, cu=cu, window_size=window,
+                             softcap=softcap)
 
 
 def _reference(p):
@@ -66,20 +56,8 @@ def _reference(p):
 
 
 def _check(out, lse, ref, ref_lse, tol, lse_tol=2e-3):
-    """No NaN (every element written over the poison), output within ``tol`` relative L2, LSE -inf exactly where
-    the reference's is (rows with no key: output 0), finite LSEs within ``lse_tol`` (the LSE of the capped
-    scores)."""
-    assert not torch.isnan(out).any(), "NaN (or never written) in out"
-    assert not torch.isnan(lse).any(), "NaN (or never written) in lse"
-    err = float((out.double() - ref).norm() / ref.norm().clamp(min=1e-30))
-    assert err < tol, err
-    empty = torch.isneginf(ref_lse)
-    assert torch.equal(torch.isneginf(lse), empty), "LSE -inf pattern (rows with no key)"
-    rows_out = out.transpose(-3, -2) if out.dim() == 4 else out.transpose(0, 1)  # (.., H, S, D) as the LSE
-    assert rows_out[empty].abs().max() == 0 if empty.any() else True, "rows with no key are 0"
-    if (~empty).any():
-        lse_err = float((lse.double() - ref_lse)[~empty].abs().max())
-        assert lse_err < lse_tol, lse_err
+    """:func:`helpers.check_out_lse` (rows with no visible key: 0, LSE -inf) with this file's LSE bound."""
+    check_out_lse(out, lse, ref, ref_lse, tol, lse_tol)
 
 
 def _tol(precision):
@@ -345,14 +323,8 @@ def _check_gpu(out, lse, ref, ref_lse, precision, softcap, portable):
 
 def _gpu_call(q, k, v, *, causal, softcap, precision, cu=None, window=(-1, -1), backend="hopper"):
     """The public API on the Hopper kernel (``backend="hopper"``: it raises where the kernel does not apply)."""
-    kw = dict(causal=causal, softcap=softcap, window_size=window, return_lse=True, backend=backend)
-    if cu is None:
-        if precision == "bf16":
-            return leanfa.flash_attn_func(q, k, v, **kw)
-        return leanfa.attention(q, k, v, precision=precision, **kw)
-    if precision == "bf16":
-        return leanfa.flash_attn_varlen_func(q, k, v, **cu, **kw)
-    return leanfa.attention(q, k, v, precision=precision, **cu, **kw)
+    return public_call(q, k, v, precision=precision, cu=cu, causal=causal, softcap=softcap, window_size=window,
+                       return_lse=True, backend=backend)
 
 
 @gpu

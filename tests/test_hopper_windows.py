@@ -18,7 +18,7 @@ import torch
 
 import leanfa
 from leanfa.reference import attention_ref
-from helpers import cu_seqlens
+from helpers import check_out_lse, cu_seqlens, public_call, quantized_problem
 
 BF16 = torch.bfloat16
 BLOCK = 128
@@ -38,19 +38,7 @@ def _inputs(lq, lk, hq, hkv, d, seed, varlen):
 
 
 def _problem(q, k, v, *, causal, window, precision, lse=True, cu=None):
-    from leanfa.api import _build_problem
-
-    kw = dict(q_descale=None, k_descale=None, v_descale=None, k_mean=None)
-    if precision == "fp8":
-        qq = leanfa.quantize_fp8(q, k, v, **(cu or {}))
-        q, k, v, kw = qq.q, qq.k, qq.v, qq.descales()
-    elif precision == "fp8qk":  # FP8 Q/K, the 16-bit V (the mixed mode)
-        qq = leanfa.quantize_fp8(q, k, v, **(cu or {}))
-        q, k = qq.q, qq.k
-        kw = dict(q_descale=qq.q_descale, k_descale=qq.k_descale, v_descale=None, k_mean=qq.k_mean)
-    cu = cu or dict(cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None)
-    return _build_problem(q, k, v, varlen=cu["cu_seqlens_q"] is not None, **cu, softmax_scale=None, causal=causal,
-                          return_lse=lse, out_dtype=None, window_size=window, **kw)
+    return quantized_problem(q, k, v, causal=causal, precision=precision, lse=lse, cu=cu, window_size=window)
 
 
 def _reference(p, window):
@@ -63,18 +51,8 @@ def _reference(p, window):
 
 
 def _check(out, lse, ref, ref_lse, tol, lse_tol=2e-2):
-    """No NaN (every element written over the poison), output within ``tol`` relative L2 (per query row group: a
-    row whose window holds no key is exactly 0), LSE -inf exactly where the reference's is, finite LSEs close."""
-    assert not torch.isnan(out).any(), "NaN (or never written) in out"
-    assert not torch.isnan(lse).any(), "NaN (or never written) in lse"
-    err = float((out.double() - ref).norm() / ref.norm().clamp(min=1e-30))
-    assert err < tol, err
-    empty = torch.isneginf(ref_lse)
-    assert torch.equal(torch.isneginf(lse), empty), "LSE -inf pattern (rows whose window holds no key)"
-    rows_out = out.transpose(-3, -2) if out.dim() == 4 else out.transpose(0, 1)  # (.., H, S, D) as the LSE
-    assert rows_out[empty].abs().max() == 0 if empty.any() else True, "rows with no key are 0"
-    if (~empty).any():
-        assert float((lse.double() - ref_lse)[~empty].abs().max()) < lse_tol
+    """:func:`helpers.check_out_lse` (rows with no visible key: 0, LSE -inf) with this file's LSE bound."""
+    check_out_lse(out, lse, ref, ref_lse, tol, lse_tol)
 
 
 def _band_blocks(rows, sq, sk, left, right, causal, block_n):
@@ -291,14 +269,8 @@ GPU_DENSE = [  # B, Sq, Sk, Hq, Hkv, window, causal
 
 def _gpu_call(q, k, v, *, causal, window, precision, cu=None, backend="hopper"):
     """The public API on the Hopper kernel (``backend="hopper"``: it raises where the kernel does not apply)."""
-    kw = dict(causal=causal, window_size=window, return_lse=True, backend=backend)
-    if cu is None:
-        if precision == "bf16":
-            return leanfa.flash_attn_func(q, k, v, **kw)
-        return leanfa.attention(q, k, v, precision=precision, **kw)
-    if precision == "bf16":
-        return leanfa.flash_attn_varlen_func(q, k, v, **cu, **kw)
-    return leanfa.attention(q, k, v, precision=precision, **cu, **kw)
+    return public_call(q, k, v, precision=precision, cu=cu, causal=causal, window_size=window, return_lse=True,
+                       backend=backend)
 
 
 @gpu

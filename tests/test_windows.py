@@ -263,9 +263,12 @@ def _plain_problem():
 
 
 @pytest.mark.parametrize("change", [dict(window_left=4), dict(causal=False, window_right=2),
-                                    dict(causal=False, window_left=3, window_right=5)])
-def test_hopper_dispatch_takes_windows(monkeypatch, change):
-    """Sliding windows run on the Hopper kernel (its WINDOW path), with no warning."""
+                                    dict(causal=False, window_left=3, window_right=5), dict(softcap=30.0),
+                                    dict(window_left=4, softcap=5.0),
+                                    dict(causal=False, window_left=3, window_right=5, softcap=15.0)])
+def test_hopper_dispatch_takes_windows_and_softcap(monkeypatch, change):
+    """Sliding windows and (16-bit) softcap run on the Hopper kernel (its WINDOW and SOFTCAP paths), alone or
+    together, with no warning."""
     dispatch = hopper_accepts_everything(monkeypatch)
     problem = dataclasses.replace(_plain_problem(), **change)
     with warnings.catch_warnings():
@@ -285,18 +288,6 @@ def test_hopper_dispatch_keeps_fp8_d256_windows_portable(monkeypatch):
         assert not dispatch.hopper_applies(dataclasses.replace(wide, window_left=4))[0]
     assert dispatch.portable_only_reason(dataclasses.replace(_plain_problem(), head_dim_qk=256, head_dim_v=256,
                                                              window_left=4)) == ""
-
-
-@pytest.mark.parametrize("change", [dict(softcap=30.0), dict(window_left=4, softcap=5.0),
-                                    dict(causal=False, window_left=3, window_right=5, softcap=15.0)])
-def test_hopper_dispatch_takes_softcap(monkeypatch, change):
-    """softcap runs on the Hopper kernel (its SOFTCAP path), with or without a window, with no warning."""
-    dispatch = hopper_accepts_everything(monkeypatch)
-    problem = dataclasses.replace(_plain_problem(), **change)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert dispatch.hopper_applies(problem) == (True, "")
-        assert dispatch.portable_only_reason(problem) == ""
 
 
 @pytest.mark.parametrize("change,reason", [

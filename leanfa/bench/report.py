@@ -273,11 +273,7 @@ def plot_bench(rows: list[dict], path: str, title: str = "") -> str | None:
 def write_bench(out_dir: str, payload: dict, plots: bool = True, stem: str = "bench",
                 data: bool = True) -> list[str]:
     """<stem>.json (unless not ``data``), <stem>.md and one <stem>-<sweep>.png per sweep."""
-    files = [write_json(os.path.join(out_dir, f"{stem}.json"), payload)] if data else []
-    md = os.path.join(out_dir, f"{stem}.md")
-    with open(md, "w") as f:
-        f.write(bench_markdown(payload) + "\n")
-    files.append(md)
+    files = _write_with_markdown(out_dir, payload, stem, data, bench_markdown)
     if plots:
         rows = payload.get("rows", [])
         for sweep in _uniq(r["sweep"] for r in rows):
@@ -359,11 +355,7 @@ def plot_accuracy(rows: list[dict], path: str, title: str = "") -> str | None:
 def write_accuracy(out_dir: str, payload: dict, plots: bool = True, stem: str = "accuracy",
                    data: bool = True) -> list[str]:
     """<stem>.json (unless not ``data``), <stem>.md and <stem>.png."""
-    files = [write_json(os.path.join(out_dir, f"{stem}.json"), payload)] if data else []
-    md = os.path.join(out_dir, f"{stem}.md")
-    with open(md, "w") as f:
-        f.write(accuracy_markdown(payload) + "\n")
-    files.append(md)
+    files = _write_with_markdown(out_dir, payload, stem, data, accuracy_markdown)
     if plots:
         p = plot_accuracy(payload.get("rows", []), os.path.join(out_dir, f"{stem}.png"),
                           f"{payload.get('env', {}).get('gpu', '')} — relative L2 error")
@@ -407,10 +399,15 @@ def model_accuracy_markdown(payload: dict) -> str:
 
 def write_model_accuracy(out_dir: str, payload: dict, stem: str = "model-accuracy", data: bool = True) -> list[str]:
     """<stem>.json (unless not ``data``) and <stem>.md."""
+    return _write_with_markdown(out_dir, payload, stem, data, model_accuracy_markdown)
+
+
+def _write_with_markdown(out_dir: str, payload: dict, stem: str, data: bool, markdown) -> list[str]:
+    """<stem>.json (unless not ``data``) and <stem>.md, ``markdown(payload)``."""
     files = [write_json(os.path.join(out_dir, f"{stem}.json"), payload)] if data else []
     md = os.path.join(out_dir, f"{stem}.md")
     with open(md, "w") as f:
-        f.write(model_accuracy_markdown(payload) + "\n")
+        f.write(markdown(payload) + "\n")
     files.append(md)
     return files
 
@@ -442,12 +439,7 @@ def profile_markdown(payload: dict) -> str:
 
 def write_profile(out_dir: str, payload: dict, stem: str = "profile", data: bool = True) -> list[str]:
     """<stem>.json (unless not ``data``) and <stem>.md."""
-    files = [write_json(os.path.join(out_dir, f"{stem}.json"), payload)] if data else []
-    md = os.path.join(out_dir, f"{stem}.md")
-    with open(md, "w") as f:
-        f.write(profile_markdown(payload) + "\n")
-    files.append(md)
-    return files
+    return _write_with_markdown(out_dir, payload, stem, data, profile_markdown)
 
 
 # --------------------------------------------------------------------------------- re-render
