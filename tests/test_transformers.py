@@ -258,3 +258,43 @@ def test_padded_layers_after_the_first_do_not_sync(impl):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(out[0, :120], torch.zeros_like(out[0, :120])) and out[0, 120:].abs().sum() > 0
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+@pytest.mark.parametrize("impl", ["leanfa", "leanfa_fp8"])
+def test_sliding_window_and_softcap_models_match_eager(family, impl, calls, device):
+    """Mistral's sliding window and Gemma-2's logit soft-capping (with its alternating local/global layers) reach
+    leanfa's kernels as window_size and softcap and give eager's logits; the window (8 keys) is shorter than the
+    prompt, so a call that dropped it would be far off."""
+    if family == "mistral":
+        cfg = transformers.MistralConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                         num_hidden_layers=2, vocab_size=100, intermediate_size=128, sliding_window=8)
+        cls = transformers.MistralForCausalLM
+    else:
+        cfg = transformers.Gemma2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                        num_hidden_layers=2, vocab_size=100, intermediate_size=128, sliding_window=8,
+                                        attn_logit_softcapping=2.0, final_logit_softcapping=None,
+                                        query_pre_attn_scalar=64)
+        cls = transformers.Gemma2ForCausalLM
+    torch.manual_seed(0)
+    m = cls(cfg).eval()
+    ids = torch.randint(0, 100, (1, 40), generator=torch.Generator().manual_seed(2))
+    ref = _logits(m, "eager", ids, device=device)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="leanfa attention")  # no SDPA fallback
+        got = _logits(m, impl, ids, device=device)
+    assert calls == [lt.NAMES[impl]] * 2
+    err = _rel(got, ref)
+    assert 0 < err < TOL[impl], f"{family} {impl}: relative L2 error {err:.2e}"
+
+
+def test_padded_decoding_with_a_sliding_window_is_refused():
+    """The SDPA fallback of padded decoding steps has no window or softcap: such a call raises instead of
+    attending every key."""
+    fn = lt.ATTENTION_FUNCTIONS["leanfa"]
+    module = torch.nn.Module().eval()
+    q, kv = torch.zeros(2, 4, 1, 64), torch.zeros(2, 2, 9, 64)
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[0, 0] = 0
+    with pytest.raises(NotImplementedError, match="sliding_window"):
+        fn(module, q, kv, kv, mask, sliding_window=4)

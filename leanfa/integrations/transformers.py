@@ -37,8 +37,11 @@ Behaviour:
 * Variants with other :func:`leanfa.attention` levers (``smooth_k=False``, ``rotate=True``, ``bf16_sink_keys``):
   :func:`attention_function` builds the function, to register under a name of one's own (``leanfa accuracy
   --model`` does, :mod:`leanfa.bench.model_accuracy`).
-* Not supported (``NotImplementedError``): ``dropout > 0`` in training mode, ``softcap``,
-  ``sliding_window``, ``output_attentions`` (weights are never materialized; returns None).
+* ``softcap`` (Gemma-2's logit soft-capping) and ``sliding_window`` (Mistral's, Gemma's local layers) are
+  passed to :func:`leanfa.attention` as flash-attention's ``softcap`` and ``window_size`` (``sliding_window - 1``
+  keys back, as transformers' flash-attention path does).
+* Not supported (``NotImplementedError``): ``dropout > 0`` in training mode, ``output_attentions`` (weights are
+  never materialized; returns None).
 """
 
 from __future__ import annotations
@@ -123,6 +126,9 @@ def _padding_fallback(module, query, key, value, attention_mask, scaling, is_cau
     global _warned_fallback
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    if kwargs.get("softcap") or kwargs.get("sliding_window") is not None:  # (the SDPA mask below has neither)
+        raise NotImplementedError(f"leanfa attention: {why} with softcap or sliding_window is not supported")
+
     if not _warned_fallback:
         _warned_fallback = True
         warnings.warn(f"leanfa attention: {why}, which leanfa's kernels do not run; falling back to SDPA for "
@@ -165,10 +171,13 @@ def _attention(precision: str, levers: dict | None = None):
 
         if dropout and module.training:
             raise NotImplementedError("leanfa attention does not support dropout > 0 (training)")
-        if kwargs.get("softcap") is not None:
-            raise NotImplementedError("leanfa attention does not support softcap")
+        # Gemma-2's logit soft-capping and Mistral/Gemma's sliding windows, as transformers' flash-attention path
+        # passes them: window_size (sliding_window - 1, sliding_window - 1) (causal calls use its left side)
+        options = dict(levers)
+        if kwargs.get("softcap"):
+            options["softcap"] = float(kwargs["softcap"])
         if kwargs.get("sliding_window") is not None:
-            raise NotImplementedError("leanfa attention does not support sliding_window")
+            options["window_size"] = (int(kwargs["sliding_window"]) - 1,) * 2
         is_causal = kwargs.pop("is_causal", None)
         is_causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
         scale = None if scaling is None else float(scaling)
@@ -190,11 +199,11 @@ def _attention(precision: str, levers: dict | None = None):
             k, v = (to_half(_gather(t, u.indices_k, kv_len)) for t in (key, value))
             out = leanfa.attention(q, k, v, causal=is_causal, precision=precision, softmax_scale=scale,
                                    cu_seqlens_q=u.cu_seqlens_q, cu_seqlens_k=u.cu_seqlens_k,
-                                   max_seqlen_q=u.max_seqlen_q, max_seqlen_k=u.max_seqlen_k, **levers)
+                                   max_seqlen_q=u.max_seqlen_q, max_seqlen_k=u.max_seqlen_k, **options)
             return pad_output(out.to(out_dtype), u.indices_q, batch, q_len), None
         # (B, H, S, D) -> (B, S, H, D) views: leanfa takes any strides
         q, k, v = (to_half(t.transpose(1, 2)) for t in (query, key, value))
-        out = leanfa.attention(q, k, v, causal=is_causal, precision=precision, softmax_scale=scale, **levers)
+        out = leanfa.attention(q, k, v, causal=is_causal, precision=precision, softmax_scale=scale, **options)
         return out.to(out_dtype), None
 
     suffix = "".join(f"_{k}_{v}" for k, v in levers.items())
