@@ -72,6 +72,8 @@ def hopper_accepts_everything(monkeypatch):
     from leanfa.kernels import dispatch
 
     class AcceptingHopper:
+        from leanfa.kernels.hopper import HEAD_DIMS
+
         @staticmethod
         def supports(problem):
             return True, ""

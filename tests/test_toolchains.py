@@ -47,6 +47,7 @@ class FakeHopper:
     kernel's answer, plus ``error`` (a relative perturbation of the output), or raises ``raises``."""
 
     VALIDATED = True
+    from leanfa.kernels.hopper import HEAD_DIMS
 
     def __init__(self, error=0.0, raises=None):
         self.error, self.raises, self.calls = error, raises, []

@@ -8,8 +8,8 @@ measured faster for the call (:func:`portable_faster`: FP8 at head dim 64), else
 ``backend="hopper"`` demands the Hopper kernel (also before validation, for development) and raises
 where it does not apply; ``backend="portable"`` forces the portable kernel. Calls with features only the
 portable kernel implements (``seqused_q/k``, the paged K/V forms of :func:`_paged_reason`, e.g. paged FP8 V;
-packed queries over a per-sequence K/V cache, sliding windows in FP8 at head dim 256: :func:`portable_only_reason`)
-run there, with one warning per process and feature where the Hopper kernel would have run them.
+packed queries over a per-sequence K/V cache, sliding windows in FP8 at head dim 256, head dims other than the Hopper
+kernel's: :func:`portable_only_reason`) run there, with one warning per process and feature where the Hopper kernel would have run them.
 
 On a supported Triton that never ran the GPU suite (:data:`leanfa._versions.GPU_VALIDATED`),
 ``backend="auto"`` runs the first Hopper call of each kernel configuration (:func:`config_key`) in a
@@ -144,8 +144,6 @@ def hopper_applies(problem) -> tuple[bool, str]:
     if portable_only and on_sm90:  # one warning per process and reason, as for the other portable fallbacks
         _warn_once(portable_only)
         return False, portable_only
-    if not ok and on_sm90 and why == hopper_dims_reason(problem):
-        _warn_once(why)  # head dims only the portable kernel runs
     return ok, why
 
 
@@ -153,15 +151,6 @@ def _warn_once(why: str) -> None:
     if why not in _WARNED:
         _WARNED.add(why)
         warnings.warn(f"leanfa: {why}", UserWarning, stacklevel=3)
-
-
-def hopper_dims_reason(problem) -> str:
-    """The Hopper kernel's reason for refusing ``problem``'s head dims (:func:`.hopper.supports`' words), or ``""``."""
-    hopper = _hopper()
-    dims = (problem.head_dim_qk, problem.head_dim_v)
-    if hopper is None or dims in hopper.HEAD_DIMS:
-        return ""
-    return hopper.head_dims_reason(dims)
 
 
 def portable_only_reason(problem) -> str:
@@ -182,6 +171,10 @@ def portable_only_reason(problem) -> str:
         return ("sliding windows (window_size) with FP8 P.V at head dim 256 are not enabled in the Hopper kernel (its "
                 "sm90 build spills ~550 B in the key loop, against 36-76 B without a window): these calls run on the "
                 "portable kernel")
+    hopper = _hopper()
+    dims = (problem.head_dim_qk, problem.head_dim_v)
+    if hopper is not None and dims not in hopper.HEAD_DIMS:  # (leanfa's other head dims: the portable kernel's)
+        return hopper.head_dims_reason(dims)
     return ""
 
 
