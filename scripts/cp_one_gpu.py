@@ -31,21 +31,11 @@ import leanfa.distributed as cp
 from leanfa.distributed import attention as cpa
 from leanfa.distributed.layout import shard_of
 from leanfa.distributed.ring import Ring, nbytes, pack
+from leanfa.reference import attention_ref
 
 
 def rel_err(x, ref):
     return ((x.double() - ref).norm() / ref.norm()).item()
-
-
-def reference(q, k, v):
-    """float64 causal attention (B, S, H, D), GQA."""
-    qd, kd, vd = (t.double().transpose(1, 2) for t in (q, k, v))
-    g = q.shape[2] // k.shape[2]
-    kd, vd = kd.repeat_interleave(g, 1), vd.repeat_interleave(g, 1)
-    s = qd @ kd.transpose(-1, -2) / q.shape[-1] ** 0.5
-    n = s.shape[-1]
-    s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
-    return (s.softmax(-1) @ vd).transpose(1, 2)
 
 
 def timed(fn, reps):
@@ -72,7 +62,7 @@ def inputs(tokens, hq, hkv, d, seed):
 def world_of_one(tokens, reps):
     print("== a world of 1 (NCCL, one rank) ==")
     q, k, v = inputs(2048, 8, 2, 128, 1)
-    ref = reference(q, k, v)
+    ref = attention_ref(q, k, v, causal=True)
     for precision in ("bf16", "fp8"):
         one = leanfa.attention(q, k, v, causal=True, precision=precision)
         ring = cp.unshard(cp.context_parallel_attention(cp.shard(q), cp.shard(k), cp.shard(v), causal=True,
