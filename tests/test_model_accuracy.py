@@ -99,7 +99,8 @@ def test_each_row_reaches_leanfa_with_its_levers(run):
     per_row = 2 * (1 + (2 if torch.cuda.is_available() else 0))
     want = [{"precision": "bf16"}, {"precision": "fp8"}, {"precision": "fp8qk"},
             {"precision": "fp8", "smooth_k": False}, {"precision": "fp8", "rotate": True},
-            {"precision": "fp8", "rotate": "auto"}, {"precision": "fp8", "bf16_sink_keys": 128}]
+            {"precision": "fp8", "rotate": "auto"}, {"precision": "fp8", "bf16_sink_keys": 128},
+            {"precision": "fp8qk", "rotate": True}]
     assert calls == [w for w in want for _ in range(per_row)]
 
 

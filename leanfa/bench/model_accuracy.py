@@ -55,12 +55,13 @@ from typing import Callable
 
 import torch
 
-#: leanfa.attention levers of the lever rows (names registered with transformers by :func:`register_rows`)
+#: the lever rows: (precision, leanfa.attention levers) (names registered with transformers by :func:`register_rows`)
 LEVERS = {
-    "leanfa_fp8_no_smooth_k": dict(smooth_k=False),
-    "leanfa_fp8_rotate": dict(rotate=True),
-    "leanfa_fp8_auto": dict(rotate="auto"),
-    "leanfa_fp8_sink128": dict(bf16_sink_keys=128),
+    "leanfa_fp8_no_smooth_k": ("fp8", dict(smooth_k=False)),
+    "leanfa_fp8_rotate": ("fp8", dict(rotate=True)),
+    "leanfa_fp8_auto": ("fp8", dict(rotate="auto")),
+    "leanfa_fp8_sink128": ("fp8", dict(bf16_sink_keys=128)),
+    "leanfa_fp8qk_rotate": ("fp8qk", dict(rotate=True)),
 }
 
 
@@ -82,6 +83,7 @@ ROWS = (
     Row("leanfa_fp8_rotate", "fp8", "leanfa FP8, rotate=True (Hadamard rotation of Q and K)"),
     Row("leanfa_fp8_auto", "fp8", 'leanfa FP8, rotate="auto" (rotation of the KV heads whose Q and K share channels)'),
     Row("leanfa_fp8_sink128", "fp8", "leanfa FP8, bf16_sink_keys=128 (first 128 keys in BF16)"),
+    Row("leanfa_fp8qk_rotate", "fp8qk", "leanfa fp8qk (FP8 Q.K, BF16 P.V), rotate=True"),
     Row("fa3_fp8", "fp8", "FlashAttention-3 FP8, one scale per (sequence, KV head), quantized in torch"),
     Row("identity", "-", "attention replaced by passing Q through: the rest of the model"),
 )
@@ -327,7 +329,8 @@ def _row_function(name: str) -> tuple[Callable, Callable]:
     if name in lt.ATTENTION_FUNCTIONS:
         return lt.ATTENTION_FUNCTIONS[name], flash_attention_mask
     if name in LEVERS:
-        return lt.attention_function("fp8", **LEVERS[name]), flash_attention_mask
+        precision, levers = LEVERS[name]
+        return lt.attention_function(precision, **levers), flash_attention_mask
     if name == "fa3_fp8":
         return fa3_fp8_attention, flash_attention_mask
     if name == "identity":
@@ -462,7 +465,7 @@ def run_model_accuracy(spec: ModelSpec, seqlens: list[int], rows: list[str] | No
                    "attn_implementation": name if name in ("sdpa", "leanfa", "leanfa_fp8", "leanfa_fp8qk") else
                    BENCH_PREFIX + name, "status": None}
             if name in LEVERS:
-                row["levers"] = LEVERS[name]
+                row["levers"] = LEVERS[name][1]
             if name == "fa3_fp8":
                 row["note"] = "its Q/K/V quantization runs in torch (unfused) and counts as attention time"
             ok, why = row_available(name)
