@@ -50,6 +50,12 @@ def variants():
     for dtype, d, page_size, varlen in (("bf16", 128, 64, True), ("bf16", 128, 128, True), ("bf16", 64, 16, True),
                                         ("bf16", 128, 64, False), ("bf16", 256, 128, True), ("mixed", 128, 64, True)):
         out.append(Variant(dtype, d, d, True, varlen=varlen, page_size=page_size))
+    # paged FP8 K/V: K page by page, V from its pages' dense transposed copy (one box per key block): varlen 64-key
+    # and 128-key pages, 16 (eight K boxes), dense q over the whole table, non-causal, head dims 64 and 256
+    for d, page_size, varlen, causal in ((128, 64, True, True), (128, 128, True, True), (128, 16, True, True),
+                                         (128, 64, False, True), (128, 128, True, False), (64, 64, True, True),
+                                         (256, 128, True, True)):
+        out.append(Variant("fp8", d, d, causal, varlen=varlen, page_size=page_size))
     # sliding windows (WINDOW: the band's key blocks only): causal windows, the general band, varlen, head dims
     for dtype, (dqk, dv), causal, window, varlen in (
             ("fp8", (128, 128), True, (4096, -1), False), ("bf16", (128, 128), True, (4096, -1), False),
@@ -75,7 +81,8 @@ def variants():
         out.append(Variant(dtype, dqk, dv, causal, return_lse=lse, k_mean=kmean, varlen=varlen, window=window,
                            softcap=30.0))
     # sliding windows over paged K/V (the band's absolute key blocks through the page table)
-    for dtype, d, page_size, varlen in (("bf16", 128, 64, True), ("bf16", 128, 128, False), ("mixed", 128, 64, True)):
+    for dtype, d, page_size, varlen in (("bf16", 128, 64, True), ("bf16", 128, 128, False), ("mixed", 128, 64, True),
+                                        ("fp8", 128, 64, True), ("fp8", 128, 128, False)):
         out.append(Variant(dtype, d, d, True, varlen=varlen, page_size=page_size, window=(4096, -1)))
     # the default knobs above; below varlen, the other head dims, the sink and the measured options
     for dtype, causal in (("fp8", True), ("fp8", False), ("bf16", True), ("bf16", False)):  # head dim 64

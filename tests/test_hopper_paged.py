@@ -187,6 +187,125 @@ def test_emulated_mixed_mode(page_size):
     _emulate_and_check(p, _mixed(contiguous))
 
 
+def _fp8(p, descales: bool = False, seed: int = 0):
+    """``(problem, descales)``: ``p`` with e4m3 Q and K/V (caches or packed; the tail rows' 1e4 as e4m3's largest,
+    unread NaN pages stay NaN), with FA3's per-head ``(B, Hkv)`` descales when ``descales`` (else ``{}``): the FP8 paged
+    form the Hopper kernel reads with V from its pages' transposed copy (:func:`leanfa.kernels.paged_v.gather_paged_v`)."""
+    e4m3 = lambda t: t.float().clamp(-448, 448).to(FP8)  # noqa: E731
+    kw = dict(varlen=p.varlen, cu_seqlens_q=p.cu_seqlens_q, cu_seqlens_k=p.cu_seqlens_k, max_seqlen_q=p.max_seqlen_q,
+              max_seqlen_k=p.max_seqlen_k, window_size=(p.window_left, p.window_right))
+    desc = {}
+    if descales:
+        gen = torch.Generator().manual_seed(seed)
+        desc = {n: (torch.rand((p.batch, p.kv_heads), generator=gen) + 0.5).to(p.q.device)
+                for n in ("q_descale", "k_descale", "v_descale")}
+    if p.paged:
+        kw["page_table"] = p.page_table
+    return _problem(e4m3(p.q), e4m3(p.k), e4m3(p.v), p.causal, **kw, **desc), desc
+
+
+def _emulate_fp8_and_check(paged, contiguous, tol=4e-2):
+    """The emulated FP8 paged call (``(problem, descales)`` of :func:`_fp8`) against the float64 reference (descales
+    included) and, bit for bit, the same call over contiguous FP8 K/V (its V re-packed or transposed instead of
+    gathered: the same bytes per key block)."""
+    paged, desc = paged
+    contiguous, _ = contiguous
+    from leanfa.kernels.hopper.emulate import emulate
+
+    assert paged.pv_fp8 and paged.paged
+    out, lse, _ = emulate(paged)
+    p = paged
+    ref, ref_lse = attention_ref(p.q, p.k, p.v, causal=p.causal, return_lse=True, cu_seqlens_q=p.cu_seqlens_q,
+                                 cu_seqlens_k=p.cu_seqlens_k, page_table=p.page_table,
+                                 window_size=(p.window_left, p.window_right), **desc)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any(), "NaN (unwritten, or a page not to read)"
+    assert rel_l2(out, ref) < tol
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isinf(lse), ~fin)
+    assert float((lse.double() - ref_lse)[fin].abs().max()) < 1e-2
+    want, want_lse, _ = emulate(contiguous)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse), "not the contiguous FP8 call's bits"
+
+
+@emulation
+@pytest.mark.parametrize("page_size", [16, 64, 128, 256])
+def test_emulated_fp8_chunked_prefill(page_size):
+    """FP8 paged caches (packed chunks, GQA 2:1, odd lengths, shuffled pages, FA3's (B, Hkv) descales): K page by
+    page, V from the transposed copy of its pages; the reference, and the contiguous FP8 call's bits."""
+    paged, contiguous = _varlen(*LENS, 4, 2, 64, page_size, True, seed=page_size + 2)
+    _emulate_fp8_and_check(_fp8(paged, True, page_size), _fp8(contiguous, True, page_size))
+
+
+@emulation
+def test_emulated_fp8_one_tile_grid_and_full(monkeypatch):
+    """Non-causal, on the one-tile grid (FP8's default is persistent), head dim 128, 64-key pages."""
+    monkeypatch.setenv("LEANFA_HOPPER_PERSISTENT", "0")
+    paged, contiguous = _varlen([65, 200], [300, 200], 2, 1, 128, 64, False, seed=4)
+    _emulate_fp8_and_check(_fp8(paged), _fp8(contiguous))
+
+
+@emulation
+@pytest.mark.parametrize("window,causal", [((70, -1), True), ((200, 50), False)])
+def test_emulated_fp8_window_over_pages(window, causal):
+    """A sliding window over FP8 paged caches: the band's absolute key blocks, K through the table and V from the
+    copy."""
+    paged, contiguous = _varlen(*LENS, 4, 2, 64, 64, causal, seed=9, window=window)
+    _emulate_fp8_and_check(_fp8(paged, True, 9), _fp8(contiguous, True, 9))
+
+
+@emulation
+def test_emulated_fp8_dense_q_whole_table():
+    """``flash_attn_func``'s form in FP8: dense q over the whole table (chunked: Sq < Sk, bottom-right), descales;
+    against the reference and the same call over dense token-major FP8 K/V (V transposed per call)."""
+    from leanfa.kernels.hopper.emulate import emulate
+
+    gen = torch.Generator().manual_seed(21)
+    keys, queries = 192, 70
+    ks = [torch.randn((keys, 1, 64), generator=gen) for _ in range(2)]
+    vs = [torch.randn((keys, 1, 64), generator=gen) for _ in range(2)]
+    kc, vc, table = _caches(ks, vs, 16, gen, dtype=FP8)
+    table = table[:, :keys // 16].contiguous()
+    q = torch.randn((2, queries, 2, 64), generator=gen).to(FP8)
+    desc = {n: torch.rand((2, 1), generator=gen) + 0.5 for n in ("q_descale", "k_descale", "v_descale")}
+    out, lse, _ = emulate(_problem(q, kc, vc, page_table=table, **desc))
+    ref, ref_lse = attention_ref(q, kc, vc, causal=True, return_lse=True, page_table=table, **desc)
+    assert rel_l2(out, ref) < 4e-2 and float((lse.double() - ref_lse).abs().max()) < 1e-2
+    want, want_lse, _ = emulate(_problem(q, torch.stack(ks).to(FP8), torch.stack(vs).to(FP8), **desc))
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+
+
+@emulation
+@pytest.mark.parametrize("module,fn,edits", [
+    ("pipeline", "load_kv_paged", [("[b, hkv, 0, n0]", "[0, hkv, 0, n0]")]),  # every sequence's V from row 0
+    ("pipeline", "load_kv_paged", [("[b, hkv, 0, n0]", "[b, hkv, 0, n0 + 16]")]),  # V one group late
+    ("kernel_pingpong", "_producer", [("kv_b = b  #", "kv_b = tma_b  #")]),  # varlen: the packed batch's index 0
+])
+def test_emulated_fp8_mutations_caught(module, fn, edits):
+    """The FP8 paged V load must read its own sequence's row of the transposed copy, at the block's keys."""
+    import importlib
+
+    from leanfa.kernels.hopper.emulate import EmulationError, emulate, reset_shadows, shadow
+
+    jit_fn = getattr(importlib.import_module(f"leanfa.kernels.hopper.{module}"), fn)
+    src = inspect.getsource(jit_fn.fn)
+    for old, new in edits:
+        assert old in src, old
+        src = src.replace(old, new)
+    reset_shadows()
+    shadow(jit_fn, source=src)
+    (p, desc), _ = (_fp8(t) for t in _varlen(*LENS, 4, 2, 64, 64, True, seed=1))
+    try:
+        try:
+            out, _, _ = emulate(p)
+        except EmulationError:
+            return
+        ref = attention_ref(p.q, p.k, p.v, causal=True, cu_seqlens_q=p.cu_seqlens_q, cu_seqlens_k=p.cu_seqlens_k,
+                            page_table=p.page_table)
+        assert torch.isnan(out).any() or rel_l2(out, ref) > 1e-1, "mutation not caught"
+    finally:
+        reset_shadows()
+
+
 def _mutated_catches(fn, edits, window=(-1, -1)):
     """``fn`` with each ``(old, new)`` of ``edits`` made makes the emulated paged call (with ``window``) fail (an
     emulator error, NaN, or a wrong answer)."""
@@ -265,13 +384,15 @@ def test_emulated_window_over_pages_mutation_caught():
 # ----------------------------------------------------------------------------- host side (CPU)
 
 def test_paged_problem_reasons():
-    """Which paged calls the kernel reads: 16-bit V caches stored token-major, pages of a power of two >= 16."""
+    """Which paged calls the kernel reads: V caches stored token-major (16-bit, and FP8 through its pages' transposed
+    copy), pages of a power of two >= 16 (``None``: a V the plan prepared, the page size alone)."""
     from leanfa.kernels.hopper import launch as L
 
     v = torch.zeros(4, 64, 2, 128, dtype=BF16)
     assert L.paged_problem(64, v) is None and L.paged_problem(16, v) is None and L.paged_problem(1024, v) is None
     assert "power of two" in L.paged_problem(8, v) and "power of two" in L.paged_problem(384, v)
-    assert "FP8 V" in L.paged_problem(64, v.to(FP8))
+    assert L.paged_problem(64, v.to(FP8)) is None and L.paged_problem(64, None) is None
+    assert "power of two" in L.paged_problem(8, v.to(FP8)) and "power of two" in L.paged_problem(48, None)
     kmajor = torch.zeros(4, 2, 128, 64, dtype=BF16).permute(0, 3, 1, 2)
     assert "token-major" in L.paged_problem(64, kmajor)
 
@@ -288,8 +409,9 @@ def _plain():
 
 
 def test_dispatch_routes_paged(monkeypatch):
-    """Paged calls the Hopper kernel reads go there with no warning, with a sliding window too; the forms it does
-    not read (packed q without cu_seqlens_k, FP8 V, seqused_k) run on the portable kernel with one warning each."""
+    """Paged calls the Hopper kernel reads go there with no warning, with a sliding window too, FP8 caches too (dense
+    q and packed with cu_seqlens_k); the forms it does not read (packed q without cu_seqlens_k, seqused_k, pages of 8
+    keys) run on the portable kernel with one warning each."""
     dispatch = hopper_accepts_everything(monkeypatch)
     paged = dataclasses.replace(_plain(), k=KC, v=KC, kv_heads=1, max_seqlen_k=128, page_table=TABLE)
     with warnings.catch_warnings():
@@ -312,9 +434,17 @@ def test_dispatch_routes_paged(monkeypatch):
         assert not dispatch.hopper_applies(used)[0]
     from leanfa.kernels import hopper
 
+    fp8 = dataclasses.replace(paged, q=Q.to(FP8), k=KC.to(FP8), v=KC.to(FP8))  # FP8 caches: the Hopper kernel too
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert dispatch.hopper_applies(fp8) == (True, "")
+        assert dispatch.hopper_applies(dataclasses.replace(fp8, **packed, cu_seqlens_k=varlen.cu_seqlens_k)) == (
+            True, "")
+    from leanfa.kernels import hopper
+
     monkeypatch.setattr(dispatch, "_hopper", lambda: hopper)  # the real page rule (supports() needs a GPU)
-    fp8 = dataclasses.replace(paged, v=KC.to(FP8))
-    assert "paged FP8 V" in dispatch.portable_only_reason(fp8)
+    assert dispatch.portable_only_reason(fp8) == ""
+    assert dispatch.portable_only_reason(dataclasses.replace(fp8, v=KC)) == ""  # the mixed mode's 16-bit V
     small = dataclasses.replace(paged, k=KC[:, :8], v=KC[:, :8])
     assert "page_size 8" in dispatch.portable_only_reason(small)
     assert dispatch.portable_only_reason(paged) == ""
@@ -334,7 +464,8 @@ def test_plan_signature_holds_the_page_table(monkeypatch):
 
 def test_make_plan_paged():
     """The plan of a paged call: descriptors over the caches in page boxes with the whole block's shared layout, the
-    table and its strides, ``PAGE_SIZE``/``KV_BOXES``; FP8 V refused; without paging the defaults."""
+    table and its strides, ``PAGE_SIZE``/``KV_BOXES``; FP8: V's descriptor over its pages' transposed copy
+    (``V_KMAJOR``); other page sizes refused; without paging the defaults."""
     from leanfa.kernels.hopper import launch as L
 
     q = torch.zeros(1, 100, 2, 128, dtype=BF16)
@@ -357,8 +488,17 @@ def test_make_plan_paged():
     both = L.make_plan(q, kc, kc, out, None, *scales, page_table=table, window=(50, -1), **common)  # + a window
     assert both.constexprs["WINDOW"] and not both.constexprs["CAUSAL"] and both.constexprs["PAGE_SIZE"] == 64
     assert both.args[at] is table and list(both.args[1].block_shape) == [1, 1, 64, 128]
-    with pytest.raises(ValueError, match="paged FP8 V"):
-        L.make_plan(q.to(FP8), kc.to(FP8), kc.to(FP8), out, None, *scales, page_table=table, **common)
+    with pytest.raises(ValueError, match="power of two"):
+        L.make_plan(q, kc[:, :8], kc[:, :8], out, None, *scales, page_table=table, **common)
+    # FP8: K in page boxes, V from its pages' transposed copy (B, Hkv, Dv, 3 * 64) in one box per key block
+    fp8 = L.make_plan(q.to(FP8), kc.to(FP8), kc.to(FP8), out, None, *scales, page_table=table, **common)
+    k_desc, v_desc = fp8.args[1], fp8.args[2]
+    assert list(k_desc.block_shape) == [1, 1, 64, 128] and list(k_desc.shape) == [6, 1, 64, 128]
+    assert list(v_desc.block_shape) == [1, 1, 128, 128] and list(v_desc.shape) == [1, 1, 128, 192]
+    assert v_desc.strides[-1] == 1 and v_desc.strides[-2] == 256  # (rows a whole key block apart: 16-byte aligned)
+    c = fp8.constexprs
+    assert c["PAGE_SIZE"] == 64 and c["KV_BOXES"] == 2 and c["V_KMAJOR"] and c["IS_FP8"] and not c["MIXED"]
+    assert fp8.args[at] is table and fp8.args[at - 1] is None  # (no varlen V starts: the copy has a row per sequence)
     plain = L.make_plan(q, q[:, :, :1], q[:, :, :1], out, None, *scales, **common)
     assert plain.constexprs["PAGE_SIZE"] == 0 and plain.constexprs["KV_BOXES"] == 1
     assert plain.args[at - 1:at + 3] == (None, None, None, None)
@@ -477,8 +617,9 @@ def test_gpu_window_over_pages(page_size, window, causal):
 
 
 @pytest.mark.gpu
-def test_gpu_fp8_paged_stays_portable(monkeypatch):
-    """FP8 paged caches run on the portable kernel with one warning naming paged FP8 V."""
+def test_gpu_fp8_paged_runs_hopper(monkeypatch):
+    """FP8 paged caches run on the Hopper kernel with ``backend="auto"`` and no warning (K page by page, V from its
+    pages' transposed copy), against the reference."""
     if not _sm90():
         pytest.skip("the Hopper kernel needs sm90")
     from leanfa.kernels import dispatch
@@ -489,9 +630,13 @@ def test_gpu_fp8_paged_stays_portable(monkeypatch):
     kc, vc, table = (t.cuda() for t in _caches(ks, ks, 64, gen, dtype=FP8))
     q = torch.randn((2, 64, 4, 128), generator=gen).to(FP8).cuda()
     table = table[:, :5].contiguous()  # exactly the sequences' pages: every key is attended
-    with pytest.warns(UserWarning, match="paged FP8 V"):
+    p = _problem(q, kc, vc, page_table=table)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert dispatch.choose(p, "auto").kernel == "hopper"
         out = leanfa.flash_attn_func(q, kc, vc, causal=True, page_table=table)
-    assert not torch.isnan(out).any()
+    ref = attention_ref(q, kc, vc, causal=True, page_table=table)
+    assert rel_l2(out, ref) < TOL[FP8]
 
 
 @emulation

@@ -447,3 +447,84 @@ def test_gpu_dispatch_paged_runs_portable(device, monkeypatch):
     out = leanfa.flash_attn_func(q, kc, vc, causal=True, page_table=table, seqused_k=used)
     ref = attention_ref(q, kc, vc, causal=True, page_table=table, seqlens_k=used)
     assert rel_l2(out, ref) < TOL[BF16]
+
+
+# ----------------------------------------------------------------------------- FP8 paged on the Hopper kernel (sm90)
+
+def _sm90():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+def _fp8_hopper_varlen(page_size, causal=True, window=(-1, -1), seed=0):
+    """vLLM's FP8 chunked-prefill call on the Hopper kernel (packed q chunks, Sq < Sk, ``cu_seqlens_k``, GQA 16:4,
+    FA3's (B, Hkv) descales, shuffled FP8 pages): the float64 reference, and the bits of the same call over
+    contiguous FP8 K/V on the Hopper kernel; ``backend="auto"`` picks the Hopper kernel."""
+    from leanfa import api
+    from leanfa.kernels import dispatch
+
+    gen = torch.Generator().manual_seed(seed + page_size)
+    lens_q, lens_k, hq, hkv, d = [512, 1000, 77, 2048, 1], [3000, 1000, 4100, 2048, 700], 16, 4, 128
+    ks, vs = _seqs(lens_k, hkv, d, gen)
+    kc, vc, table = _paged(ks, vs, page_size, FP8, "cuda", gen)
+    q = torch.randn((sum(lens_q), hq, d), generator=gen).to(FP8).cuda()
+    desc = _fp8_descales(len(lens_q), hkv, "cuda", gen)
+    cu_q, cu_k = cu_seqlens(lens_q, "cuda"), cu_seqlens(lens_k, "cuda")
+    args = (cu_q, cu_k, max(lens_q), max(lens_k))
+    kw = dict(causal=causal, window_size=window, **desc)
+    problem = api._build_problem(q, kc, vc, varlen=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=args[2],
+                                 max_seqlen_k=args[3], softmax_scale=None, k_mean=None, return_lse=True,
+                                 out_dtype=None, page_table=table, **kw)
+    assert dispatch.choose(problem, "auto").kernel == "hopper"
+    out, lse = leanfa.flash_attn_varlen_func(q, kc, vc, *args, return_lse=True, page_table=table, backend="hopper",
+                                             **kw)
+    ref, ref_lse = attention_ref(q, kc, vc, return_lse=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, page_table=table,
+                                 **kw)
+    _check(out, lse, ref, ref_lse, FP8)
+    want, want_lse = leanfa.flash_attn_varlen_func(q, _packed(ks, FP8, "cuda"), _packed(vs, FP8, "cuda"), *args,
+                                                   return_lse=True, backend="hopper", **kw)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse), "not the contiguous FP8 call's bits"
+    got = fa3.flash_attn_varlen_func(q, kc, vc, *args, block_table=table, **kw)  # the drop-in (vLLM's fork)
+    assert torch.equal(got, out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [16, 64, 128, 256])
+def test_gpu_fp8_paged_hopper_varlen(page_size):
+    if not _sm90():
+        pytest.skip("the Hopper kernel needs sm90")
+    _fp8_hopper_varlen(page_size)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [16, 64, 128])
+@pytest.mark.parametrize("window,causal", [((1024, -1), True), ((700, 300), False)])
+def test_gpu_fp8_paged_hopper_window(page_size, window, causal):
+    if not _sm90():
+        pytest.skip("the Hopper kernel needs sm90")
+    _fp8_hopper_varlen(page_size, causal, window, seed=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [16, 64, 128, 256])
+def test_gpu_fp8_paged_hopper_dense_q(page_size):
+    """``flash_attn_func``'s paged form in FP8: dense q chunks (Sq < Sk, causal) over the whole table, GQA, descales,
+    on the Hopper kernel: the reference, and the bits of the same call over dense token-major FP8 K/V (V transposed per
+    call) on the Hopper kernel."""
+    if not _sm90():
+        pytest.skip("the Hopper kernel needs sm90")
+    gen = torch.Generator().manual_seed(page_size)
+    cap, sq, hq, hkv, d = 2048, 700, 8, 2, 128
+    ks, vs = _seqs([cap] * 3, hkv, d, gen)
+    kc, vc, table = _paged(ks, vs, page_size, FP8, "cuda", gen)
+    table = table[:, : cap // page_size].contiguous()  # exactly the sequences' pages
+    q = torch.randn((3, sq, hq, d), generator=gen).to(FP8).cuda()
+    desc = _fp8_descales(3, hkv, "cuda", gen)
+    out, lse = leanfa.flash_attn_func(q, kc, vc, causal=True, return_lse=True, page_table=table, backend="hopper",
+                                      **desc)
+    ref, ref_lse = attention_ref(q, kc, vc, causal=True, return_lse=True, page_table=table, **desc)
+    _check(out, lse, ref, ref_lse, FP8)
+    want, want_lse = leanfa.flash_attn_func(q, _dense(ks, FP8, "cuda"), _dense(vs, FP8, "cuda"), causal=True,
+                                            return_lse=True, backend="hopper", **desc)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse), "not the contiguous FP8 call's bits"
+    again = leanfa.flash_attn_func(q, kc, vc, causal=True, page_table=table, **desc)  # backend="auto": the same
+    assert torch.equal(again, out)

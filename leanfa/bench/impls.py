@@ -21,9 +21,10 @@ Rows:
   (:func:`leanfa.bench.inputs.paged_kv`, built before the timing); ``leanfa-<backend>-fp8-paged<P>-kernel`` the
   same on e4m3 Q and caches with FA3's per-(sequence, KV head) descales (a KV cache's FP8 format), and
   ``leanfa-<backend>-fp8-kvhead-kernel`` those FP8 inputs with contiguous K/V (the paged FP8 rows' baseline).
-  The ``hopper`` BF16 paged rows run the Hopper kernel (beside ``leanfa-hopper-bf16``, the same batch contiguous:
-  the paged target is >= 0.95x of it); FP8 paged calls run on the portable kernel, so the ``hopper`` FP8 paged rows
-  are "n/a" with leanfa's reason;
+  The ``hopper`` paged rows run the Hopper kernel (BF16 beside ``leanfa-hopper-bf16``, the same batch contiguous:
+  the paged target is >= 0.95x of it); its FP8 paged call includes a transposed copy of the V pages per call
+  (:func:`leanfa.kernels.paged_v.gather_paged_v`), and ``leanfa-hopper-fp8-paged<P>-launch`` times the Hopper launch
+  alone with that copy made before the timing (the difference is the copy's time);
 * ``cudnn-bf16``: torch SDPA forced to ``SDPBackend.CUDNN_ATTENTION`` (varlen: cuDNN
   frontend graph with ragged offsets; a chunked-prefill batch, ``Sq < Sk``, with the
   bottom-right causal mask) — the BF16 baseline;
@@ -233,6 +234,38 @@ def _fp8_per_kv_head(case: Case, x: Inputs):
     k8, dk = fa3.quantize_per_kv_head(x.k, case.kv_heads, cu_k)
     v8, dv = fa3.quantize_per_kv_head(x.v, case.kv_heads, cu_k)
     return q8, k8, v8, dict(q_descale=dq, k_descale=dk, v_descale=dv)
+
+
+def _leanfa_hopper_fp8_paged_launch(page_size: int):
+    """The Hopper kernel's launch alone on the FP8 paged call of :func:`_leanfa_fp8_kvhead_kernel`: its plan (with the
+    per-call transposed copy of the V pages, :func:`leanfa.kernels.paged_v.gather_paged_v`) made once before the
+    timing, so that the row beside ``leanfa-hopper-fp8-paged<P>-kernel`` (the whole call) shows the copy's time."""
+    def prepare(case: Case, x: Inputs) -> Prepared:
+        api = _leanfa()
+        _no_window(case, "per-KV-head descale rows")
+        if not x.varlen:
+            raise NotApplicable("paged K/V rows run on packed (varlen) batches")
+        from leanfa.kernels import dispatch, hopper
+        from leanfa.kernels.hopper import launch as hopper_launch
+
+        q8, k8, v8, desc = _fp8_per_kv_head(case, x)
+        paged = _paged(case, x, k8, v8, page_size)
+        problem = api._build_problem(q8, paged.k_cache, paged.v_cache, varlen=True, cu_seqlens_q=x.cu_seqlens,
+                                     cu_seqlens_k=x.cu_seqlens_k, max_seqlen_q=x.max_seqlen,
+                                     max_seqlen_k=x.max_seqlen_k, softmax_scale=None, causal=case.causal,
+                                     k_mean=None, return_lse=False, out_dtype=None, page_table=paged.page_table,
+                                     **desc)
+        ok, why = dispatch.hopper_applies(problem)
+        if not ok:
+            raise NotApplicable(why)
+        plan, out, _ = hopper.plan(problem)
+
+        def run():
+            with torch.cuda.device(out.device):
+                hopper_launch.launch(plan)
+            return out
+        return Prepared(run, note=f"{page_size}-token pages; the Hopper launch alone, V's pages copied once before")
+    return prepare
 
 
 def _leanfa_fp8_kvhead_kernel(backend: str, page_size: int | None = None):
@@ -530,8 +563,14 @@ def all_impls() -> list[Impl]:
                      "(packed batches; opt-in)", _leanfa_bf16_paged(b, ps), ok, default=False),
                 Impl(f"leanfa-{b}-fp8-paged{ps}-kernel", "leanfa", "fp8", "kernel",
                      f"as leanfa-{b}-fp8-kvhead-kernel with K/V in shuffled {ps}-token pages (packed batches; "
-                     "opt-in)", _leanfa_fp8_kvhead_kernel(b, ps), ok, default=False),
+                     "opt-in; hopper: the per-call transposed copy of the V pages included)",
+                     _leanfa_fp8_kvhead_kernel(b, ps), ok, default=False),
             ]
+            if b == "hopper":
+                impls.append(Impl(f"leanfa-hopper-fp8-paged{ps}-launch", "leanfa", "fp8", "kernel",
+                                  f"leanfa-hopper-fp8-paged{ps}-kernel's Hopper launch alone, its V pages' transposed "
+                                  "copy made before the timing (packed batches; opt-in)",
+                                  _leanfa_hopper_fp8_paged_launch(ps), ok, default=False))
     impls += [
         Impl("cudnn-bf16", "cudnn", "bf16", "kernel", "torch SDPA, CUDNN_ATTENTION backend",
              _sdpa("CUDNN_ATTENTION"), _cuda_sdpa_available, baseline=True),

@@ -7,7 +7,7 @@ shape, supported Triton: :func:`hopper_applies`, which asks :func:`leanfa.kernel
 measured faster for the call (:func:`portable_faster`: FP8 at head dim 64), else the portable kernel.
 ``backend="hopper"`` demands the Hopper kernel (also before validation, for development) and raises
 where it does not apply; ``backend="portable"`` forces the portable kernel. Calls with features only the
-portable kernel implements (``seqused_q/k``, the paged K/V forms of :func:`_paged_reason`, e.g. paged FP8 V;
+portable kernel implements (``seqused_q/k``, the paged K/V forms of :func:`_paged_reason`, e.g. pages of 8 keys;
 packed queries over a per-sequence K/V cache, sliding windows in FP8 at head dim 256, head dims other than the Hopper
 kernel's: :func:`portable_only_reason`) run there, with one warning per process and feature where the Hopper kernel would have run them.
 
@@ -180,8 +180,9 @@ def portable_only_reason(problem) -> str:
 
 def _paged_reason(problem) -> str:
     """Why the Hopper kernel does not read this call's paged K/V, or ``""``: it reads packed queries with
-    ``cu_seqlens_k`` (the key lengths) and dense queries over the whole table, 16-bit V caches stored token-major,
-    pages of a power of two from 16 keys (:func:`leanfa.kernels.hopper.launch.paged_problem`)."""
+    ``cu_seqlens_k`` (the key lengths) and dense queries over the whole table, V caches stored token-major (16-bit, and
+    FP8 through a transposed copy per call), pages of a power of two from 16 keys
+    (:func:`leanfa.kernels.hopper.launch.paged_problem`)."""
     if problem.kv_per_sequence:
         return ("paged K/V with packed queries and no cu_seqlens_k (key lengths from seqused_k or the page table) is "
                 "not implemented in the Hopper kernel: these calls run on the portable kernel")

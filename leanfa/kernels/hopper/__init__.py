@@ -101,10 +101,10 @@ def _supports(problem) -> tuple[bool, str]:
         return False, f"dtype {q.dtype} (v {v.dtype}) is not supported by the Hopper kernel"
     if problem.out_dtype not in OUT_DTYPES:
         return False, f"out_dtype {problem.out_dtype} is not supported by the Hopper kernel"
-    kmajor = _launch.v_is_kmajor(v) and not problem.paged  # (a paged V cache is read token-major)
-    # FP8 V in any layout but the transposed one quantize_fp8 writes (e.g. token-major, FA3 style; and a
-    # packed FP8 V without quantize_fp8's aligned starts, cu_seqlens_v) is copied by the plan into that layout,
-    # 16-byte aligned (launch.transpose_fp8_v, align_varlen_v): only the copy's layout reaches TMA
+    kmajor = _launch.v_is_kmajor(v) and not problem.paged  # (a paged V cache is stored token-major)
+    # FP8 V in any layout but the transposed one quantize_fp8 writes (e.g. token-major, FA3 style; a packed FP8 V
+    # without quantize_fp8's aligned starts, cu_seqlens_v; a paged FP8 V cache) is copied by the plan into that
+    # layout, 16-byte aligned (launch.transpose_fp8_v, align_varlen_v, gather_paged_v): only the copy reaches TMA
     repacked = problem.pv_fp8 and ((problem.varlen and problem.cu_seqlens_v is None) or not kmajor)
     views = [("q", q, *_launch._bshd_as_bhsd(q)), ("k", k, *_launch._bshd_as_bhsd(k))]
     if not repacked:
@@ -195,7 +195,7 @@ def plan(problem):
     key = _signature(problem)
     _memo.last = None  # (a later call on this problem object reads the knobs again)
     v, cu_v = _launch.prepare_v(problem.q, problem.v, problem.cu_seqlens_k, problem.max_seqlen_k,
-                                problem.cu_seqlens_v)
+                                problem.cu_seqlens_v, problem.page_table)
     q, k, v, sq, sk, sv = (t if t is None else _launch.as_bshd(t)
                            for t in (problem.q, problem.k, v, problem.sink_q, problem.sink_k, problem.sink_v))
     tiles = problem.scheduler_metadata

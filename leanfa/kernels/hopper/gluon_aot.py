@@ -19,6 +19,7 @@ from ..triton_aot import ptxas_perf_warnings, ptxas_usage
 from . import launch as L
 from .gluon_compat import GluonASTSource, GPUTarget, mangle_type
 from . import varlen_tiles
+from ..paged_v import KEY_BLOCK
 from ..varlen_v import repacked_tokens
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -93,6 +94,11 @@ def _fake_problem(v: Variant):
         k = torch.zeros(S, v.page_size, H, v.dqk, dtype=dt)
         v_ = torch.zeros(S, v.page_size, H, v.dv, dtype=v_dt)
         varlen["page_table"] = torch.zeros(2 if v.varlen else B, -(-S // v.page_size), dtype=torch.int32)
+        if v.dtype == "fp8":  # launch.prepare_v's gather of the V pages is a kernel launch: a stand-in of its result
+            room = varlen["page_table"].shape[1] * v.page_size
+            alloc = -(-room // KEY_BLOCK) * KEY_BLOCK
+            varlen["prepared_v"] = (torch.zeros(varlen["page_table"].shape[0], H, v.dv, alloc,
+                                                dtype=dt)[..., :room].permute(0, 3, 1, 2), None)
     with mock.patch.dict(os.environ, {k: str(x) for k, x in v.env}):  # restored on exit
         return L.make_plan(q, k, v_, out, lse if v.return_lse else None, qs, ks, vs, km, causal=v.causal,
                            softmax_scale=v.dqk ** -0.5, return_lse=v.return_lse, window=v.window, **varlen,

@@ -104,7 +104,8 @@ def _producer(args, cu_seqlens_v, sink_t, CAUSAL: gl.constexpr, V_KMAJOR: gl.con
     sink block load with its Q, and the FP8 blocks start at block 1. ``WINDOW``: only the blocks of the tile's
     band, ``[n_start, n_end)`` (:func:`.masking.window_block_range`, ``window`` = (left, right)). ``PAGE_SIZE`` > 0
     (paged K/V): ``pages_t`` is ``(page_table, stride_b, stride_n)``, and the key blocks load page by page
-    (:func:`.pipeline.load_kv_paged`; a window's blocks are the sequence's absolute key blocks too)."""
+    (:func:`.pipeline.load_kv_paged`; a window's blocks are the sequence's absolute key blocks too; FP8 V,
+    ``V_KMAJOR``, from its dense transposed copy's row of sequence ``b``)."""
     (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars,
      seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, tiles, num_bh, num_heads, group_size, num_m_tiles,
      first_tile, tile_step, num_tiles, window) = args
@@ -147,14 +148,16 @@ def _producer(args, cu_seqlens_v, sink_t, CAUSAL: gl.constexpr, V_KMAJOR: gl.con
         if PAGE_SIZE > 0:  # this sequence's row of the page table
             page_table, stride_ptb, stride_ptn = pages_t
             pages = (page_table + b * stride_ptb, stride_ptn)
+            kv_b = b  # (FP8 V: the dense transposed copy has a row per sequence, varlen too)
         else:
             pages = None
+            kv_b = tma_b
         if WINDOW:  # (no sink: the two are not combined)
-            produce_kv(k_desc, v_desc, tma_b, hkv, n_end, k_bufs, v_bufs, k_bars, v_bars, empty_bars, V_KMAJOR,
+            produce_kv(k_desc, v_desc, kv_b, hkv, n_end, k_bufs, v_bufs, k_bars, v_bars, empty_bars, V_KMAJOR,
                        k_start, ring, v_start, n_start, pages, sk, PAGE_SIZE)
             ring += n_end - n_start
         else:
-            produce_kv(k_desc, v_desc, tma_b, hkv, n_end, k_bufs, v_bufs, k_bars, v_bars, empty_bars, V_KMAJOR,
+            produce_kv(k_desc, v_desc, kv_b, hkv, n_end, k_bufs, v_bufs, k_bars, v_bars, empty_bars, V_KMAJOR,
                        k_start, ring, v_start, FIRST, pages, sk, PAGE_SIZE)
             ring += _fp8_blocks(n_end, SINK)
 
@@ -560,7 +563,8 @@ def attn_fwd_pingpong_kernel(
     STORE_STAGED: gl.constexpr = False,  # varlen: the output staged in shared memory, 16-byte row-masked stores
     WINDOW: gl.constexpr = False,  # a sliding window (window_left/right): only the band's key blocks (masking.py)
     SOFTCAP: gl.constexpr = 0,  # soft-capped scores (softcap); 2: K was smoothed, tanh's argument gets q . mean back
-    PAGE_SIZE: gl.constexpr = 0,  # paged K/V: keys per page; k_desc/v_desc are over the caches [page, head, row, dim]
+    PAGE_SIZE: gl.constexpr = 0,  # paged K/V: keys per page; k_desc (v_desc too but with V_KMAJOR) over the caches
+    #                               [page, head, row, dim]; V_KMAJOR (FP8): v_desc over V's dense transposed copy
     KV_BOXES: gl.constexpr = 1,  # paged K/V: boxes (pages) per key block (page_size < BLOCK_N)
 ):
     gl.static_assert(num_warps == WG_WARPS, "the kernel launches with num_warps=4 (the first consumer warpgroup)")
@@ -577,10 +581,13 @@ def attn_fwd_pingpong_kernel(
 
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [WGS * QK_CHUNKS] + q_desc.block_type.shape,
                                        q_desc.layout)
-    if KV_BOXES > 1:  # a key block's slot holds KV_BOXES page boxes (pipeline.load_kv_paged; V token-major)
+    if KV_BOXES > 1:  # a key block's slot holds KV_BOXES page boxes (pipeline.load_kv_paged) ...
         KV_ROWS: gl.constexpr = KV_BOXES * k_desc.block_type.shape[2]
         k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES * QK_CHUNKS, 1, 1, KV_ROWS, DCHUNK], k_desc.layout)
-        v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, 1, 1, KV_ROWS, HEAD_DV], v_desc.layout)
+        if V_KMAJOR:  # ... of K; FP8 V comes in one box from its dense transposed copy
+            v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+        else:  # ... of K and of V, token-major
+            v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES, 1, 1, KV_ROWS, HEAD_DV], v_desc.layout)
     else:
         k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES * QK_CHUNKS] + k_desc.block_type.shape, k_desc.layout)
         v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)

@@ -24,6 +24,7 @@ from .gluon_compat import TensorDescriptor, gl
 from .kernel_pingpong import attn_fwd_pingpong_kernel
 from .trace import TRACE_BLOCKS, TRACE_EVENTS
 from . import varlen_tiles
+from ..paged_v import gather_paged_v
 from ..varlen_v import align_varlen_v
 
 BLOCK_M = 128  # two consumer warpgroups, 64 query rows each
@@ -193,16 +194,16 @@ def _desc(t: torch.Tensor, shape, strides, block, layout_block=None):
 
 #: paged K/V (``page_table``): page sizes the kernel reads, powers of two from 16 keys. A page of fewer keys than a
 #: key block is one TMA box per page (a block of 128 keys spans 128 / page_size of them); a larger page holds whole
-#: blocks (one box each). Other page sizes run on the portable kernel.
+#: blocks (one box each). Other page sizes run on the portable kernel. An FP8 V cache is read from a dense transposed
+#: copy of its pages made per call (:func:`prepare_v`, :func:`..paged_v.gather_paged_v`): the FP8 wgmma reads V
+#: K-major; K and a 16-bit V are read from the caches.
 MIN_PAGE_SIZE = 16
 
 
-def paged_problem(page_size: int, v: torch.Tensor) -> str | None:
-    """Why the kernel cannot read paged K/V caches of ``page_size`` keys per page with this V cache, or None."""
-    if v.dtype == torch.float8_e4m3fn:
-        return ("paged FP8 V is not implemented in the Hopper kernel (its FP8 PV reads V K-major, tokens innermost; a "
-                "token-major paged V cache would need a transposed copy of the whole cache per call)")
-    if v_is_kmajor(v):
+def paged_problem(page_size: int, v: torch.Tensor | None) -> str | None:
+    """Why the kernel cannot read paged K/V caches of ``page_size`` keys per page with this V cache, or None
+    (``v`` None: the page size alone, for a V the plan already prepared)."""
+    if v is not None and v_is_kmajor(v):
         return "paged K/V: the Hopper kernel reads a V cache stored token-major (head dim contiguous)"
     if page_size < MIN_PAGE_SIZE or page_size & (page_size - 1):
         return (f"paged K/V with page_size {page_size}: the Hopper kernel reads pages of a power of two from "
@@ -327,15 +328,19 @@ def _sink_descs(sink, q_rows: int, block_n: int):
     return descs, (2 * q_rows * dqk + block_n * (dqk + dv)) * sq.element_size()
 
 
-def prepare_v(q: torch.Tensor, v: torch.Tensor, cu_seqlens_k=None, max_seqlen_k=None, cu_seqlens_v=None
-              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def prepare_v(q: torch.Tensor, v: torch.Tensor, cu_seqlens_k=None, max_seqlen_k=None, cu_seqlens_v=None,
+              page_table=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The V the kernel reads, and the varlen FP8 sequence starts ``cu_seqlens_v`` (else None): the FP8 wgmma
     reads V K-major (tokens innermost), 16-byte aligned. A packed FP8 V in :func:`leanfa.quantize_fp8`'s
     aligned layout (``cu_seqlens_v`` given) is read as it is; any other FP8 varlen V is re-packed into that
-    layout (:func:`align_varlen_v`) and a dense token-major one transposed (:func:`transpose_fp8_v`), one copy
-    per call. A 16-bit V (16-bit calls, and the mixed mode's FP8 Q/K with a 16-bit V) is read as it is."""
+    layout (:func:`align_varlen_v`), a dense token-major one transposed (:func:`transpose_fp8_v`) and a paged FP8 V
+    cache (``page_table``) gathered into a dense transposed ``(B, Hkv, Dv, max_pages * page_size)`` copy
+    (:func:`gather_paged_v`; ``cu_seqlens_k``: the key lengths, varlen), one copy per call. A 16-bit V (16-bit
+    calls, and the mixed mode's FP8 Q/K with a 16-bit V) is read as it is, a paged one from its cache."""
     if v.dtype != torch.float8_e4m3fn:
         return v, None
+    if page_table is not None:
+        return gather_paged_v(v, page_table, cu_seqlens_k), None
     if cu_seqlens_v is not None:
         return v, cu_seqlens_v
     if cu_seqlens_k is not None:
@@ -369,17 +374,18 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
     :func:`leanfa.quantize_fp8`'s aligned layout). ``tile_table``: varlen, the call's
     :func:`.varlen_tiles.build` (made here when not given). ``page_table``: paged K/V, ``k``/``v`` the caches
     ``(num_pages, page_size, Hkv, D)`` and ``page_table`` int32 ``(B, max_pages)`` (:func:`paged_problem` says which
-    caches); varlen, ``cu_seqlens_k`` gives the key lengths; dense, every sequence has ``max_pages * page_size``.
+    caches; an FP8 V cache is read from :func:`prepare_v`'s transposed copy of its pages); varlen, ``cu_seqlens_k``
+    gives the key lengths; dense, every sequence has ``max_pages * page_size``.
     ``window``: flash-attn's ``window_size`` as :class:`leanfa.problem.Problem` normalizes it (:func:`window_bounds`;
     not with ``sink``). ``softcap > 0``: flash-attn's score capping (the kernel's ``SOFTCAP``: 2 with ``k_mean``, whose
     ``q . mean`` goes inside tanh's argument instead of the LSE; not with ``sink``)."""
     varlen = cu_seqlens_q is not None
     if page_table is not None:
-        why = paged_problem(k.shape[1], v if prepared_v is None else prepared_v[0])
+        why = paged_problem(k.shape[1], v if prepared_v is None else None)
         if why:
             raise ValueError(why)
     v, cu_seqlens_v = (prepared_v if prepared_v is not None
-                       else prepare_v(q, v, cu_seqlens_k, max_seqlen_k, cu_seqlens_v))
+                       else prepare_v(q, v, cu_seqlens_k, max_seqlen_k, cu_seqlens_v, page_table))
     q, k, v = as_bshd(q), as_bshd(k), as_bshd(v)
     B, Sq, Hq, Dqk = q.shape
     Sk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
@@ -407,7 +413,10 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
         page_box = min(k.shape[1], block_n)
         kv_boxes = block_n // page_box
         k_desc = _desc(k, *_bshd_as_bhsd(k), [1, 1, page_box, dchunk], [1, 1, block_n, dchunk])
-        v_desc = _desc(v, *_bshd_as_bhsd(v), [1, 1, page_box, Dv], [1, 1, block_n, Dv])
+        if kmajor:  # FP8 V: its pages' dense transposed copy (prepare_v), one box per block
+            v_desc = _desc(v, *_v_kmajor_dims(v), [1, 1, Dv, block_n])
+        else:
+            v_desc = _desc(v, *_bshd_as_bhsd(v), [1, 1, page_box, Dv], [1, 1, block_n, Dv])
     else:
         k_desc = _desc(k, *_bshd_as_bhsd(k), [1, 1, block_n, dchunk])
         if kmajor:

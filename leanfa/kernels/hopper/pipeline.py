@@ -8,7 +8,8 @@ TMA zero-fills everything outside ``[0, seqlen)``, so tail tiles never read a ne
 
 Paged K/V (``PAGE_SIZE`` > 0, :func:`load_kv_paged`): the descriptors are over the caches ``(num_pages, page_size,
 Hkv, D)`` as ``[page, head, row, dim]``, with boxes of ``min(page_size, BLOCK_N)`` rows; a key block is
-``BLOCK_N / box`` boxes (one per page it spans), each into its rows of the block's ring slot.
+``BLOCK_N / box`` boxes (one per page it spans), each into its rows of the block's ring slot. FP8 V
+(``V_KMAJOR``): V is read from a dense transposed copy of the V pages made per call, one box per block.
 """
 
 from __future__ import annotations
@@ -101,11 +102,15 @@ def page_box(pages, n, seqlen_k, PAGE_SIZE: gl.constexpr):
 
 @gluon.jit
 def load_kv_paged(k_desc, v_desc, hkv, block, k_bufs, v_bufs, k_bars, v_bars, STAGES: gl.constexpr,
-                  QK_CHUNKS: gl.constexpr, ring_index, pages, seqlen_k, PAGE_SIZE: gl.constexpr):
+                  QK_CHUNKS: gl.constexpr, ring_index, pages, seqlen_k, PAGE_SIZE: gl.constexpr, b=0,
+                  V_KMAJOR: gl.constexpr = False):
     """:func:`load_kv` from paged caches: key block ``block`` of a sequence whose page-table row is ``pages`` as
     ``BLOCK_N / box`` boxes (``box = min(PAGE_SIZE, BLOCK_N)``: the descriptors' box rows), box ``i`` into rows
     ``[i * box, (i + 1) * box)`` of the ring slot; each barrier expects the whole block's bytes. Rows of a
-    sequence's last page past its keys are read as stored (masked out of the scores: they must be finite)."""
+    sequence's last page past its keys are read as stored (masked out of the scores: they must be finite).
+    ``V_KMAJOR`` (FP8 V): V comes from the call's dense transposed copy of the V pages (:func:`..paged_v.gather_paged_v`,
+    ``[batch, head, dim, seq]``), one box ``[b, hkv, 0, block * BLOCK_N]`` as :func:`load_kv` reads it (``b``: the
+    sequence, varlen too)."""
     BLOCK_N: gl.constexpr = k_bufs.shape[3]
     BOX: gl.constexpr = k_desc.block_type.shape[2]
     BOXES: gl.constexpr = BLOCK_N // BOX
@@ -120,10 +125,14 @@ def load_kv_paged(k_desc, v_desc, hkv, block, k_bufs, v_bufs, k_bars, v_bars, ST
             tma.async_copy_global_to_shared(k_desc, [page, hkv, row, c * DCHUNK], kb,
                                             box_rows(k_bufs.index(slot * QK_CHUNKS + c), i, BOX))
     vb = v_bars.index(slot)
-    mbarrier.expect(vb, BOXES * v_desc.block_type.nbytes)
-    for i in gl.static_range(BOXES):
-        page, row = page_box(pages, n0 + i * BOX, seqlen_k, PAGE_SIZE)
-        tma.async_copy_global_to_shared(v_desc, [page, hkv, row, 0], vb, box_rows(v_bufs.index(slot), i, BOX))
+    if V_KMAJOR:
+        mbarrier.expect(vb, v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [b, hkv, 0, n0], vb, v_bufs.index(slot))
+    else:
+        mbarrier.expect(vb, BOXES * v_desc.block_type.nbytes)
+        for i in gl.static_range(BOXES):
+            page, row = page_box(pages, n0 + i * BOX, seqlen_k, PAGE_SIZE)
+            tma.async_copy_global_to_shared(v_desc, [page, hkv, row, 0], vb, box_rows(v_bufs.index(slot), i, BOX))
 
 
 @gluon.jit
@@ -167,7 +176,8 @@ def produce_kv(k_desc, v_desc, b, hkv, n_end, k_bufs, v_bufs, k_bars, v_bars, em
     so it waits for that one's release: phase ``g // STAGES - 1`` of ``empty[g % STAGES]``. (``FIRST``
     = 1 with BF16 sink keys: block 0 is read in 16 bits instead, :mod:`.sink`; a sliding window's first
     block, a runtime value.) ``PAGE_SIZE`` > 0: paged K/V, the sequence's ``seqlen_k`` keys through its
-    page-table row ``pages`` (:func:`load_kv_paged`; ``j`` is the sequence's absolute key block, a window's too)."""
+    page-table row ``pages`` (:func:`load_kv_paged`; ``j`` is the sequence's absolute key block, a window's too; with
+    ``V_KMAJOR`` V from the dense transposed copy's row ``b``)."""
     STAGES: gl.constexpr = v_bufs.shape[0]
     QK_CHUNKS: gl.constexpr = k_bufs.shape[0] // STAGES
     for j in range(FIRST, n_end):
@@ -176,7 +186,7 @@ def produce_kv(k_desc, v_desc, b, hkv, n_end, k_bufs, v_bufs, k_bars, v_bars, em
             mbarrier.wait(empty_bars.index(g % STAGES), ((g // STAGES) - 1) & 1)
         if PAGE_SIZE > 0:
             load_kv_paged(k_desc, v_desc, hkv, j, k_bufs, v_bufs, k_bars, v_bars, STAGES, QK_CHUNKS, g, pages,
-                          seqlen_k, PAGE_SIZE)
+                          seqlen_k, PAGE_SIZE, b, V_KMAJOR)
         else:
             load_kv(k_desc, v_desc, b, hkv, j, k_bufs, v_bufs, k_bars, v_bars, STAGES, V_KMAJOR, QK_CHUNKS, k_start,
                     g, v_start)
