@@ -36,21 +36,30 @@ HEAD_DIMS = ((64, 64), (128, 128), (192, 128), (256, 256))
 #: every head dim is a multiple of this, up to :data:`MAX_HEAD_DIM` (FlashAttention-3's rule: 16-byte rows in 16 bits)
 HEAD_DIM_MULTIPLE = 8
 MAX_HEAD_DIM = 256
+#: FlashAttention-3's MLA form: a V head dim up to this with a Q/K head dim up to :data:`MLA_MAX_HEAD_DIM_QK`
+#: (64/512, DeepSeek's absorbed attention with ``qv``; the portable kernel)
+MLA_MAX_HEAD_DIM_V = 512
+MLA_MAX_HEAD_DIM_QK = 64
 
 
 def head_dims_problem(dqk: int, dv: int) -> str | None:
     """Why leanfa cannot attend with head dims ``dqk`` (Q/K) and ``dv`` (V), or None."""
     if all(d % HEAD_DIM_MULTIPLE == 0 and 0 < d <= MAX_HEAD_DIM for d in (dqk, dv)):
         return None
+    if fa3_mla_head_dims(dqk, dv):
+        return None
     return (f"head dims (q/k {dqk}, v {dv}) are not supported: each must be a multiple of {HEAD_DIM_MULTIPLE} "
-            f"from {HEAD_DIM_MULTIPLE} to {MAX_HEAD_DIM} (the Hopper kernel runs "
+            f"from {HEAD_DIM_MULTIPLE} to {MAX_HEAD_DIM}, or q/k up to {MLA_MAX_HEAD_DIM_QK} with v up to "
+            f"{MLA_MAX_HEAD_DIM_V} (FlashAttention-3's MLA form) (the Hopper kernel runs "
             + ", ".join(f"{a}/{b}" for a, b in HEAD_DIMS) + "; others run on the portable kernel)")
 
 
-def fa3_only_head_dims(dqk: int, dv: int) -> bool:
-    """Head dims FlashAttention-3 takes and leanfa does not implement: Q/K up to 64 with a V head dim above
-    :data:`MAX_HEAD_DIM` up to 512 (its MLA form, 64/512)."""
-    return dqk <= 64 and MAX_HEAD_DIM < dv <= 512 and dqk % HEAD_DIM_MULTIPLE == 0 and dv % HEAD_DIM_MULTIPLE == 0
+def fa3_mla_head_dims(dqk: int, dv: int) -> bool:
+    """FlashAttention-3's MLA head dims: Q/K up to :data:`MLA_MAX_HEAD_DIM_QK` with a V head dim above
+    :data:`MAX_HEAD_DIM` up to :data:`MLA_MAX_HEAD_DIM_V` (64/512), multiples of :data:`HEAD_DIM_MULTIPLE`; the
+    portable kernel runs them."""
+    return (0 < dqk <= MLA_MAX_HEAD_DIM_QK and MAX_HEAD_DIM < dv <= MLA_MAX_HEAD_DIM_V
+            and dqk % HEAD_DIM_MULTIPLE == 0 and dv % HEAD_DIM_MULTIPLE == 0)
 
 
 BACKENDS = ("auto", "portable", "hopper")
@@ -92,9 +101,6 @@ def _check_inputs(q, k, v, ranks: int, kv_ranks: int | None = None, kv_layout: s
     if k.shape[-1] != q.shape[-1]:
         raise ValueError(f"q and k must have the same head_dim, got {q.shape[-1]} and {k.shape[-1]}")
     why = head_dims_problem(q.shape[-1], v.shape[-1])
-    if why and fa3_only_head_dims(q.shape[-1], v.shape[-1]):
-        raise NotImplementedError(f"leanfa does not support head dims q/k {q.shape[-1]}, v {v.shape[-1]} "
-                                  f"(FlashAttention-3's 64/512 form): V head dims go up to {MAX_HEAD_DIM}")
     if why:
         raise ValueError(why)
 

@@ -233,6 +233,23 @@ def test_dense_qv(device, dtype, causal, dv):
     assert (ref - without).abs().max() > 1e-2  # the qv term changes the answer
 
 
+@pytest.mark.parametrize("dtype", [BF16, FP8])
+def test_mla_head_dims_64_512(device, dtype):
+    """FA3's MLA form: q/k 64, v (and qv) 512, on the portable kernel; causal with Sq < Sk, GQA 2 on 1."""
+    b, sq, sk = 1, 40, 70
+    q, k, v = _rand((b, sq, 2, 64), device), _rand((b, sk, 1, 64), device), _rand((b, sk, 1, 512), device)
+    qv = _rand((b, sq, 2, 512), device, scale=0.3)
+    kw = {}
+    if dtype == FP8:
+        kw = dict(zip(("q_descale", "k_descale", "v_descale"), _descales(b, 1, device)))
+        q, k, v, qv = q.to(FP8), k.to(FP8), v.to(FP8), qv.to(FP8)
+    for extra in ({}, {"qv": qv}):
+        out, lse = fa3.flash_attn_func(q, k, v, causal=True, return_attn_probs=True, **extra, **kw)
+        ref, ref_lse = attention_ref(q, k, v, causal=True, return_lse=True, **extra, **kw)
+        assert out.shape == (b, sq, 2, 512)
+        check_out_lse(out, lse, ref, ref_lse, TOL[dtype], LSE_TOL[dtype])
+
+
 def test_qv_default_scale_and_explicit_scale(device):
     """Without softmax_scale the scale is 1/sqrt(d + dv) (FA3's default with qv); an explicit one is used as is."""
     q, k, v = _rand((1, 40, 2, 64), device), _rand((1, 40, 2, 64), device), _rand((1, 40, 2, 128), device)
@@ -348,7 +365,7 @@ def test_gpu_chunk_large(dtype, chunk, causal, window):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [BF16, FP8])
-@pytest.mark.parametrize("dv", [64, 256])
+@pytest.mark.parametrize("dv", [64, 256, 512])
 def test_gpu_qv_varlen_large(dtype, dv):
     lq, lk = [1500, 3000, 700], [2000, 3000, 4000]
     cq, ck = cu_seqlens(lq, "cuda"), cu_seqlens(lk, "cuda")

@@ -536,14 +536,15 @@ def _configs():
     shapes = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
         (128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3),  # head dim <= 128
         (128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 2),    # head dim 192/256
+        (64, 32, 8, 2), (32, 32, 4, 2), (32, 32, 8, 2), (64, 32, 8, 1),      # V head dim 512 (FA3's MLA form)
     ]
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
 
 
 def _prune_configs(configs, named_args, **kwargs):
-    """Four candidates per head-dim class, so a new shape costs four compiles, not eight."""
-    wide = max(kwargs.get("BLOCK_DQK", 128), kwargs.get("BLOCK_DV", 128)) > 128
-    return configs[4:] if wide else configs[:4]
+    """Four candidates per head-dim class (up to 128, 192/256, V 512), so a new shape costs four compiles, not 12."""
+    widest = max(kwargs.get("BLOCK_DQK", 128), kwargs.get("BLOCK_DV", 128))
+    return configs[8:] if widest > 256 else configs[4:8] if widest > 128 else configs[:4]
 
 
 _attn_fwd_tuned = triton.autotune(
@@ -559,6 +560,9 @@ INTERPRETER_TILE = {"BLOCK_M": 32, "BLOCK_N": 32}
 #: below this many (query x key) pairs per sequence a fixed tile is used instead of autotuning
 AUTOTUNE_MIN_WORK = 1024 * 1024
 SMALL_TILE = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+#: the fixed tile of small problems with a V head dim above 256 (a 64 x 512 fp32 accumulator over 4 warps would
+#: take 256 registers a thread)
+SMALL_TILE_WIDE_V = {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
 
 
 def _interpreting(t: torch.Tensor) -> bool:
@@ -643,7 +647,7 @@ def _launch(problem, out, lse):
         args.update(INTERPRETER_TILE)
     elif p.max_seqlen_q * max(p.max_seqlen_k, 1) < AUTOTUNE_MIN_WORK:
         kernel = _attn_fwd  # small problems: a fixed tile, no autotuning sweep
-        args.update(SMALL_TILE)
+        args.update(SMALL_TILE_WIDE_V if p.head_dim_v > 256 else SMALL_TILE)
     else:
         kernel = _attn_fwd_tuned
 
