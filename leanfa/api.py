@@ -320,7 +320,7 @@ def flash_attn_func(
         k: ``(B, Sk, Hkv, Dqk)``, same dtype; ``Hq % Hkv == 0`` (GQA/MQA).
         v: ``(B, Sk, Hkv, Dv)``, same dtype; or bf16/fp16 with float8_e4m3fn ``q``/``k`` (the mixed mode of
             ``attention(precision="fp8qk")``: FP8 Q·K, P·V in V's dtype, no ``v_descale``). ``Dqk`` and ``Dv`` are
-            multiples of 8 up to 256; the Hopper kernel runs 64/64, 128/128, 192/128 (MLA) and 256/256, other
+            multiples of 8 up to 256 (or ``Dqk <= 64`` with ``Dv <= 512``: FA3's MLA form); the Hopper kernel runs 64/64, 128/128, 192/128 (MLA) and 256/256, other
             head dims run on the portable kernel (one warning on an H200).
         softmax_scale: defaults to ``1/sqrt(Dqk)``.
         causal: mask keys after the query; with ``Sq != Sk`` the mask is aligned to the

@@ -4,7 +4,7 @@ Swap ``from flash_attn_interface import flash_attn_func`` for
 ``from leanfa.flash_attn_interface import flash_attn_func``. Supported subset (forward only):
 
 * ``q, k, v`` ``(B, S, H, D)`` (or packed ``(total, H, D)`` for varlen), bf16/fp16/fp8 e4m3,
-  GQA/MQA, head dims multiples of 8 up to 256 (the Hopper kernel: 64/64, 128/128, 192/128, 256/256; others on
+  GQA/MQA, head dims multiples of 8 up to 256, and q/k up to 64 with v up to 512 (FA3's MLA form) (the Hopper kernel: 64/64, 128/128, 192/128, 256/256; others on
   the portable kernel, one warning); also (leanfa's mixed mode) fp8 e4m3 ``q``/``k``
   with a bf16/fp16 ``v``: FP8 Q·K with the Q/K descales, P·V in 16 bits, no ``v_descale``;
 * ``softmax_scale``, ``causal`` (bottom-right aligned), ``q_descale``/``k_descale``/
