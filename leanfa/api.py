@@ -18,6 +18,8 @@ from .checks import check_cu_seqlens as _check_cu_seqlens
 from .checks import check_page_ids as _check_page_ids
 from .checks import check_page_table as _check_page_table
 from .checks import check_device, check_fp8_device, interpreter_enabled  # noqa: F401 (re-exported)
+from .checks import check_attention_chunk as _check_attention_chunk
+from .checks import check_qv as _check_qv
 from .checks import check_seqused as _check_seqused
 from .checks import check_window_softcap as _check_window_softcap
 from .checks import resolve_softmax_scale as _resolve_scale
@@ -34,21 +36,30 @@ HEAD_DIMS = ((64, 64), (128, 128), (192, 128), (256, 256))
 #: every head dim is a multiple of this, up to :data:`MAX_HEAD_DIM` (FlashAttention-3's rule: 16-byte rows in 16 bits)
 HEAD_DIM_MULTIPLE = 8
 MAX_HEAD_DIM = 256
+#: FlashAttention-3's MLA form: a V head dim up to this with a Q/K head dim up to :data:`MLA_MAX_HEAD_DIM_QK`
+#: (64/512, DeepSeek's absorbed attention with ``qv``; the portable kernel)
+MLA_MAX_HEAD_DIM_V = 512
+MLA_MAX_HEAD_DIM_QK = 64
 
 
 def head_dims_problem(dqk: int, dv: int) -> str | None:
     """Why leanfa cannot attend with head dims ``dqk`` (Q/K) and ``dv`` (V), or None."""
     if all(d % HEAD_DIM_MULTIPLE == 0 and 0 < d <= MAX_HEAD_DIM for d in (dqk, dv)):
         return None
+    if fa3_mla_head_dims(dqk, dv):
+        return None
     return (f"head dims (q/k {dqk}, v {dv}) are not supported: each must be a multiple of {HEAD_DIM_MULTIPLE} "
-            f"from {HEAD_DIM_MULTIPLE} to {MAX_HEAD_DIM} (the Hopper kernel runs "
+            f"from {HEAD_DIM_MULTIPLE} to {MAX_HEAD_DIM}, or q/k up to {MLA_MAX_HEAD_DIM_QK} with v up to "
+            f"{MLA_MAX_HEAD_DIM_V} (FlashAttention-3's MLA form) (the Hopper kernel runs "
             + ", ".join(f"{a}/{b}" for a, b in HEAD_DIMS) + "; others run on the portable kernel)")
 
 
-def fa3_only_head_dims(dqk: int, dv: int) -> bool:
-    """Head dims FlashAttention-3 takes and leanfa does not implement: Q/K up to 64 with a V head dim above
-    :data:`MAX_HEAD_DIM` up to 512 (its MLA form, 64/512)."""
-    return dqk <= 64 and MAX_HEAD_DIM < dv <= 512 and dqk % HEAD_DIM_MULTIPLE == 0 and dv % HEAD_DIM_MULTIPLE == 0
+def fa3_mla_head_dims(dqk: int, dv: int) -> bool:
+    """FlashAttention-3's MLA head dims: Q/K up to :data:`MLA_MAX_HEAD_DIM_QK` with a V head dim above
+    :data:`MAX_HEAD_DIM` up to :data:`MLA_MAX_HEAD_DIM_V` (64/512), multiples of :data:`HEAD_DIM_MULTIPLE`; the
+    portable kernel runs them."""
+    return (0 < dqk <= MLA_MAX_HEAD_DIM_QK and MAX_HEAD_DIM < dv <= MLA_MAX_HEAD_DIM_V
+            and dqk % HEAD_DIM_MULTIPLE == 0 and dv % HEAD_DIM_MULTIPLE == 0)
 
 
 BACKENDS = ("auto", "portable", "hopper")
@@ -90,9 +101,6 @@ def _check_inputs(q, k, v, ranks: int, kv_ranks: int | None = None, kv_layout: s
     if k.shape[-1] != q.shape[-1]:
         raise ValueError(f"q and k must have the same head_dim, got {q.shape[-1]} and {k.shape[-1]}")
     why = head_dims_problem(q.shape[-1], v.shape[-1])
-    if why and fa3_only_head_dims(q.shape[-1], v.shape[-1]):
-        raise NotImplementedError(f"leanfa does not support head dims q/k {q.shape[-1]}, v {v.shape[-1]} "
-                                  f"(FlashAttention-3's 64/512 form): V head dims go up to {MAX_HEAD_DIM}")
     if why:
         raise ValueError(why)
 
@@ -179,7 +187,8 @@ def _normalize_window(causal: bool, left: int, right: int, max_seqlen_q: int, ma
 def _build_problem(q, k, v, *, varlen, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                    softmax_scale, causal, q_descale, k_descale, v_descale, k_mean,
                    return_lse, out_dtype, seqused_q=None, seqused_k=None, window_size=(-1, -1),
-                   softcap=0.0, page_table=None, cu_seqlens_v=None, scheduler_metadata=None) -> Problem:
+                   softcap=0.0, page_table=None, cu_seqlens_v=None, scheduler_metadata=None, attention_chunk=0,
+                   qv=None) -> Problem:
     paged = page_table is not None
     # K/V indexed per sequence: packed queries without cu_seqlens_k (a dense (B, Sk) cache, or pages)
     kv_per_sequence = varlen and cu_seqlens_k is None
@@ -190,6 +199,8 @@ def _build_problem(q, k, v, *, varlen, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     left, right, softcap = _check_window_softcap(window_size, softcap)
+    attention_chunk = _check_attention_chunk(attention_chunk)
+    _check_qv(qv, q, v.shape[-1])
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     _check_half_descales(q.dtype, q_descale, k_descale, v_descale, v.dtype)
@@ -252,16 +263,19 @@ def _build_problem(q, k, v, *, varlen, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                          head_dim=dv, device=dev)
     _check_k_mean(k_mean, batch, kv_heads, dqk, dev)
     causal, left, right = _normalize_window(causal, left, right, max_seqlen_q, max_seqlen_k)
+    if (attention_chunk >= max_seqlen_k and not varlen and seqused_q is None and seqused_k is None
+            and max_seqlen_q <= max_seqlen_k):
+        attention_chunk = 0  # every query's chunk holds every key (its position lies in [0, Sk))
     return Problem(
         q=q, k=k, v=v, batch=batch, heads=heads, kv_heads=kv_heads, head_dim_qk=dqk, head_dim_v=dv,
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
         cu_seqlens_q=cu_seqlens_q if varlen else None, cu_seqlens_k=cu_seqlens_k if varlen else None,
-        causal=causal, softmax_scale=_resolve_scale(softmax_scale, dqk),
+        causal=causal, softmax_scale=_resolve_scale(softmax_scale, dqk + (dv if qv is not None else 0)),
         q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, k_mean=k_mean,
         out_dtype=_resolve_out_dtype(v.dtype, out_dtype), return_lse=return_lse,
         seqused_q=seqused_q, seqused_k=seqused_k, window_left=left, window_right=right, softcap=softcap,
         page_table=page_table, cu_seqlens_v=cu_seqlens_v if varlen else None,
-        scheduler_metadata=scheduler_metadata if varlen else None,
+        scheduler_metadata=scheduler_metadata if varlen else None, attention_chunk=attention_chunk, qv=qv,
     )
 
 
@@ -295,6 +309,8 @@ def flash_attn_func(
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     page_table: torch.Tensor | None = None,
+    attention_chunk: int = 0,
+    qv: torch.Tensor | None = None,
 ):
     """Attention forward on ``(batch, seqlen, heads, head_dim)`` tensors.
 
@@ -304,7 +320,7 @@ def flash_attn_func(
         k: ``(B, Sk, Hkv, Dqk)``, same dtype; ``Hq % Hkv == 0`` (GQA/MQA).
         v: ``(B, Sk, Hkv, Dv)``, same dtype; or bf16/fp16 with float8_e4m3fn ``q``/``k`` (the mixed mode of
             ``attention(precision="fp8qk")``: FP8 Q·K, P·V in V's dtype, no ``v_descale``). ``Dqk`` and ``Dv`` are
-            multiples of 8 up to 256; the Hopper kernel runs 64/64, 128/128, 192/128 (MLA) and 256/256, other
+            multiples of 8 up to 256 (or ``Dqk <= 64`` with ``Dv <= 512``: FA3's MLA form); the Hopper kernel runs 64/64, 128/128, 192/128 (MLA) and 256/256, other
             head dims run on the portable kernel (one warning on an H200).
         softmax_scale: defaults to ``1/sqrt(Dqk)``.
         causal: mask keys after the query; with ``Sq != Sk`` the mask is aligned to the
@@ -353,6 +369,15 @@ def flash_attn_func(
             (masked out of the scores), which must then hold finite values. The other paged calls (FP8 caches,
             ``seqused_k``, other page sizes, FP8 softcap) run on the portable kernel (one warning where the Hopper
             kernel would have run).
+        attention_chunk: FlashAttention-3's chunked local attention (Llama-4): with ``attention_chunk = c > 0``
+            query ``i`` at key position ``pos = i + Sk - Sq`` (bottom-right, as the causal mask) sees only keys in
+            ``[pos - pos mod c, pos - pos mod c + c)`` (floor modulo), intersected with ``causal`` and
+            ``window_size``; only the key blocks of each query tile's chunks are read. 0 (default) is off,
+            negative values raise ``ValueError``. Runs on the portable kernel (one warning on sm90).
+        qv: FlashAttention-3's ``qv`` (DeepSeek MLA's absorbed form): ``(B, Sq, Hq, Dv)``, ``q``'s dtype; the scores
+            become ``softmax_scale * (q.k + qv.v)`` and ``softmax_scale`` defaults to ``1/sqrt(Dqk + Dv)``. An FP8
+            ``qv`` is dequantized by ``q_descale`` (as FA3). A wrong shape, dtype or device raises ``ValueError``.
+            Runs on the portable kernel (one warning on sm90).
 
     Any strides are accepted; inputs are never copied. Empty inputs (``B``, ``Sq`` or ``Sk`` 0)
     are allowed: the output is empty, or 0 with LSE ``-inf`` where no key exists.
@@ -367,7 +392,7 @@ def flash_attn_func(
         max_seqlen_k=None, softmax_scale=softmax_scale, causal=causal, q_descale=q_descale,
         k_descale=k_descale, v_descale=v_descale, k_mean=k_mean, return_lse=return_lse,
         out_dtype=out_dtype, seqused_q=seqused_q, seqused_k=seqused_k, window_size=window_size, softcap=softcap,
-        page_table=page_table)
+        page_table=page_table, attention_chunk=attention_chunk, qv=qv)
     return _run(problem, backend)
 
 
@@ -396,6 +421,8 @@ def flash_attn_varlen_func(
     page_table: torch.Tensor | None = None,
     cu_seqlens_v: torch.Tensor | None = None,
     scheduler_metadata: torch.Tensor | None = None,
+    attention_chunk: int = 0,
+    qv: torch.Tensor | None = None,
 ):
     """Attention forward on packed ``(total_tokens, heads, head_dim)`` tensors.
 
@@ -406,7 +433,8 @@ def flash_attn_varlen_func(
     each sequence are used. ``window_size`` and ``softcap`` as in :func:`flash_attn_func`, per sequence
     (``Sq``/``Sk`` are the sequence's lengths, or its ``seqused`` lengths). Per-block descales are
     ``(B, H, ceil(max_seqlen/128))``, blocks counted from each sequence's start. The LSE is
-    ``(Hq, total_q)``. Other arguments as
+    ``(Hq, total_q)``. ``attention_chunk`` per sequence, as ``window_size``; ``qv`` packed ``(total_q, Hq, Dv)``.
+    Other arguments as
     :func:`flash_attn_func`; ``q`` may be an :class:`FP8QKV` from ``quantize_fp8(...,
     cu_seqlens_q=..., cu_seqlens_k=...)`` (then ``k`` and ``v`` are ``None``). Its FP8 V is in the aligned
     layout the Hopper kernel reads (each sequence from a multiple of 16 tokens: no copy per call); passing its
@@ -441,7 +469,8 @@ def flash_attn_varlen_func(
         softmax_scale=softmax_scale,
         causal=causal, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
         k_mean=k_mean, return_lse=return_lse, out_dtype=out_dtype, seqused_q=seqused_q,
-        seqused_k=seqused_k, window_size=window_size, softcap=softcap, page_table=page_table)
+        seqused_k=seqused_k, window_size=window_size, softcap=softcap, page_table=page_table,
+        attention_chunk=attention_chunk, qv=qv)
     return _run(problem, backend)
 
 
@@ -524,6 +553,7 @@ def attention(
     softcap: float = 0.0,
     scheduler_metadata: torch.Tensor | None = None,
     rotate: bool | str = False,
+    attention_chunk: int = 0,
 ):
     """High-level attention for BF16/FP16 callers: BF16/FP16 in, same dtype out.
 
@@ -547,7 +577,8 @@ def attention(
 
     ``window_size=(left, right)`` and ``softcap`` as in :func:`flash_attn_func` (flash-attn's sliding
     window and score capping; both run on the Hopper kernel), in either precision; not with
-    ``bf16_sink_keys`` (``ValueError``). ``scheduler_metadata``: packed calls, as in
+    ``bf16_sink_keys`` (``ValueError``). ``attention_chunk`` as in :func:`flash_attn_func` (chunked local
+    attention; the portable kernel), not with ``bf16_sink_keys`` either. ``scheduler_metadata``: packed calls, as in
     :func:`flash_attn_varlen_func` (:func:`varlen_schedule`).
 
     ``rotate`` (``"fp8"``/``"fp8qk"``): as :func:`quantize_fp8`'s: ``"auto"`` rotates Q and K by a Hadamard
@@ -574,9 +605,10 @@ def attention(
     if bf16_sink_keys and precision != "fp8":
         raise ValueError("bf16_sink_keys applies to precision='fp8' only")
     left, right, cap = _check_window_softcap(window_size, softcap)
-    if bf16_sink_keys and ((left, right) != (-1, -1) or cap > 0):
-        raise ValueError("bf16_sink_keys cannot be combined with window_size or softcap (the BF16 sink keys are "
-                         "attended without a window or a cap); pass bf16_sink_keys=0")
+    chunk = _check_attention_chunk(attention_chunk)
+    if bf16_sink_keys and ((left, right) != (-1, -1) or cap > 0 or chunk > 0):
+        raise ValueError("bf16_sink_keys cannot be combined with window_size, softcap or attention_chunk (the BF16 "
+                         "sink keys are attended without a window, a cap or chunks); pass bf16_sink_keys=0")
     if precision == "fp8" and bf16_sink_keys:
         from .kernels import dispatch
         from .quant import _check as _check_quantize
@@ -609,13 +641,14 @@ def attention(
                                  max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, quantize_v=quantize_v,
                                  rotate=rotate)
         args = dict(softmax_scale=softmax_scale, causal=causal, return_lse=return_lse,
-                    out_dtype=q.dtype, backend=backend, window_size=window_size, softcap=softcap)
+                    out_dtype=q.dtype, backend=backend, window_size=window_size, softcap=softcap,
+                    attention_chunk=chunk)
         if varlen:
             return flash_attn_varlen_func(quant, None, None, cu_seqlens_q, cu_seqlens_k,
                                           max_seqlen_q, max_seqlen_k, scheduler_metadata=scheduler_metadata, **args)
         return flash_attn_func(quant, **args)
     args = dict(softmax_scale=softmax_scale, causal=causal, return_lse=return_lse, backend=backend,
-                window_size=window_size, softcap=softcap)
+                window_size=window_size, softcap=softcap, attention_chunk=chunk)
     if varlen:
         return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                       scheduler_metadata=scheduler_metadata, **args)

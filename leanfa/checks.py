@@ -1,6 +1,6 @@
 """Argument checks shared by the public functions (:mod:`leanfa.api`) and the quantizer
 (:mod:`leanfa.quant`): the device, the ``cu_seqlens`` of a packed batch, ``seqused_q/k``,
-a paged K/V cache's page table, ``window_size`` and ``softcap``, ``softmax_scale``.
+a paged K/V cache's page table, ``window_size`` and ``softcap``, ``attention_chunk``, ``qv``, ``softmax_scale``.
 
 They raise ``TypeError`` (wrong kind or dtype) or ``ValueError`` (wrong shape, device, value)
 naming the argument, and read tensor values only on CPU tensors (never synchronize the GPU).
@@ -172,6 +172,36 @@ def check_window_softcap(window_size, softcap) -> tuple[int, int, float]:
     if not math.isfinite(softcap) or softcap < 0:
         raise ValueError(f"softcap must be a finite float >= 0 (0 turns it off), got {softcap}")
     return sides[0], sides[1], float(softcap)
+
+
+def check_attention_chunk(attention_chunk) -> int:
+    """FA3's ``attention_chunk``: an int >= 0 (0 is off); returns it as a Python int."""
+    if isinstance(attention_chunk, bool):
+        raise TypeError(f"attention_chunk must be an int, got {attention_chunk!r}")
+    try:
+        chunk = operator.index(attention_chunk)
+    except TypeError:
+        raise TypeError(f"attention_chunk must be an int, got {type(attention_chunk).__name__}") from None
+    if chunk < 0:
+        raise ValueError(f"attention_chunk must be >= 0 (0 turns chunked attention off), got {chunk}")
+    return chunk
+
+
+def check_qv(qv, q: torch.Tensor, head_dim_v: int) -> None:
+    """FA3's ``qv``: None, or a tensor of ``q``'s shape with the last axis ``head_dim_v`` (``(B, Sq, Hq, Dv)``, packed
+    ``(total_q, Hq, Dv)``), ``q``'s dtype (FP8 with an FP8 ``q``: it shares q's descale) and device; else
+    ``ValueError``."""
+    if qv is None:
+        return
+    if not isinstance(qv, torch.Tensor):
+        raise ValueError(f"qv must be a torch.Tensor or None, got {type(qv).__name__}")
+    want = (*q.shape[:-1], head_dim_v)
+    if tuple(qv.shape) != want:
+        raise ValueError(f"qv must have q's shape with v's head dim, {want}, got {tuple(qv.shape)}")
+    if qv.dtype != q.dtype:
+        raise ValueError(f"qv must have q's dtype ({q.dtype}; an FP8 qv shares q_descale), got {qv.dtype}")
+    if qv.device != q.device:
+        raise ValueError(f"qv is on {qv.device} but q is on {q.device}")
 
 
 def resolve_softmax_scale(softmax_scale, head_dim: int) -> float:

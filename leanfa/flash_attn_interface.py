@@ -4,7 +4,7 @@ Swap ``from flash_attn_interface import flash_attn_func`` for
 ``from leanfa.flash_attn_interface import flash_attn_func``. Supported subset (forward only):
 
 * ``q, k, v`` ``(B, S, H, D)`` (or packed ``(total, H, D)`` for varlen), bf16/fp16/fp8 e4m3,
-  GQA/MQA, head dims multiples of 8 up to 256 (the Hopper kernel: 64/64, 128/128, 192/128, 256/256; others on
+  GQA/MQA, head dims multiples of 8 up to 256, and q/k up to 64 with v up to 512 (FA3's MLA form) (the Hopper kernel: 64/64, 128/128, 192/128, 256/256; others on
   the portable kernel, one warning); also (leanfa's mixed mode) fp8 e4m3 ``q``/``k``
   with a bf16/fp16 ``v``: FP8 Q·K with the Q/K descales, P·V in 16 bits, no ``v_descale``;
 * ``softmax_scale``, ``causal`` (bottom-right aligned), ``q_descale``/``k_descale``/
@@ -39,6 +39,13 @@ Swap ``from flash_attn_interface import flash_attn_func`` for
   run on the portable kernel (one warning). The Hopper kernel reads the rows of a sequence's last page past its keys
   (masked out of the scores): they must hold finite values (stale keys or zeros do; NaN/Inf there gives
   NaN rows);
+* ``attention_chunk > 0`` (Llama-4's chunked local attention: query ``i`` at key position ``pos = i + Sk - Sq``
+  sees only keys in ``[pos - pos mod c, pos - pos mod c + c)``, intersected with ``causal`` and ``window_size``;
+  per sequence for varlen, ``seqused_k`` and KV caches) and ``qv`` (MLA's absorbed form: scores
+  ``softmax_scale * (q.k + qv.v)``, default ``softmax_scale`` ``1/sqrt(d + dv)``; ``qv`` in q's dtype and layout
+  with v's head dim, an FP8 ``qv`` dequantized by ``q_descale``), dense, varlen and KV-cache calls, 16-bit and FP8:
+  on the portable kernel (one warning on sm90). A negative ``attention_chunk``, or a ``qv`` of the wrong shape,
+  dtype or device, raises ``ValueError``;
 * empty batches: sequences that are all empty, ``max_seqlen_q = max_seqlen_k = 0``;
 * ``return_attn_probs=True`` returns ``(out, softmax_lse)`` as FA3 does;
 * ``deterministic``, ``num_splits``, ``pack_gqa``, ``sm_margin``, ``scheduler_metadata``,
@@ -50,8 +57,7 @@ Swap ``from flash_attn_interface import flash_attn_func`` for
   :func:`get_scheduler_metadata` returns an empty tensor: leanfa's KV-cache calls need no metadata (for a
   packed varlen batch's schedule, made once per step, see :func:`leanfa.varlen_schedule`).
 
-Anything else raises ``NotImplementedError`` naming the option: ``qv``, ``attention_chunk != 0``,
-a packed ``q`` with dense ``k``/``v`` in :func:`flash_attn_varlen_func` without ``block_table``
+Anything else raises ``NotImplementedError`` naming the option: a packed ``q`` with dense ``k``/``v`` in :func:`flash_attn_varlen_func` without ``block_table``
 (one of ``cu_seqlens_q``/``cu_seqlens_k`` None); in :func:`flash_attn_with_kvcache` the in-place
 append (``k``/``v``, ``cu_seqlens_k_new``), rotary embedding (``rotary_cos``/``rotary_sin``,
 ``rotary_seqlens``), ``cache_batch_idx`` and ``cache_leftpad``. Gradients are not implemented.
@@ -67,11 +73,6 @@ __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache
            "get_scheduler_metadata"]
 
 
-def _check_fa3(qv, attention_chunk):
-    reject("qv", qv is not None)
-    reject("attention_chunk", attention_chunk != 0, attention_chunk)
-
-
 def flash_attn_func(
     q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None,
     v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1,
@@ -80,10 +81,9 @@ def flash_attn_func(
     """FA3 ``flash_attn_func``: ``out``, or ``(out, softmax_lse)`` with ``return_attn_probs``."""
     from . import api
 
-    _check_fa3(qv, attention_chunk)
     return api.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal, q_descale=q_descale,
                                k_descale=k_descale, v_descale=v_descale, return_lse=bool(return_attn_probs),
-                               window_size=window_size, softcap=softcap)
+                               window_size=window_size, softcap=softcap, attention_chunk=attention_chunk, qv=qv)
 
 
 def flash_attn_varlen_func(
@@ -99,10 +99,10 @@ def flash_attn_varlen_func(
     caches run on the Hopper kernel on sm90: the module docstring says which)."""
     from . import api
 
-    _check_fa3(qv, attention_chunk)
     common = dict(softmax_scale=softmax_scale, causal=causal, q_descale=q_descale, k_descale=k_descale,
                   v_descale=v_descale, return_lse=bool(return_attn_probs), seqused_q=seqused_q,
-                  seqused_k=seqused_k, window_size=window_size, softcap=softcap)
+                  seqused_k=seqused_k, window_size=window_size, softcap=softcap, attention_chunk=attention_chunk,
+                  qv=qv)
     if block_table is not None:  # paged K/V: cu_seqlens_k (if any) gives only the key lengths
         if cu_seqlens_q is None:
             reject("cu_seqlens_k with block_table and a dense q", cu_seqlens_k is not None)
@@ -144,7 +144,6 @@ def flash_attn_with_kvcache(
     leanfa never splits)."""
     from . import api
 
-    _check_fa3(qv, attention_chunk)
     reject("k/v (appending new keys to the cache in place)", k is not None or v is not None)
     reject("cu_seqlens_k_new", cu_seqlens_k_new is not None)
     reject("rotary_cos/rotary_sin (rotary embedding)", rotary_cos is not None or rotary_sin is not None)
@@ -161,7 +160,7 @@ def flash_attn_with_kvcache(
     common = dict(softmax_scale=softmax_scale, causal=causal, q_descale=q_descale, k_descale=k_descale,
                   v_descale=v_descale, return_lse=bool(return_softmax_lse),
                   seqused_k=cache_lengths(cache_seqlens, batch, q.device), window_size=window_size, softcap=softcap,
-                  page_table=page_table)
+                  page_table=page_table, attention_chunk=attention_chunk, qv=qv)
     if varlen:
         res = api.flash_attn_varlen_func(q, k_cache, v_cache, cu_seqlens_q, None, max_seqlen_q, None, **common)
     else:

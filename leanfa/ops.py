@@ -62,7 +62,7 @@ def _dispatch_mode():
 def _problem(q, k, v, cu_q, cu_k, max_q, max_k, q_scale, k_scale, v_scale, k_mean,
              softmax_scale, causal, return_lse, out_dtype, sink_q=None, sink_k=None, sink_v=None, sink_keys=0,
              seqused_q=None, seqused_k=None, window_left=-1, window_right=-1, softcap=0.0, page_table=None,
-             cu_v=None, scheduler_metadata=None):
+             cu_v=None, scheduler_metadata=None, attention_chunk=0, qv=None):
     varlen = cu_q is not None
     if varlen:
         batch = cu_q.numel() - 1
@@ -77,7 +77,8 @@ def _problem(q, k, v, cu_q, cu_k, max_q, max_k, q_scale, k_scale, v_scale, k_mea
         q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, k_mean=k_mean, out_dtype=out_dtype,
         return_lse=return_lse, sink_keys=sink_keys, sink_q=sink_q, sink_k=sink_k, sink_v=sink_v,
         seqused_q=seqused_q, seqused_k=seqused_k, window_left=window_left, window_right=window_right,
-        softcap=softcap, page_table=page_table, cu_seqlens_v=cu_v, scheduler_metadata=scheduler_metadata)
+        softcap=softcap, page_table=page_table, cu_seqlens_v=cu_v, scheduler_metadata=scheduler_metadata,
+        attention_chunk=attention_chunk, qv=qv)
 
 
 def _execute(problem, backend: str):
@@ -113,6 +114,8 @@ def fwd(
     window_right: int = -1,
     softcap: float = 0.0,
     page_table: Optional[torch.Tensor] = None,
+    attention_chunk: int = 0,
+    qv: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense forward on ``(B, S, H, D)`` tensors; returns ``(out, lse)`` (``lse`` empty unless
     ``return_lse``). FP8 calls may attend keys ``[0, sink_keys)`` in 16 bits from
@@ -120,17 +123,20 @@ def fwd(
     (int32 ``(B,)``): only the first that many queries/keys of each batch entry are used.
     ``window_left``/``window_right``/``softcap``: the sliding window and score cap, as
     :class:`leanfa.problem.Problem` holds them (-1, -1, 0: none). ``page_table``: ``k``/``v`` are paged caches
-    ``(num_pages, page_size, Hkv, D)`` read through it (None: dense)."""
+    ``(num_pages, page_size, Hkv, D)`` read through it (None: dense). ``attention_chunk``, ``qv``: FA3's chunked
+    attention and MLA term, as :class:`leanfa.problem.Problem` holds them (0, None: none)."""
     problem = _problem(q, k, v, None, None, None, None, q_scale, k_scale, v_scale, k_mean,
                        softmax_scale, causal, return_lse, out_dtype, sink_q, sink_k, sink_v, sink_keys,
-                       seqused_q, seqused_k, window_left, window_right, softcap, page_table)
+                       seqused_q, seqused_k, window_left, window_right, softcap, page_table,
+                       attention_chunk=attention_chunk, qv=qv)
     return _execute(problem, backend)
 
 
 @fwd.register_fake
 def _fwd_fake(q, k, v, q_scale, k_scale, v_scale, k_mean, softmax_scale, causal, return_lse,
               out_dtype, backend, sink_q=None, sink_k=None, sink_v=None, sink_keys=0, seqused_q=None,
-              seqused_k=None, window_left=-1, window_right=-1, softcap=0.0, page_table=None):
+              seqused_k=None, window_left=-1, window_right=-1, softcap=0.0, page_table=None, attention_chunk=0,
+              qv=None):
     b, sq, hq, _ = q.shape
     out = q.new_empty((b, sq, hq, v.shape[-1]), dtype=out_dtype)
     lse = q.new_empty((b, hq, sq) if return_lse else (0,), dtype=torch.float32)
@@ -167,6 +173,8 @@ def varlen_fwd(
     page_table: Optional[torch.Tensor] = None,
     cu_seqlens_v: Optional[torch.Tensor] = None,
     scheduler_metadata: Optional[torch.Tensor] = None,
+    attention_chunk: int = 0,
+    qv: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed varlen forward on ``(total, H, D)`` tensors; returns ``(out, lse)`` with ``lse``
     ``(Hq, total_q)`` (empty unless ``return_lse``). Sink, seqused, window, softcap and page table arguments as
@@ -177,7 +185,7 @@ def varlen_fwd(
     problem = _problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                        q_scale, k_scale, v_scale, k_mean, softmax_scale, causal, return_lse, out_dtype,
                        sink_q, sink_k, sink_v, sink_keys, seqused_q, seqused_k, window_left, window_right, softcap,
-                       page_table, cu_seqlens_v, scheduler_metadata)
+                       page_table, cu_seqlens_v, scheduler_metadata, attention_chunk, qv)
     return _execute(problem, backend)
 
 
@@ -186,7 +194,7 @@ def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                      k_scale, v_scale, k_mean, softmax_scale, causal, return_lse, out_dtype, backend,
                      sink_q=None, sink_k=None, sink_v=None, sink_keys=0, seqused_q=None, seqused_k=None,
                      window_left=-1, window_right=-1, softcap=0.0, page_table=None, cu_seqlens_v=None,
-                     scheduler_metadata=None):
+                     scheduler_metadata=None, attention_chunk=0, qv=None):
     total, hq, _ = q.shape
     out = q.new_empty((total, hq, v.shape[-1]), dtype=out_dtype)
     lse = q.new_empty((hq, total) if return_lse else (0,), dtype=torch.float32)
@@ -198,7 +206,7 @@ def call(problem, backend: str):
     p = problem
     if _plain_eager(p.q, p.k, p.v, p.q_scale, p.k_scale, p.v_scale, p.k_mean, p.cu_seqlens_q, p.cu_seqlens_k,
                     p.sink_q, p.sink_k, p.sink_v, p.seqused_q, p.seqused_k, p.page_table, p.cu_seqlens_v,
-                    p.scheduler_metadata):
+                    p.scheduler_metadata, p.qv):
         out, lse = _execute(p, backend)
         return out, (lse if p.return_lse else None)
     scalars = (p.softmax_scale, p.causal, p.return_lse, p.out_dtype, backend,
@@ -207,9 +215,11 @@ def call(problem, backend: str):
     if p.varlen:
         out, lse = torch.ops.leanfa.varlen_fwd(
             p.q, p.k, p.v, p.cu_seqlens_q, p.cu_seqlens_k, p.max_seqlen_q, p.max_seqlen_k,
-            p.q_scale, p.k_scale, p.v_scale, p.k_mean, *scalars, p.cu_seqlens_v, p.scheduler_metadata)
+            p.q_scale, p.k_scale, p.v_scale, p.k_mean, *scalars, p.cu_seqlens_v, p.scheduler_metadata,
+            p.attention_chunk, p.qv)
     else:
-        out, lse = torch.ops.leanfa.fwd(p.q, p.k, p.v, p.q_scale, p.k_scale, p.v_scale, p.k_mean, *scalars)
+        out, lse = torch.ops.leanfa.fwd(p.q, p.k, p.v, p.q_scale, p.k_scale, p.v_scale, p.k_mean, *scalars,
+                                        p.attention_chunk, p.qv)
     return out, (lse if p.return_lse else None)
 
 

@@ -83,6 +83,13 @@ class Problem:
     #: ``b``'s keys from token ``cu_seqlens_v[b]`` of ``v`` (a multiple of :data:`V_TOKEN_ALIGN`); None: V's
     #: tokens are K's (``cu_seqlens_k``)
     cu_seqlens_v: torch.Tensor | None = None
+    #: FA3's ``attention_chunk`` (Llama-4's chunked local attention): query ``i`` at key position
+    #: ``pos = i + Sk - Sq`` sees only keys in ``[pos - pos mod c, pos - pos mod c + c)`` (floor modulo), on top of
+    #: ``causal`` and the window; 0: off (a chunk that holds every key of a dense call is stored as 0)
+    attention_chunk: int = 0
+    #: FA3's ``qv`` (DeepSeek MLA's absorbed form): ``(B, Sq, Hq, Dv)`` (packed ``(total_q, Hq, Dv)``), q's dtype;
+    #: the scores become ``softmax_scale * (q.k + qv.v)``, an FP8 ``qv`` dequantized by q's descale table
+    qv: torch.Tensor | None = None
     #: packed calls: the Hopper kernel's tile table made once for the batch by :func:`leanfa.varlen_schedule`
     #: (reused by every layer's call; None: the call makes its own)
     scheduler_metadata: torch.Tensor | None = None

@@ -31,8 +31,10 @@ def _dequantize(x: torch.Tensor, token_scale: torch.Tensor, seqlen: int) -> torc
     return x * per_token.transpose(0, 1).unsqueeze(-1)
 
 
-def _one_sequence(q, k, v, *, causal, scale, q_tab, k_tab, v_tab, k_mean, chunk, window=(-1, -1), softcap=0.0):
-    """q (Sq, Hq, D), k (Sk, Hkv, D), v (Sk, Hkv, Dv) of one sequence -> out (Sq,Hq,Dv), lse (Hq,Sq)."""
+def _one_sequence(q, k, v, *, causal, scale, q_tab, k_tab, v_tab, k_mean, chunk, window=(-1, -1), softcap=0.0,
+                  attention_chunk=0, qv=None):
+    """q (Sq, Hq, D), k (Sk, Hkv, D), v (Sk, Hkv, Dv) of one sequence (qv (Sq, Hq, Dv) or None) -> out (Sq,Hq,Dv),
+    lse (Hq,Sq)."""
     sq, hq, _ = q.shape
     sk, hkv, dv = v.shape
     group = hq // hkv
@@ -41,6 +43,7 @@ def _one_sequence(q, k, v, *, causal, scale, q_tab, k_tab, v_tab, k_mean, chunk,
     if k_mean is not None:  # undo K smoothing: the real K is the stored K plus the mean
         kd = kd + k_mean.double().unsqueeze(0)
     vd = v.double() * v_tab.double().unsqueeze(0)
+    qvd = None if qv is None else _dequantize(qv, q_tab, sq)  # (FA3: qv shares q's descale)
     kd = kd.repeat_interleave(group, dim=1).permute(1, 2, 0)  # (Hq, D, Sk)
     vd = vd.repeat_interleave(group, dim=1).permute(1, 0, 2)  # (Hq, Sk, Dv)
     out = torch.zeros((sq, hq, dv), dtype=torch.float64, device=q.device)
@@ -51,7 +54,10 @@ def _one_sequence(q, k, v, *, causal, scale, q_tab, k_tab, v_tab, k_mean, chunk,
     chunk = max(1, min(chunk, SCORE_BYTES // (3 * 8 * hq * max(sk, 1))))
     for start in range(0, sq, chunk):
         stop = min(sq, start + chunk)
-        s = torch.matmul(qd[start:stop].permute(1, 0, 2), kd) * scale  # (Hq, c, Sk)
+        s = torch.matmul(qd[start:stop].permute(1, 0, 2), kd)  # (Hq, c, Sk)
+        if qvd is not None:
+            s = s + torch.matmul(qvd[start:stop].permute(1, 0, 2), vd.transpose(1, 2))
+        s = s * scale
         if softcap > 0:
             s = softcap * torch.tanh(s / softcap)
         pos = torch.arange(start, stop, device=q.device) + (sk - sq)  # the queries' key positions
@@ -63,6 +69,9 @@ def _one_sequence(q, k, v, *, causal, scale, q_tab, k_tab, v_tab, k_mean, chunk,
             hidden |= cols[None, :] > pos[:, None] + right
         if left >= 0:
             hidden |= cols[None, :] < pos[:, None] - left
+        if attention_chunk > 0:  # keys outside the query's chunk (floor division: pos may be negative)
+            first = torch.div(pos, attention_chunk, rounding_mode="floor") * attention_chunk
+            hidden |= (cols[None, :] < first[:, None]) | (cols[None, :] >= first[:, None] + attention_chunk)
         s = s.masked_fill(hidden[None], -math.inf)
         row_lse = torch.logsumexp(s, dim=-1)  # (Hq, c); -inf for empty rows
         p = torch.exp(s - row_lse.nan_to_num(neginf=0.0).unsqueeze(-1))
@@ -100,11 +109,16 @@ def attention_ref(
     page_table: torch.Tensor | None = None,
     seqlens_k: torch.Tensor | None = None,
     cu_seqlens_v: torch.Tensor | None = None,
+    attention_chunk: int = 0,
+    qv: torch.Tensor | None = None,
 ):
     """Float64 attention. Dense: q (B,Sq,Hq,D) -> out (B,Sq,Hq,Dv), lse (B,Hq,Sq).
     ``window_size=(left, right)``: query ``i`` at key position ``p = i + Sk - Sq`` sees keys
     ``p - left <= j <= p + right`` (-1: unbounded; ``causal`` bounds the right side at ``p``);
     ``softcap > 0`` caps the scaled scores to ``softcap * tanh(s / softcap)`` before the softmax.
+    ``attention_chunk = c > 0``: query ``i`` sees only keys in ``[floor(p / c) * c, floor(p / c) * c + c)`` (with the
+    window and ``causal``). ``qv`` (q's layout with V's head dim; FP8: dequantized by ``q_descale``): the scores are
+    ``softmax_scale * (q.k + qv.v)``, ``softmax_scale`` defaulting to ``1/sqrt(D + Dv)``.
     Varlen (``cu_seqlens_*`` given): q (total_q,Hq,D) -> out (total_q,Hq,Dv), lse (Hq,total_q).
     ``q`` may be an :class:`leanfa.FP8QKV` (then k, v and descales come from it). ``cu_seqlens_v``: a packed V
     in :func:`leanfa.quantize_fp8`'s aligned layout (sequence ``b``'s keys from token ``cu_seqlens_v[b]``).
@@ -121,7 +135,8 @@ def attention_ref(
         q, k, v, q_descale, k_descale, v_descale, k_mean, cu_seqlens_v = (
             q.q, q.k, q.v, q.q_descale, q.k_descale, q.v_descale, q.k_mean, q.cu_seqlens_v)
     varlen = cu_seqlens_q is not None
-    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    default_dim = q.shape[-1] + (v.shape[-1] if qv is not None else 0)
+    scale = 1.0 / math.sqrt(default_dim) if softmax_scale is None else float(softmax_scale)
     hq, hkv, dv = q.shape[-2], k.shape[-2], v.shape[-1]
     k_packed = cu_seqlens_k is not None and page_table is None
     if varlen:
@@ -151,6 +166,7 @@ def attention_ref(
     outs, lses = [], []
     for b in range(batch):
         qs = q[q_spans[b][0]:q_spans[b][1]] if varlen else q[b]
+        qvs = None if qv is None else (qv[q_spans[b][0]:q_spans[b][1]] if varlen else qv[b])
         if page_table is not None:
             n = k_spans[b][1] - k_spans[b][0] if k_spans is not None else max_k
             n = n if used_k is None else min(n, used_k[b])
@@ -163,7 +179,8 @@ def attention_ref(
             ks, vs = ks[:used_k[b]], vs[:used_k[b]]
         o, l = _one_sequence(qs, ks, vs, causal=causal, scale=scale, q_tab=q_tab[b], k_tab=k_tab[b],
                              v_tab=v_tab[b], k_mean=None if k_mean is None else k_mean[b],
-                             chunk=chunk_size, window=tuple(window_size), softcap=float(softcap))
+                             chunk=chunk_size, window=tuple(window_size), softcap=float(softcap),
+                             attention_chunk=int(attention_chunk), qv=qvs)
         outs.append(o)
         lses.append(l)
     if varlen:

@@ -40,8 +40,6 @@ UNSUPPORTED = [  # (id, call, option named in the message)
     ("fa2 varlen dropout", lambda: fa2.flash_attn_varlen_func(Q[0], K[0], V[0], CU, CU, 8, 8, dropout_p=0.5), "dropout_p"),
     ("fa2 kvcache append", lambda: fa2.flash_attn_with_kvcache(Q, K, V, k=K, v=V), "appending"),
     ("fa2 kvcache rotary", lambda: fa2.flash_attn_with_kvcache(Q, K, V, rotary_cos=CU, rotary_sin=CU), "rotary"),
-    ("fa3 qv", lambda: fa3.flash_attn_func(Q, K, V, qv=Q), "qv"),
-    ("fa3 chunk", lambda: fa3.flash_attn_func(Q, K, V, attention_chunk=256), "attention_chunk"),
     ("fa3 varlen q, dense k", lambda: fa3.flash_attn_varlen_func(Q[0], K, V, CU, None, 8, 8,
                                                                  seqused_k=CU[1:]), "cu_seqlens_q/cu_seqlens_k"),
     ("fa3 kvcache append", lambda: fa3.flash_attn_with_kvcache(Q, K, V, k=K, v=V), "appending"),

@@ -8,7 +8,8 @@ measured faster for the call (:func:`portable_faster`: FP8 at head dim 64), else
 ``backend="hopper"`` demands the Hopper kernel (also before validation, for development) and raises
 where it does not apply; ``backend="portable"`` forces the portable kernel. Calls with features only the
 portable kernel implements (``seqused_q/k``, the paged K/V forms of :func:`_paged_reason`, e.g. pages of 8 keys;
-packed queries over a per-sequence K/V cache, sliding windows in FP8 at head dim 256, head dims other than the Hopper
+packed queries over a per-sequence K/V cache, sliding windows in FP8 at head dim 256, ``attention_chunk``, ``qv``,
+head dims other than the Hopper
 kernel's: :func:`portable_only_reason`) run there, with one warning per process and feature where the Hopper kernel would have run them.
 
 On a supported Triton that never ran the GPU suite (:data:`leanfa._versions.GPU_VALIDATED`),
@@ -162,6 +163,11 @@ def portable_only_reason(problem) -> str:
     if problem.kv_per_sequence:
         return ("packed queries (cu_seqlens_q) over a per-sequence (batch, seqlen) K/V cache are not implemented in "
                 "the Hopper kernel: these calls run on the portable kernel")
+    if problem.attention_chunk > 0:
+        return ("attention_chunk (chunked local attention) is not implemented in the Hopper kernel: these calls run on "
+                "the portable kernel")
+    if problem.qv is not None:
+        return "qv (MLA's absorbed form) is not implemented in the Hopper kernel: these calls run on the portable kernel"
     if problem.has_seqused:
         return "seqused_q/seqused_k are not implemented in the Hopper kernel: these calls run on the portable kernel"
     if problem.softcap > 0 and problem.is_fp8 and not HOPPER_FP8_SOFTCAP_VALIDATED:

@@ -32,6 +32,13 @@ that sees no key. ``softcap`` (HAS_SOFTCAP): scores ``s`` (``softmax_scale * q.k
 when K was smoothed) become ``softcap * tanh(s / softcap)`` before the softmax. All three switches
 are constexprs, off by default: the kernels without them compile as before.
 
+Chunked attention (FA3's ``attention_chunk = c``, HAS_CHUNK): row ``r`` sees only keys in
+``[floor(pos / c) * c, floor(pos / c) * c + c)``, ``pos = r + Sk - Sq``, on top of the causal mask and the window:
+the key loop starts at the block of the tile's first row's chunk and ends with its last row's chunk, and masks the
+blocks not every row of the tile sees whole. ``qv`` (FA3's, HAS_QV): the scores gain ``qv . v`` per key block (one
+more dot on the V tile, read before the softmax then); in FP8 ``qv`` shares the Q descale, and an FP8 V's per-channel
+descale is folded into ``qv`` (bf16) once per tile. Both constexprs are off by default, as above.
+
 Paged K/V (PAGE_SIZE > 0): K and V are caches ``(num_pages, PAGE_SIZE, Hkv, D)`` and key position ``n`` of
 sequence ``b`` is row ``n % PAGE_SIZE`` of page ``PT[b, n // PAGE_SIZE]``. Page sizes divide the key tile or are
 multiples of it (:func:`leanfa.problem.page_size_supported`): a tile inside one page reads one page id and contiguous rows,
@@ -90,6 +97,13 @@ def _softcap_log2(t, cap_log2, two_over_cap):
 
 
 @triton.jit
+def _chunk_start(pos, chunk):
+    """``floor(pos / chunk) * chunk`` for a key position ``pos`` of either sign (Triton's integer division
+    truncates toward zero; positions are negative for the first rows of a call with more queries than keys)."""
+    return tl.where(pos >= 0, pos // chunk, -((chunk - 1 - pos) // chunk)) * chunk
+
+
+@triton.jit
 def _softmax_step(s, c, acc, l_i, m_i, P_SHIFT: tl.constexpr):
     """Online-softmax update for one block of raw scores ``s`` (scaled by ``c`` per row, log2
     domain): returns P = exp2(s c - (m_new - P_SHIFT)), O and l rescaled to the new max, m_new."""
@@ -135,6 +149,19 @@ def _paged_rows(pages, stride_pn, start_n, offs_n, key_ok, PAGE_SIZE: tl.constex
 
 
 @triton.jit
+def _load_v_block(v_blk, page, rows, offs_n, offs_dv, key_ok, stride_vs, stride_vd, stride_vp,
+                  HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, MASKED: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """A key block's V tile ``(BLOCK_N, BLOCK_DV)``: contiguous rows, or (PAGE_SIZE > 0) the rows
+    :func:`_paged_rows` found."""
+    if PAGE_SIZE > 0:
+        return _load_tile(v_blk + (page * stride_vp + rows * stride_vs)[:, None] + offs_dv[None, :] * stride_vd,
+                          key_ok[:, None], offs_dv[None, :] < HEAD_DIM_V, MASKED, BLOCK_DV != HEAD_DIM_V)
+    else:
+        return _load_tile(v_blk + offs_n[:, None] * stride_vs + offs_dv[None, :] * stride_vd,
+                          key_ok[:, None], offs_dv[None, :] < HEAD_DIM_V, MASKED, BLOCK_DV != HEAD_DIM_V)
+
+
+@triton.jit
 def _attend_kv_block(
     acc, l_i, m_i, q, c_row,
     k_blk, v_blk, k_scale,
@@ -149,6 +176,7 @@ def _attend_kv_block(
     lo_offset, cap_shift, cap_log2, two_over_cap,
     WINDOW_LEFT: tl.constexpr, SOFTCAP: tl.constexpr,
     pages, stride_pn, stride_kp, stride_vp, PAGE_SIZE: tl.constexpr,
+    chunk_lo, attention_chunk, CHUNK: tl.constexpr, qv, QV: tl.constexpr,
 ):
     """One KV block of the online softmax; MASKED blocks check key bounds and the causal mask
     (``causal_offset``: row ``r`` sees keys ``<= r + causal_offset``), and with WINDOW_LEFT the window's
@@ -156,7 +184,10 @@ def _attend_kv_block(
     smoothing took out of them, in log2 units) before the softmax. With PAGE_SIZE > 0 (paged K/V) ``k_blk``/
     ``v_blk`` point at the caches' head and the block's keys are gathered through ``pages`` (the sequence's row
     of the page table; pages ``stride_kp``/``stride_vp`` apart). PV_FP8: P rounded to e4m3 for an FP8
-    V; otherwise P in V's (16-bit) dtype."""
+    V; otherwise P in V's (16-bit) dtype. CHUNK (masked blocks): row ``r`` sees only keys in
+    ``[chunk_lo[r], chunk_lo[r] + attention_chunk)``. QV: the scores gain ``qv . v`` (``qv``: the tile's
+    FA3 ``qv`` rows in a 16-bit dtype, times the V descale for an FP8 V), in units of the block's K descale
+    (``k_scale``: the scores are multiplied by it with the Q descale and the softmax scale)."""
     cols = start_n + offs_n
     key_ok = cols < seqlen_k
     if PAGE_SIZE > 0:
@@ -165,10 +196,17 @@ def _attend_kv_block(
                         key_ok[None, :], offs_dqk[:, None] < HEAD_DIM_QK,
                         MASKED, BLOCK_DQK != HEAD_DIM_QK)
     else:
+        page = 0  # (unused: contiguous rows)
+        rows = offs_n
         kt = _load_tile(k_blk + offs_n[None, :] * stride_ks + offs_dqk[:, None] * stride_kd,
                         key_ok[None, :], offs_dqk[:, None] < HEAD_DIM_QK,
                         MASKED, BLOCK_DQK != HEAD_DIM_QK)
     s = tl.dot(q, _upcast(kt, DOT_UPCAST))
+    if QV:  # FA3's qv: s += qv . v, in the units of s (raw Q.K products times k_scale); V is read here, once
+        v = _load_v_block(v_blk, page, rows, offs_n, offs_dv, key_ok, stride_vs, stride_vd, stride_vp,
+                          HEAD_DIM_V, BLOCK_DV, MASKED, PAGE_SIZE)
+        qv_v = tl.dot(_upcast(qv, DOT_UPCAST), _upcast(tl.trans(v.to(qv.dtype)), DOT_UPCAST))
+        s = s + qv_v * (1.0 / k_scale)
     c = c_row * k_scale
     if SOFTCAP:  # capped scores in the log2 domain; the softmax then takes them unscaled
         s = _softcap_log2(s * c[:, None] + cap_shift[:, None], cap_log2, two_over_cap)
@@ -179,16 +217,13 @@ def _attend_kv_block(
             visible = visible & (cols[None, :] <= offs_m[:, None] + causal_offset)
         if WINDOW_LEFT:
             visible = visible & (cols[None, :] >= offs_m[:, None] + lo_offset)
+        if CHUNK:
+            visible = visible & (cols[None, :] >= chunk_lo[:, None]) & (cols[None, :] < chunk_lo[:, None] + attention_chunk)
         s = tl.where(visible, s, NEG_INF)
     p, acc, l_i, m_new = _softmax_step(s, c, acc, l_i, m_i, P_SHIFT)
-    if PAGE_SIZE > 0:
-        v = _load_tile(v_blk + (page * stride_vp + rows * stride_vs)[:, None] + offs_dv[None, :] * stride_vd,
-                       key_ok[:, None], offs_dv[None, :] < HEAD_DIM_V,
-                       MASKED, BLOCK_DV != HEAD_DIM_V)
-    else:
-        v = _load_tile(v_blk + offs_n[:, None] * stride_vs + offs_dv[None, :] * stride_vd,
-                       key_ok[:, None], offs_dv[None, :] < HEAD_DIM_V,
-                       MASKED, BLOCK_DV != HEAD_DIM_V)
+    if not QV:
+        v = _load_v_block(v_blk, page, rows, offs_n, offs_dv, key_ok, stride_vs, stride_vd, stride_vp,
+                          HEAD_DIM_V, BLOCK_DV, MASKED, PAGE_SIZE)
     if PV_FP8:
         p8 = to_e4m3(p, False, EXACT_FP8_ROUND)
         # a fresh accumulator per block: the MMA's reduced-precision sum covers one block,
@@ -233,11 +268,11 @@ def _attend_sink_block(
 # sequence lengths stay specialized: without it the FP8 kernel measured 6% slower on the H200
 # (16K causal d128: 600 vs 632 TFLOP/s, docs/perf-notes.md). ``seq_bucket`` is read only by
 # the autotuner's key.
-@triton.jit(do_not_specialize=["num_heads", "group", "seq_bucket", "window_left", "window_right"])
+@triton.jit(do_not_specialize=["num_heads", "group", "seq_bucket", "window_left", "window_right", "attention_chunk"])
 def _attn_fwd(
     Q, K, V, O, LSE, QS, KS, VS, KMEAN, CU_Q, CU_K, CU_V, SQ, SK, SV, USED_Q, USED_K,
     qk_scale, sm_scale, seqlen_q_dense, seqlen_k_dense, num_heads, group, seq_bucket,
-    window_left, window_right, softcap,
+    window_left, window_right, softcap, attention_chunk,
     stride_qb, stride_qs, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -251,6 +286,7 @@ def _attn_fwd(
     stride_skb, stride_sks, stride_skh, stride_skd,
     stride_svb, stride_svs, stride_svh, stride_svd,
     PT, stride_ptb, stride_ptn,  # paged K/V's page table; None without paging (no kernel parameters then)
+    QV, stride_qvb, stride_qvs, stride_qvh, stride_qvd,  # FA3's qv (layout of O); None without it, as PT
     HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
@@ -262,6 +298,7 @@ def _attn_fwd(
     HAS_WINDOW_LEFT: tl.constexpr = False, HAS_WINDOW_RIGHT: tl.constexpr = False,
     HAS_SOFTCAP: tl.constexpr = False, MIXED: tl.constexpr = False,
     PAGE_SIZE: tl.constexpr = 0, KV_PER_SEQ: tl.constexpr = False,
+    HAS_CHUNK: tl.constexpr = False, HAS_QV: tl.constexpr = False,
 ):
     tl.static_assert(SCALE_BLK % BLOCK_N == 0, "a KV tile must lie inside one K scale block")
     tl.static_assert(IS_FP8 or not MIXED, "the mixed mode has FP8 Q and K")
@@ -317,11 +354,30 @@ def _attn_fwd(
     else:
         c_row = tl.full([BLOCK_M], 1.0, tl.float32) * qk_scale
 
+    qv = q  # (a placeholder without HAS_QV)
+    if HAS_QV:  # FA3's qv rows of this tile, in V's 16-bit dtype (bf16 and times the V descale for an FP8 V)
+        tl.static_assert(SINK == 0, "qv is not applied to BF16 sink keys")
+        qv_base = (QV + b.to(tl.int64) * stride_qvb + (q_start + start_m).to(tl.int64) * stride_qvs
+                   + h.to(tl.int64) * stride_qvh)
+        qv = _load_tile(qv_base + tl.arange(0, BLOCK_M)[:, None] * stride_qvs + offs_dv[None, :] * stride_qvd,
+                        row_ok[:, None], offs_dv[None, :] < HEAD_DIM_V, True, BLOCK_DV != HEAD_DIM_V)
+        if PV_FP8:
+            qv_v_scale = tl.load(VS + b * stride_vsb + hk * stride_vsh + offs_dv * stride_vsd,
+                                 mask=offs_dv < HEAD_DIM_V, other=1.0)
+            qv = (qv.to(tl.float32) * qv_v_scale[None, :]).to(tl.bfloat16)
+        else:
+            qv = qv.to(V.dtype.element_ty)
+
     m_i = tl.full([BLOCK_M], NEG_INF, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
 
     causal_offset = seqlen_k - seqlen_q  # bottom-right alignment
+    chunk_lo = offs_m  # (a placeholder without HAS_CHUNK)
+    if HAS_CHUNK:  # Llama-4's chunked attention: row r sees keys [chunk_lo[r], chunk_lo[r] + attention_chunk)
+        chunk_lo = _chunk_start(offs_m + causal_offset, attention_chunk)
+        first_chunk = _chunk_start(start_m + causal_offset, attention_chunk)  # the tile's first and last rows'
+        last_chunk = _chunk_start(start_m + BLOCK_M - 1 + causal_offset, attention_chunk)
     lo_offset = 0
     if HAS_WINDOW_LEFT:  # the window's left side: row r sees keys >= r + lo_offset
         lo_offset = causal_offset - window_left
@@ -345,6 +401,9 @@ def _attn_fwd(
             first_row_sees = 0
         if (first_row_sees // BLOCK_N) * BLOCK_N < n_full:
             n_full = (first_row_sees // BLOCK_N) * BLOCK_N
+    if HAS_CHUNK:  # keys past the last row's chunk are skipped, those past the first row's chunk masked
+        n_end = tl.maximum(tl.minimum(n_end, last_chunk + attention_chunk), 0)
+        n_full = tl.minimum(n_full, (tl.maximum(first_chunk + attention_chunk, 0) // BLOCK_N) * BLOCK_N)
     k_scale_ptr = KS + b * stride_ksb + hk * stride_ksh
     if SINK > 0:  # keys [0, SINK) are attended in 16 bits after the FP8 keys (below)
         n_full = tl.maximum(n_full, SINK)
@@ -364,12 +423,19 @@ def _attn_fwd(
                 cap_shift = cap_shift * q_scale
             cap_shift = cap_shift * 1.4426950408889634
     n_begin = SINK
-    if HAS_WINDOW_LEFT:
+    if HAS_WINDOW_LEFT or HAS_CHUNK:
         # blocks below the tile's first row's lowest key are skipped, those below its last row's lowest
         # key are masked (this loop), the rest go through the loops below as without a window
-        tl.static_assert(SINK == 0, "sliding windows are not applied to BF16 sink keys")
-        first_lo = tl.maximum(start_m + lo_offset, 0)
-        last_lo = tl.maximum(start_m + BLOCK_M - 1 + lo_offset, 0)
+        tl.static_assert(SINK == 0, "sliding windows and chunks are not applied to BF16 sink keys")
+        if HAS_WINDOW_LEFT:
+            first_lo = tl.maximum(start_m + lo_offset, 0)
+            last_lo = tl.maximum(start_m + BLOCK_M - 1 + lo_offset, 0)
+            if HAS_CHUNK:
+                first_lo = tl.maximum(first_lo, first_chunk)
+                last_lo = tl.maximum(last_lo, last_chunk)
+        else:
+            first_lo = tl.maximum(first_chunk, 0)
+            last_lo = tl.maximum(last_chunk, 0)
         n_lo = (first_lo // BLOCK_N) * BLOCK_N
         n_mid = ((last_lo + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
         for start_n in range(n_lo, tl.minimum(n_mid, n_end), BLOCK_N):
@@ -381,8 +447,8 @@ def _attn_fwd(
                 stride_ks, stride_kd, stride_vs, stride_vd,
                 HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV,
                 True, CAUSAL, PV_FP8, DOT_UPCAST, EXACT_FP8_ROUND, P_SHIFT,
-                lo_offset, cap_shift, cap_log2, two_over_cap, True, HAS_SOFTCAP,
-                pages, stride_ptn, stride_kb, stride_vb, PAGE_SIZE)
+                lo_offset, cap_shift, cap_log2, two_over_cap, HAS_WINDOW_LEFT, HAS_SOFTCAP,
+                pages, stride_ptn, stride_kb, stride_vb, PAGE_SIZE, chunk_lo, attention_chunk, HAS_CHUNK, qv, HAS_QV)
         n_begin = n_mid
         n_full = tl.maximum(n_full, n_mid)  # the masked loop below starts past the first one
 
@@ -396,7 +462,7 @@ def _attn_fwd(
             HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV,
             False, CAUSAL, PV_FP8, DOT_UPCAST, EXACT_FP8_ROUND, P_SHIFT,
             lo_offset, cap_shift, cap_log2, two_over_cap, False, HAS_SOFTCAP,
-            pages, stride_ptn, stride_kb, stride_vb, PAGE_SIZE)
+            pages, stride_ptn, stride_kb, stride_vb, PAGE_SIZE, chunk_lo, attention_chunk, False, qv, HAS_QV)
     for start_n in range(n_full, n_end, BLOCK_N):
         k_scale = tl.load(k_scale_ptr + (start_n // SCALE_BLK) * stride_ksn) if IS_FP8 else 1.0
         acc, l_i, m_i = _attend_kv_block(
@@ -407,7 +473,7 @@ def _attn_fwd(
             HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV,
             True, CAUSAL, PV_FP8, DOT_UPCAST, EXACT_FP8_ROUND, P_SHIFT,
             lo_offset, cap_shift, cap_log2, two_over_cap, HAS_WINDOW_LEFT, HAS_SOFTCAP,
-            pages, stride_ptn, stride_kb, stride_vb, PAGE_SIZE)
+            pages, stride_ptn, stride_kb, stride_vb, PAGE_SIZE, chunk_lo, attention_chunk, HAS_CHUNK, qv, HAS_QV)
     if SINK > 0:
         # BF16 sink keys, last: the FP8 blocks' P was scaled by their own running max (as if
         # the sink were a separate call), and the online softmax merges the two exactly
@@ -470,20 +536,22 @@ def _configs():
     shapes = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
         (128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3),  # head dim <= 128
         (128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 2),    # head dim 192/256
+        (64, 32, 8, 2), (32, 32, 4, 2), (32, 32, 8, 2), (64, 32, 8, 1),      # V head dim 512 (FA3's MLA form)
     ]
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
 
 
 def _prune_configs(configs, named_args, **kwargs):
-    """Four candidates per head-dim class, so a new shape costs four compiles, not eight."""
-    wide = max(kwargs.get("BLOCK_DQK", 128), kwargs.get("BLOCK_DV", 128)) > 128
-    return configs[4:] if wide else configs[:4]
+    """Four candidates per head-dim class (up to 128, 192/256, V 512), so a new shape costs four compiles, not 12."""
+    widest = max(kwargs.get("BLOCK_DQK", 128), kwargs.get("BLOCK_DV", 128))
+    return configs[8:] if widest > 256 else configs[4:8] if widest > 128 else configs[:4]
 
 
 _attn_fwd_tuned = triton.autotune(
     configs=_configs(),
     key=["HEAD_DIM_QK", "HEAD_DIM_V", "IS_FP8", "MIXED", "CAUSAL", "VARLEN", "group", "seq_bucket", "RETURN_LSE",
-         "SINK", "HAS_WINDOW_LEFT", "HAS_WINDOW_RIGHT", "HAS_SOFTCAP", "PAGE_SIZE", "KV_PER_SEQ"],
+         "SINK", "HAS_WINDOW_LEFT", "HAS_WINDOW_RIGHT", "HAS_SOFTCAP", "PAGE_SIZE", "KV_PER_SEQ", "HAS_CHUNK",
+         "HAS_QV"],
     prune_configs_by={"early_config_prune": _prune_configs},
 )(_attn_fwd)
 
@@ -492,6 +560,9 @@ INTERPRETER_TILE = {"BLOCK_M": 32, "BLOCK_N": 32}
 #: below this many (query x key) pairs per sequence a fixed tile is used instead of autotuning
 AUTOTUNE_MIN_WORK = 1024 * 1024
 SMALL_TILE = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+#: the fixed tile of small problems with a V head dim above 256 (a 64 x 512 fp32 accumulator over 4 warps would
+#: take 256 registers a thread)
+SMALL_TILE_WIDE_V = {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
 
 
 def _interpreting(t: torch.Tensor) -> bool:
@@ -557,6 +628,11 @@ def _launch(problem, out, lse):
         args["PAGE_SIZE"] = p.page_size
     if p.kv_per_sequence:
         args["KV_PER_SEQ"] = True
+    # chunked attention and qv: switched on only where a call has them, as above
+    if p.attention_chunk > 0:
+        args["HAS_CHUNK"] = True
+    if p.qv is not None:
+        args["HAS_QV"] = True
     if p.cu_seqlens_k is not None:
         seqlen_k_dense = 0
     else:  # a dense key slot per sequence: the tensor's, or the page table row's capacity
@@ -565,12 +641,13 @@ def _launch(problem, out, lse):
     # without paging keep their parameter list and compile to the same TTGIR as before paging existed
     pt = p.page_table if p.paged else None
     pt_strides = p.page_table.stride() if p.paged else (None, None)
+    qv_strides = _strides4(p.qv, p.varlen) if p.qv is not None else (None,) * 4
     if interp:
         kernel = _attn_fwd
         args.update(INTERPRETER_TILE)
     elif p.max_seqlen_q * max(p.max_seqlen_k, 1) < AUTOTUNE_MIN_WORK:
         kernel = _attn_fwd  # small problems: a fixed tile, no autotuning sweep
-        args.update(SMALL_TILE)
+        args.update(SMALL_TILE_WIDE_V if p.head_dim_v > 256 else SMALL_TILE)
     else:
         kernel = _attn_fwd_tuned
 
@@ -583,8 +660,8 @@ def _launch(problem, out, lse):
         p.softmax_scale * LOG2E, p.softmax_scale,
         p.max_seqlen_q if not p.varlen else 0, seqlen_k_dense, p.heads,
         p.heads // p.kv_heads, min(triton.next_power_of_2(p.max_seqlen_q), 1 << 15),
-        max(p.window_left, 0), max(p.window_right, 0), float(p.softcap),
+        max(p.window_left, 0), max(p.window_right, 0), float(p.softcap), p.attention_chunk,
         *_strides4(q, p.varlen), *_strides4(k, k.dim() == 3), *_strides4(v, v.dim() == 3), *_strides4(out, p.varlen),
         *lse_strides, *qs_strides, *ks_strides, *p.v_scale.stride(), *km_strides, *sink_strides, pt, *pt_strides,
-        **args,
+        p.qv, *qv_strides, **args,
     )

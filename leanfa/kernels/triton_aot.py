@@ -93,7 +93,8 @@ def _attn_types(elem: str, out: str, v_elem: str | None = None):
              SQ=f"*{'bf16' if elem == 'fp8e4nv' else elem}", SK=f"*{'bf16' if elem == 'fp8e4nv' else elem}",
              SV=f"*{'bf16' if elem == 'fp8e4nv' else elem}",
              seqlen_q_dense="i32", seqlen_k_dense="i32", num_heads="i32", group="i32",
-             seq_bucket="i32", window_left="i32", window_right="i32", softcap="fp32")
+             seq_bucket="i32", window_left="i32", window_right="i32", softcap="fp32", attention_chunk="i32",
+             QV=f"*{elem}")
     return t
 
 
@@ -158,6 +159,24 @@ def attention_variants(quick: bool = False, fp8: bool = True):
                    IS_FP8=True, DOT_UPCAST=0, EXACT_FP8_ROUND=False, RETURN_LSE=True, HAS_KMEAN=False,
                    SCALE_BLK=128, SINK=0, SINK_SHIFT=False, BLOCK_M=128, BLOCK_N=128, HAS_USED_K=True,
                    HAS_WINDOW_LEFT=True, PAGE_SIZE=64, stride_ptn=1), "fp8e4nv"
+    # FA3's attention_chunk (BF16 causal dense; FP8 varlen with a left window) and qv (MLA's absorbed form, 64/256:
+    # BF16 causal, FP8 varlen)
+    yield dict(HEAD_DIM_QK=128, HEAD_DIM_V=128, BLOCK_DQK=128, BLOCK_DV=128, CAUSAL=True, VARLEN=False,
+               IS_FP8=False, DOT_UPCAST=0, EXACT_FP8_ROUND=False, RETURN_LSE=True, HAS_KMEAN=False,
+               SCALE_BLK=128, SINK=0, SINK_SHIFT=False, BLOCK_M=128, BLOCK_N=128, HAS_CHUNK=True), "bf16"
+    yield dict(HEAD_DIM_QK=64, HEAD_DIM_V=256, BLOCK_DQK=64, BLOCK_DV=256, CAUSAL=True, VARLEN=False,
+               IS_FP8=False, DOT_UPCAST=0, EXACT_FP8_ROUND=False, RETURN_LSE=True, HAS_KMEAN=False,
+               SCALE_BLK=128, SINK=0, SINK_SHIFT=False, BLOCK_M=128, BLOCK_N=64, HAS_QV=True,
+               stride_qvd=1), "bf16"
+    if fp8:
+        yield dict(HEAD_DIM_QK=128, HEAD_DIM_V=128, BLOCK_DQK=128, BLOCK_DV=128, CAUSAL=True, VARLEN=True,
+                   IS_FP8=True, DOT_UPCAST=0, EXACT_FP8_ROUND=False, RETURN_LSE=True, HAS_KMEAN=False,
+                   SCALE_BLK=128, SINK=0, SINK_SHIFT=False, BLOCK_M=128, BLOCK_N=128, HAS_WINDOW_LEFT=True,
+                   HAS_CHUNK=True), "fp8e4nv"
+        yield dict(HEAD_DIM_QK=64, HEAD_DIM_V=256, BLOCK_DQK=64, BLOCK_DV=256, CAUSAL=True, VARLEN=True,
+                   IS_FP8=True, DOT_UPCAST=0, EXACT_FP8_ROUND=False, RETURN_LSE=True, HAS_KMEAN=False,
+                   SCALE_BLK=128, SINK=0, SINK_SHIFT=False, BLOCK_M=128, BLOCK_N=64, HAS_QV=True,
+                   stride_qvd=1), "fp8e4nv"
 
 
 def quant_variants(quick: bool = False):
@@ -228,9 +247,11 @@ def compile_all(target=GPUTarget("cuda", 90, 32), limit=None, verbose=True, quic
         if limit is not None and i >= limit:
             break
         c = {"HAS_USED_Q": False, "HAS_USED_K": False, "HAS_WINDOW_LEFT": False, "HAS_WINDOW_RIGHT": False,
-             "HAS_SOFTCAP": False, "PAGE_SIZE": 0, "KV_PER_SEQ": False,
-             # without paging the launch passes the page table and its strides as None (constexprs)
+             "HAS_SOFTCAP": False, "PAGE_SIZE": 0, "KV_PER_SEQ": False, "HAS_CHUNK": False, "HAS_QV": False,
+             # without paging the launch passes the page table and its strides as None (constexprs); so for qv
              **({} if c.get("PAGE_SIZE") else {"PT": None, "stride_ptb": None, "stride_ptn": None}),
+             **({} if c.get("HAS_QV") else {"QV": None, "stride_qvb": None, "stride_qvs": None, "stride_qvh": None,
+                                            "stride_qvd": None}),
              **c, **_unit_strides(elem, c.get("MIXED", False)),
              **({"stride_sqd": 1, "stride_skd": 1, "stride_svd": 1} if c["SINK"] else {})}
         # the largest tile the autotuner may pick for this head-dim class (portable._configs):
@@ -247,7 +268,9 @@ def compile_all(target=GPUTarget("cuda", 90, 32), limit=None, verbose=True, quic
                                 + (" right" if c["HAS_WINDOW_RIGHT"] else "")
                                 + (" softcap" if c["HAS_SOFTCAP"] else "")
                                 + (f" paged={c['PAGE_SIZE']}" if c["PAGE_SIZE"] else "")
-                                + (" kv_per_seq" if c["KV_PER_SEQ"] else ""), ck, target.arch))
+                                + (" kv_per_seq" if c["KV_PER_SEQ"] else "")
+                                + (" chunk" if c["HAS_CHUNK"] else "") + (" qv" if c["HAS_QV"] else ""),
+                                ck, target.arch))
     qtypes = {n: "i32" for n in quantize.quantize_blocks.arg_names if n.startswith("stride_")}
     for c, elem in quant_variants(quick) if fp8 else ():
         qtypes.update(X=f"*{elem}", Y="*fp8e4nv", CU="*i32", MEAN="*fp32", SCALE="*fp32", CH_SCALE="*fp32",
