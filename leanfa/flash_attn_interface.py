@@ -32,11 +32,12 @@ Swap ``from flash_attn_interface import flash_attn_func`` for
   ``softcap``; and vLLM's ``block_table=`` on :func:`flash_attn_varlen_func` (``k``/``v`` the paged
   caches, key lengths from ``cu_seqlens_k`` and/or ``seqused_k``; ``cu_seqlens_k`` may be None). The
   page ids a call reads must lie in ``[0, num_pages)``: checked on CPU tensors only (a check of GPU
-  values would synchronize). On sm90 the Hopper kernel reads paged 16-bit caches of a power-of-two
+  values would synchronize). On sm90 the Hopper kernel reads paged 16-bit and FP8 caches of a power-of-two
   ``page_size`` from 16 keys where the key lengths come from ``cu_seqlens_k`` (packed ``q``) or are the
-  whole table (dense ``q``, no ``seqused_k``/``cache_seqlens``), with or without a window; the other paged
-  calls (``seqused_k``, ``cache_seqlens``, ``cu_seqlens_k=None``, FP8 caches, other page sizes, FP8 ``softcap``)
-  run on the portable kernel (one warning). The Hopper kernel reads the rows of a sequence's last page past its keys
+  whole table (dense ``q``, no ``seqused_k``/``cache_seqlens``), with or without a window or ``softcap`` (an FP8
+  V cache through a transposed copy of each sequence's V pages made per call); the other paged calls
+  (``seqused_k``, ``cache_seqlens``, ``cu_seqlens_k=None``, other page sizes) run on the portable kernel (one
+  warning). The Hopper kernel reads the rows of a sequence's last page past its keys
   (masked out of the scores): they must hold finite values (stale keys or zeros do; NaN/Inf there gives
   NaN rows);
 * ``attention_chunk > 0`` (Llama-4's chunked local attention: query ``i`` at key position ``pos = i + Sk - Sq``

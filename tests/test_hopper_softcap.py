@@ -300,15 +300,6 @@ GPU_DENSE = [  # B, Sq, Sk, Hq, Hkv, causal, softcap, logit scale
 ]
 
 
-@pytest.fixture
-def fp8_softcap_on_hopper(monkeypatch):
-    """FP8 softcap calls on the Hopper kernel, which ``backend="auto"`` does not take until these tests pass on the
-    GPU (:data:`leanfa.kernels.dispatch.HOPPER_FP8_SOFTCAP_VALIDATED`)."""
-    from leanfa.kernels import dispatch
-
-    monkeypatch.setattr(dispatch, "HOPPER_FP8_SOFTCAP_VALIDATED", True)
-
-
 def _check_gpu(out, lse, ref, ref_lse, precision, softcap, problem):
     """BF16: the public call against float64 of the inputs. FP8 and fp8qk: the Hopper kernel on the quantized problem
     (``problem()``, :func:`helpers.quantized_problem`) against float64 of that problem and against the portable kernel
@@ -340,7 +331,7 @@ def _gpu_call(q, k, v, *, causal, softcap, precision, cu=None, window=(-1, -1), 
 @needs_sm90
 @pytest.mark.parametrize("b,sq,sk,hq,hkv,causal,softcap,scale", GPU_DENSE)
 @pytest.mark.parametrize("precision", ["bf16", "fp8", "fp8qk"])
-def test_gpu_dense_softcap(b, sq, sk, hq, hkv, causal, softcap, scale, precision, fp8_softcap_on_hopper):
+def test_gpu_dense_softcap(b, sq, sk, hq, hkv, causal, softcap, scale, precision):
     g = torch.Generator().manual_seed(sq + sk)
     q = (torch.randn(b, sq, hq, 128, generator=g) * scale).to(BF16).cuda()
     k = (torch.randn(b, sk, hkv, 128, generator=g) * scale).to(BF16).cuda()
@@ -355,7 +346,7 @@ def test_gpu_dense_softcap(b, sq, sk, hq, hkv, causal, softcap, scale, precision
 @needs_sm90
 @pytest.mark.parametrize("lq,lk,causal", VARLEN_CASES + [([8192, 3001, 100, 2], None, True)])
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
-def test_gpu_varlen_softcap(lq, lk, causal, precision, fp8_softcap_on_hopper):
+def test_gpu_varlen_softcap(lq, lk, causal, precision):
     lk = lk or lq
     q, k, v = (t.cuda() for t in _inputs(lq, lk, 4, 2, 128, len(lq), True, 1.5))
     cu = dict(cu_seqlens_q=cu_seqlens(lq, "cuda"), cu_seqlens_k=cu_seqlens(lk, "cuda"), max_seqlen_q=max(lq),
@@ -371,7 +362,7 @@ def test_gpu_varlen_softcap(lq, lk, causal, precision, fp8_softcap_on_hopper):
 @needs_sm90
 @pytest.mark.parametrize("precision,dims", [("bf16", (64, 64)), ("fp8", (192, 128)), ("bf16", (256, 256)),
                                             ("fp8", (256, 256))])
-def test_gpu_softcap_head_dims_and_window(precision, dims, fp8_softcap_on_hopper):
+def test_gpu_softcap_head_dims_and_window(precision, dims):
     g = torch.Generator().manual_seed(dims[0])
     q = torch.randn(1, 2000, 4, dims[0], generator=g).to(BF16).cuda()
     k = torch.randn(1, 2000, 2, dims[0], generator=g).to(BF16).cuda()
@@ -412,17 +403,15 @@ def test_gpu_tanh_approx_error():
 @gpu
 @needs_sm90
 def test_gpu_softcap_runs_on_hopper_by_default():
-    """``backend="auto"`` sends a BF16 soft-capped call to the Hopper kernel (no portable fallback, no warning),
-    and an FP8 one to the portable kernel with one warning until :data:`HOPPER_FP8_SOFTCAP_VALIDATED`."""
+    """``backend="auto"`` sends soft-capped calls to the Hopper kernel, BF16, FP8 and the mixed mode alike (no
+    portable fallback, no warning)."""
     import warnings
 
     from leanfa.kernels import dispatch
 
     q = torch.randn(1, 512, 4, 128, device="cuda", dtype=BF16)
-    p = _problem(q, q[:, :, :2], q[:, :, :2], causal=True, softcap=30.0, precision="bf16")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert dispatch.choose(p, "auto").kernel == "hopper"
-    p = _problem(q, q[:, :, :2], q[:, :, :2], causal=True, softcap=30.0, precision="fp8")
-    want = "hopper" if dispatch.HOPPER_FP8_SOFTCAP_VALIDATED else "portable"
-    assert dispatch.choose(p, "auto").kernel == want
+    for precision in ("bf16", "fp8", "fp8qk"):
+        p = _problem(q, q[:, :, :2], q[:, :, :2], causal=True, softcap=30.0, precision=precision)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert dispatch.choose(p, "auto").kernel == "hopper", precision

@@ -294,8 +294,7 @@ def test_hopper_dispatch_keeps_fp8_d256_windows_portable(monkeypatch):
     (dict(seqused_k=torch.tensor([5], dtype=I32)), "seqused_q/seqused_k are not implemented in the Hopper kernel"),
     (dict(seqused_q=torch.tensor([5], dtype=I32), window_left=4, softcap=30.0),
      "seqused_q/seqused_k are not implemented in the Hopper kernel"),
-    (dict(q=torch.zeros(1, 8, 2, 64, dtype=torch.float8_e4m3fn), softcap=30.0),
-     "softcap with FP8 Q.K is not yet validated in the Hopper kernel"),
+    (dict(attention_chunk=64, softcap=30.0), "attention_chunk \\(chunked local attention\\) is not implemented"),
 ])
 def test_hopper_dispatch_refuses_with_one_warning(monkeypatch, change, reason):
     """Where the Hopper kernel would run a call, a call with a portable-only feature (here seqused_*, with or
@@ -313,6 +312,14 @@ def test_hopper_dispatch_refuses_with_one_warning(monkeypatch, change, reason):
         assert dispatch.choose(problem, "auto").kernel == "portable"
         with pytest.raises(ValueError, match=f"backend='hopper' cannot run this call: {reason}"):
             dispatch.choose(problem, "hopper")
+
+
+def test_fp8_softcap_is_not_portable_only():
+    """softcap with FP8 Q.K runs on the Hopper kernel (validated on the H200, run 98): no portable-only reason."""
+    from leanfa.kernels import dispatch
+
+    fp8 = torch.zeros(1, 8, 2, 64, dtype=torch.float8_e4m3fn)
+    assert dispatch.portable_only_reason(dataclasses.replace(_plain_problem(), q=fp8, k=fp8, v=fp8, softcap=30.0)) == ""
 
 
 def test_window_size_as_a_cpu_tensor(device):

@@ -52,11 +52,6 @@ HOPPER_VALIDATED = True
 #: it on sm90.
 #: ``LEANFA_HOPPER_SINK=0`` sends it back to the portable kernel (``backend="hopper"``: to the split).
 HOPPER_SINK_VALIDATED = True
-#: softcap in the Hopper kernel's FP8 calls (FP8 Q.K, and the fp8qk mode): H200 run 96 found BF16 softcap within its
-#: bounds and the FP8 cases 4-9e-2 away from float64 of the BF16 inputs (bound 5e-2; inputs scaled up to 12x, so
-#: the e4m3 rounding of sharp scores may be all of it). Until the FP8 cases are compared with the same call on the
-#: portable kernel on the GPU (tests/test_hopper_softcap.py does), FP8 softcap calls run on the portable kernel.
-HOPPER_FP8_SOFTCAP_VALIDATED = False
 #: FP8 head dims where ``backend="auto"`` prefers the portable kernel although the Hopper kernel runs them: at
 #: 64/64 the portable FP8 kernel is 1.10x / 1.06-1.07x as fast as the Hopper kernel at 4K / 16K on the H200 (causal,
 #: B*S = 16K, 16 heads; docs/perf-notes.md, "FP8 at head dim 64 goes to the portable kernel"), and its sink beats
@@ -170,9 +165,6 @@ def portable_only_reason(problem) -> str:
         return "qv (MLA's absorbed form) is not implemented in the Hopper kernel: these calls run on the portable kernel"
     if problem.has_seqused:
         return "seqused_q/seqused_k are not implemented in the Hopper kernel: these calls run on the portable kernel"
-    if problem.softcap > 0 and problem.is_fp8 and not HOPPER_FP8_SOFTCAP_VALIDATED:
-        return ("softcap with FP8 Q.K is not yet validated in the Hopper kernel (its H200 tests missed their float64 "
-                "bounds, run 96): these calls run on the portable kernel")
     if problem.has_window and problem.pv_fp8 and problem.head_dim_v > 128:
         return ("sliding windows (window_size) with FP8 P.V at head dim 256 are not enabled in the Hopper kernel (its "
                 "sm90 build spills ~550 B in the key loop, against 36-76 B without a window): these calls run on the "
