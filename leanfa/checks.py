@@ -157,12 +157,7 @@ def check_window_softcap(window_size, softcap) -> tuple[int, int, float]:
         raise TypeError(f"window_size must be a pair (left, right) of ints, got {window_size!r}")
     sides = []
     for side, w in zip(("left", "right"), window_size):
-        if isinstance(w, bool):
-            raise TypeError(f"window_size {side} must be an int, got {w!r}")
-        try:
-            w = operator.index(w)
-        except TypeError:
-            raise TypeError(f"window_size {side} must be an int, got {type(w).__name__}") from None
+        w = _as_int(w, f"window_size {side}")
         if w < -1:
             raise ValueError(f"window_size must be (left, right) with each side >= 0, or -1 for no limit on that "
                              f"side; got {tuple(window_size)} ({side} {w} < -1)")
@@ -174,14 +169,20 @@ def check_window_softcap(window_size, softcap) -> tuple[int, int, float]:
     return sides[0], sides[1], float(softcap)
 
 
+def _as_int(value, what: str) -> int:
+    """``value`` as a Python int (any integer type, a 0-d integer tensor included), else ``TypeError`` naming
+    ``what``; a bool is refused."""
+    if isinstance(value, bool):
+        raise TypeError(f"{what} must be an int, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{what} must be an int, got {type(value).__name__}") from None
+
+
 def check_attention_chunk(attention_chunk) -> int:
     """FA3's ``attention_chunk``: an int >= 0 (0 is off); returns it as a Python int."""
-    if isinstance(attention_chunk, bool):
-        raise TypeError(f"attention_chunk must be an int, got {attention_chunk!r}")
-    try:
-        chunk = operator.index(attention_chunk)
-    except TypeError:
-        raise TypeError(f"attention_chunk must be an int, got {type(attention_chunk).__name__}") from None
+    chunk = _as_int(attention_chunk, "attention_chunk")
     if chunk < 0:
         raise ValueError(f"attention_chunk must be >= 0 (0 turns chunked attention off), got {chunk}")
     return chunk

@@ -123,23 +123,27 @@ def test_emulated_head_dims(page_size):
         _emulate_and_check(*_varlen(*lens, 2, 1, d, page_size, True, seed=d))
 
 
-def _dense_q_over_whole_table(seed, keys, queries, **kw):
-    """``flash_attn_func``'s paged form on the emulated kernel: dense q over two sequences' 64-key pages, the table
-    cut to exactly their pages (every sequence the table's capacity, ``keys``), with ``kw`` (window, softcap); checked
-    against the reference, and bit for bit against the same call over contiguous K/V."""
+def _dense_q_over_whole_table(seed, keys, queries, page_size=64, dtype=BF16, **kw):
+    """``flash_attn_func``'s paged form on the emulated kernel: dense q over two sequences' ``page_size``-key pages,
+    the table cut to exactly their pages (every sequence the table's capacity, ``keys``), with ``kw`` (window,
+    softcap, ``scale`` of Q and K); checked against the reference, and bit for bit against the same call over
+    contiguous K/V. FP8 (``dtype``): token-major FP8 caches with (B, Hkv) descales (V transposed per call)."""
     from leanfa.kernels.hopper.emulate import emulate
 
     gen = torch.Generator().manual_seed(seed)
     scale = kw.pop("scale", 1.0)
     ks = [scale * torch.randn((keys, 1, 64), generator=gen) for _ in range(2)]
     vs = [torch.randn((keys, 1, 64), generator=gen) for _ in range(2)]
-    kc, vc, table = _caches(ks, vs, 64, gen)
-    table = table[:, :keys // 64].contiguous()
-    q = (scale * torch.randn((2, queries, 2, 64), generator=gen)).to(BF16)
+    kc, vc, table = _caches(ks, vs, page_size, gen, dtype=dtype)
+    table = table[:, :keys // page_size].contiguous()
+    q = (scale * torch.randn((2, queries, 2, 64), generator=gen)).to(dtype)
+    if dtype == FP8:
+        kw.update({n: torch.rand((2, 1), generator=gen) + 0.5 for n in ("q_descale", "k_descale", "v_descale")})
+    tol, lse_tol = (4e-2, 1e-2) if dtype == FP8 else (1e-2, 1e-3)
     out, lse, _ = emulate(_problem(q, kc, vc, page_table=table, **kw))
     ref, ref_lse = attention_ref(q, kc, vc, causal=True, return_lse=True, page_table=table, **kw)
-    assert rel_l2(out, ref) < 1e-2 and float((lse.double() - ref_lse).abs().max()) < 1e-3
-    want, want_lse, _ = emulate(_problem(q, torch.stack(ks).to(BF16), torch.stack(vs).to(BF16), **kw))
+    assert rel_l2(out, ref) < tol and float((lse.double() - ref_lse).abs().max()) < lse_tol
+    want, want_lse, _ = emulate(_problem(q, torch.stack(ks).to(dtype), torch.stack(vs).to(dtype), **kw))
     assert torch.equal(out, want) and torch.equal(lse, want_lse)
 
 
@@ -255,23 +259,9 @@ def test_emulated_fp8_window_over_pages(window, causal):
 
 @emulation
 def test_emulated_fp8_dense_q_whole_table():
-    """``flash_attn_func``'s form in FP8: dense q over the whole table (chunked: Sq < Sk, bottom-right), descales;
-    against the reference and the same call over dense token-major FP8 K/V (V transposed per call)."""
-    from leanfa.kernels.hopper.emulate import emulate
-
-    gen = torch.Generator().manual_seed(21)
-    keys, queries = 192, 70
-    ks = [torch.randn((keys, 1, 64), generator=gen) for _ in range(2)]
-    vs = [torch.randn((keys, 1, 64), generator=gen) for _ in range(2)]
-    kc, vc, table = _caches(ks, vs, 16, gen, dtype=FP8)
-    table = table[:, :keys // 16].contiguous()
-    q = torch.randn((2, queries, 2, 64), generator=gen).to(FP8)
-    desc = {n: torch.rand((2, 1), generator=gen) + 0.5 for n in ("q_descale", "k_descale", "v_descale")}
-    out, lse, _ = emulate(_problem(q, kc, vc, page_table=table, **desc))
-    ref, ref_lse = attention_ref(q, kc, vc, causal=True, return_lse=True, page_table=table, **desc)
-    assert rel_l2(out, ref) < 4e-2 and float((lse.double() - ref_lse).abs().max()) < 1e-2
-    want, want_lse, _ = emulate(_problem(q, torch.stack(ks).to(FP8), torch.stack(vs).to(FP8), **desc))
-    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    """``flash_attn_func``'s form in FP8: dense q over the whole table of 16-key pages (chunked: Sq < Sk,
+    bottom-right), descales; against the reference and the same call over dense token-major FP8 K/V."""
+    _dense_q_over_whole_table(21, 192, 70, page_size=16, dtype=FP8)
 
 
 @emulation

@@ -121,63 +121,40 @@ def attention_variants(quick: bool = False, fp8: bool = True):
                    HAS_KMEAN=lse and elem == "fp8e4nv", SCALE_BLK=128, SINK=0, SINK_SHIFT=False, BLOCK_M=128,
                    BLOCK_N=64 if dqk > 128 else 128), elem
     for dqk, dv in [(128, 128), (192, 128)] if fp8 else ():  # FP8 with the first 128 keys in BF16
-        yield dict(HEAD_DIM_QK=dqk, HEAD_DIM_V=dv, BLOCK_DQK=triton.next_power_of_2(dqk),
-                   BLOCK_DV=triton.next_power_of_2(dv), CAUSAL=True, VARLEN=False, IS_FP8=True, DOT_UPCAST=0,
-                   EXACT_FP8_ROUND=False, RETURN_LSE=True, HAS_KMEAN=True, SCALE_BLK=128, SINK=128,
-                   SINK_SHIFT=True, BLOCK_M=128, BLOCK_N=64 if dqk > 128 else 128), "fp8e4nv"
+        yield _variant(dqk, dv, IS_FP8=True, HAS_KMEAN=True, SINK=128, SINK_SHIFT=True), "fp8e4nv"
     for (dqk, dv), varlen in (((128, 128), False), ((192, 128), True)) if fp8 else ():
         # the mixed mode (attention(precision="fp8qk")): FP8 Q and K, a BF16 V (its types: _attn_types)
-        yield dict(HEAD_DIM_QK=dqk, HEAD_DIM_V=dv, BLOCK_DQK=triton.next_power_of_2(dqk),
-                   BLOCK_DV=triton.next_power_of_2(dv), CAUSAL=True, VARLEN=varlen, IS_FP8=True, DOT_UPCAST=0,
-                   EXACT_FP8_ROUND=False, RETURN_LSE=True, HAS_KMEAN=True, SCALE_BLK=128, SINK=0, SINK_SHIFT=False,
-                   BLOCK_M=128, BLOCK_N=64 if dqk > 128 else 128, MIXED=True), "fp8e4nv"
+        yield _variant(dqk, dv, VARLEN=varlen, IS_FP8=True, HAS_KMEAN=True, MIXED=True), "fp8e4nv"
     for varlen in (False, True):  # FA3's seqused_q/seqused_k (BF16, causal, with LSE)
-        yield dict(HEAD_DIM_QK=128, HEAD_DIM_V=128, BLOCK_DQK=128, BLOCK_DV=128, CAUSAL=True, VARLEN=varlen,
-                   IS_FP8=False, DOT_UPCAST=0, EXACT_FP8_ROUND=False, RETURN_LSE=True, HAS_KMEAN=False,
-                   SCALE_BLK=128, SINK=0, SINK_SHIFT=False, BLOCK_M=128, BLOCK_N=128, HAS_USED_Q=True,
-                   HAS_USED_K=True), "bf16"
+        yield _variant(VARLEN=varlen, HAS_USED_Q=True, HAS_USED_K=True), "bf16"
     # sliding windows and softcap: BF16 causal with a left window and softcap (dense, LSE), and FP8 with both
     # window sides (the right side on the causal path) and softcap on smoothed K (varlen, LSE)
-    yield dict(HEAD_DIM_QK=128, HEAD_DIM_V=128, BLOCK_DQK=128, BLOCK_DV=128, CAUSAL=True, VARLEN=False,
-               IS_FP8=False, DOT_UPCAST=0, EXACT_FP8_ROUND=False, RETURN_LSE=True, HAS_KMEAN=False,
-               SCALE_BLK=128, SINK=0, SINK_SHIFT=False, BLOCK_M=128, BLOCK_N=128, HAS_WINDOW_LEFT=True,
-               HAS_SOFTCAP=True), "bf16"
+    yield _variant(HAS_WINDOW_LEFT=True, HAS_SOFTCAP=True), "bf16"
     if fp8:
-        yield dict(HEAD_DIM_QK=128, HEAD_DIM_V=128, BLOCK_DQK=128, BLOCK_DV=128, CAUSAL=True, VARLEN=True,
-                   IS_FP8=True, DOT_UPCAST=0, EXACT_FP8_ROUND=False, RETURN_LSE=True, HAS_KMEAN=True,
-                   SCALE_BLK=128, SINK=0, SINK_SHIFT=False, BLOCK_M=128, BLOCK_N=128, HAS_WINDOW_LEFT=True,
-                   HAS_WINDOW_RIGHT=True, HAS_SOFTCAP=True), "fp8e4nv"
+        yield _variant(VARLEN=True, IS_FP8=True, HAS_KMEAN=True, HAS_WINDOW_LEFT=True, HAS_WINDOW_RIGHT=True,
+                       HAS_SOFTCAP=True), "fp8e4nv"
     # paged K/V (issue 25): BF16 packed q over pages (vLLM's call: seqused_k, no cu_seqlens_k) of 16 keys (one page
     # id per key) and of 128 (one per tile); FP8 dense q over 64-key pages (two ids per 128-key tile) with a window
     for page, varlen in ((16, True), (128, True)):
-        yield dict(HEAD_DIM_QK=128, HEAD_DIM_V=128, BLOCK_DQK=128, BLOCK_DV=128, CAUSAL=True, VARLEN=varlen,
-                   IS_FP8=False, DOT_UPCAST=0, EXACT_FP8_ROUND=False, RETURN_LSE=True, HAS_KMEAN=False,
-                   SCALE_BLK=128, SINK=0, SINK_SHIFT=False, BLOCK_M=128, BLOCK_N=128, HAS_USED_K=True,
-                   PAGE_SIZE=page, KV_PER_SEQ=varlen, stride_ptn=1), "bf16"
+        yield _variant(VARLEN=varlen, HAS_USED_K=True, PAGE_SIZE=page, KV_PER_SEQ=varlen, stride_ptn=1), "bf16"
     if fp8:
-        yield dict(HEAD_DIM_QK=128, HEAD_DIM_V=128, BLOCK_DQK=128, BLOCK_DV=128, CAUSAL=True, VARLEN=False,
-                   IS_FP8=True, DOT_UPCAST=0, EXACT_FP8_ROUND=False, RETURN_LSE=True, HAS_KMEAN=False,
-                   SCALE_BLK=128, SINK=0, SINK_SHIFT=False, BLOCK_M=128, BLOCK_N=128, HAS_USED_K=True,
-                   HAS_WINDOW_LEFT=True, PAGE_SIZE=64, stride_ptn=1), "fp8e4nv"
+        yield _variant(IS_FP8=True, HAS_USED_K=True, HAS_WINDOW_LEFT=True, PAGE_SIZE=64, stride_ptn=1), "fp8e4nv"
     # FA3's attention_chunk (BF16 causal dense; FP8 varlen with a left window) and qv (MLA's absorbed form, 64/256:
     # BF16 causal, FP8 varlen)
-    yield dict(HEAD_DIM_QK=128, HEAD_DIM_V=128, BLOCK_DQK=128, BLOCK_DV=128, CAUSAL=True, VARLEN=False,
-               IS_FP8=False, DOT_UPCAST=0, EXACT_FP8_ROUND=False, RETURN_LSE=True, HAS_KMEAN=False,
-               SCALE_BLK=128, SINK=0, SINK_SHIFT=False, BLOCK_M=128, BLOCK_N=128, HAS_CHUNK=True), "bf16"
-    yield dict(HEAD_DIM_QK=64, HEAD_DIM_V=256, BLOCK_DQK=64, BLOCK_DV=256, CAUSAL=True, VARLEN=False,
-               IS_FP8=False, DOT_UPCAST=0, EXACT_FP8_ROUND=False, RETURN_LSE=True, HAS_KMEAN=False,
-               SCALE_BLK=128, SINK=0, SINK_SHIFT=False, BLOCK_M=128, BLOCK_N=64, HAS_QV=True,
-               stride_qvd=1), "bf16"
+    yield _variant(HAS_CHUNK=True), "bf16"
+    yield _variant(64, 256, BLOCK_N=64, HAS_QV=True, stride_qvd=1), "bf16"
     if fp8:
-        yield dict(HEAD_DIM_QK=128, HEAD_DIM_V=128, BLOCK_DQK=128, BLOCK_DV=128, CAUSAL=True, VARLEN=True,
-                   IS_FP8=True, DOT_UPCAST=0, EXACT_FP8_ROUND=False, RETURN_LSE=True, HAS_KMEAN=False,
-                   SCALE_BLK=128, SINK=0, SINK_SHIFT=False, BLOCK_M=128, BLOCK_N=128, HAS_WINDOW_LEFT=True,
-                   HAS_CHUNK=True), "fp8e4nv"
-        yield dict(HEAD_DIM_QK=64, HEAD_DIM_V=256, BLOCK_DQK=64, BLOCK_DV=256, CAUSAL=True, VARLEN=True,
-                   IS_FP8=True, DOT_UPCAST=0, EXACT_FP8_ROUND=False, RETURN_LSE=True, HAS_KMEAN=False,
-                   SCALE_BLK=128, SINK=0, SINK_SHIFT=False, BLOCK_M=128, BLOCK_N=64, HAS_QV=True,
-                   stride_qvd=1), "fp8e4nv"
+        yield _variant(VARLEN=True, IS_FP8=True, HAS_WINDOW_LEFT=True, HAS_CHUNK=True), "fp8e4nv"
+        yield _variant(64, 256, VARLEN=True, IS_FP8=True, BLOCK_N=64, HAS_QV=True, stride_qvd=1), "fp8e4nv"
 
+
+def _variant(dqk: int = 128, dv: int = 128, **flags) -> dict:
+    """The constexprs of one portable-kernel variant: causal, dense, BF16, with LSE, 128-row tiles of 128 keys (64
+    past head dim 128), no feature switched on; ``flags`` override or add."""
+    return dict(HEAD_DIM_QK=dqk, HEAD_DIM_V=dv, BLOCK_DQK=triton.next_power_of_2(dqk),
+                BLOCK_DV=triton.next_power_of_2(dv), CAUSAL=True, VARLEN=False, IS_FP8=False, DOT_UPCAST=0,
+                EXACT_FP8_ROUND=False, RETURN_LSE=True, HAS_KMEAN=False, SCALE_BLK=128, SINK=0, SINK_SHIFT=False,
+                BLOCK_M=128, BLOCK_N=64 if dqk > 128 else 128) | flags
 
 def quant_variants(quick: bool = False):
     for elem, mean, compute, channel in itertools.product(["bf16", "fp16", "fp32"], [False, True],
