@@ -8,7 +8,8 @@ flash-attention checkout; they are not part of leanfa). The tests run unchanged 
 (``FLASH_ATTENTION_DISABLE_BACKWARD=TRUE``). A call leanfa refuses with ``NotImplementedError`` (an option it
 does not implement, named in the message) is reported as a skip with that message; anything else --
 a wrong result, another exception -- is a failure. ``--every N`` keeps every N-th collected case (a
-deterministic sample; 1 runs all). The summary counts passes, failures and skips by reason.
+deterministic sample; 1 runs all); ``--part K/N`` runs the K-th of N interleaved parts of that sample, so that a
+sample longer than one GPU call runs as N calls covering it once. The summary counts passes, failures and skips by reason.
 """
 
 from __future__ import annotations
@@ -63,10 +64,11 @@ def _release_cached_memory():
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 EVERY = @EVERY@
+PART, PARTS = @PART@, @PARTS@
 
 
 def pytest_collection_modifyitems(config, items):
-    items[:] = [item for i, item in enumerate(items) if i % EVERY == 0]
+    items[:] = [item for i, item in enumerate(items) if i % EVERY == 0 and (i // EVERY) % PARTS == PART]
 '''
 
 
@@ -97,6 +99,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--src", required=True, help="folder with FlashAttention-3's hopper test files")
     ap.add_argument("--every", type=int, default=3)
+    ap.add_argument("--part", default="0/1", metavar="K/N",
+                    help="run the K-th of N interleaved parts of the sample (0-based): a sample too long for one run "
+                         "is run as N runs that together cover it once")
     ap.add_argument("--out", default=None, help="JUnit XML of the run (default: in the scratch folder)")
     ap.add_argument("--timeout", type=float, default=None,
                     help="seconds; then the run is interrupted (SIGINT: the cases done so far are reported)")
@@ -106,7 +111,11 @@ def main():
     for f in FILES:
         shutil.copy(os.path.join(args.src, f), work)
     with open(os.path.join(work, "conftest.py"), "w") as fh:
-        fh.write(CONFTEST.replace("@EVERY@", str(max(args.every, 1))))
+        part, parts = (int(x) for x in args.part.split("/"))
+        if not 0 <= part < parts:
+            ap.error(f"--part K/N needs 0 <= K < N, got {args.part}")
+        fh.write(CONFTEST.replace("@EVERY@", str(max(args.every, 1))).replace("@PART@", str(part))
+                 .replace("@PARTS@", str(parts)))
     xml = args.out or os.path.join(work, "results.xml")
     env = dict(os.environ, FLASH_ATTENTION_DISABLE_BACKWARD="TRUE")
     env["PYTHONPATH"] = os.pathsep.join([work, os.getcwd(), env.get("PYTHONPATH", "")])
