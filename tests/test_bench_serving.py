@@ -390,8 +390,9 @@ def test_paged_rows_are_opt_in():
     default = {i.name for i in impls_mod.select(all_impls())}
     assert not any("paged" in n or "kvhead" in n for n in default) and "leanfa-portable-bf16" in default
     named = {i.name for i in impls_mod.select(all_impls(), ["leanfa-*-paged*"])}
-    assert named == {f"leanfa-{b}-{p}" for b in ("hopper", "portable")
-                     for ps in (64, 128) for p in (f"bf16-paged{ps}", f"fp8-paged{ps}-kernel")}
+    assert named == ({f"leanfa-{b}-{p}" for b in ("hopper", "portable")
+                      for ps in (64, 128) for p in (f"bf16-paged{ps}", f"fp8-paged{ps}-kernel")}
+                     | {f"leanfa-hopper-fp8-paged{ps}-launch" for ps in (64, 128)})
 
 
 # ------------------------------------------------------------------------------ the CLI
