@@ -42,8 +42,8 @@ def _vllm_batch(lens_q, lens_k, hq, hkv, d, page_size, seed=0, device="cpu", fp8
     sequence needs (pointing at a NaN page), ``seqused_k`` the lengths; and the same batch as packed contiguous K/V
     with ``cu_seqlens_k`` (the Hopper kernel's existing paged form reads the same key blocks)."""
     gen = torch.Generator().manual_seed(seed)
-    ks = [torch.randn((n, hkv, d), generator=gen) + 0.5 for n in lens_k]
-    vs = [torch.randn((n, hkv, d), generator=gen) for n in lens_k]
+    ks = [(torch.randn((n, hkv, d), generator=gen) + 0.5).to(BF16) for n in lens_k]  # (the caches are BF16 first)
+    vs = [torch.randn((n, hkv, d), generator=gen).to(BF16) for n in lens_k]
     kc, vc, table = _caches(ks, vs, page_size, gen)
     if extra_pages > 1:
         table = torch.cat([table, table[:, -1:].expand(-1, extra_pages - 1)], 1).contiguous()
@@ -267,16 +267,23 @@ def test_dispatch_gate(monkeypatch):
         assert dispatch.choose(prob, "auto").kernel == "hopper"
 
 
-def test_supports_refuses_seqused_q_and_dense_cache():
-    """The Hopper kernel's own verdict: seqused_q and packed q over a dense per-sequence cache are not its calls."""
+def test_supports_refuses_seqused_q_and_dense_cache(monkeypatch):
+    """The Hopper kernel's own verdict (on any device): seqused_k and vLLM's paged call are its calls; seqused_q and
+    packed q over a dense per-sequence cache are not."""
     import dataclasses
 
     from leanfa.kernels import hopper
 
+    monkeypatch.setattr(hopper, "device_problem", lambda p: "")
     packed = _packed_batch([40], [300], [100], 2, 1, 64)
-    if hopper.device_problem(packed):
-        pytest.skip("the verdict comes after the device's (no sm90 here)")
-    assert not hopper.supports(dataclasses.replace(packed, seqused_q=torch.tensor([20], dtype=I32)))[0]
+    assert hopper._supports(packed) == (True, "")
+    assert hopper._supports(_vllm_problems(*LENS, 4, 2, 64, 64)[0]) == (True, "")
+    ok, why = hopper._supports(dataclasses.replace(packed, seqused_q=torch.tensor([20], dtype=I32)))
+    assert not ok and "seqused_q" in why
+    dense_cache = _problem(packed.q, packed.k[None, :300], packed.v[None, :300], True, varlen=True,
+                           cu_seqlens_q=packed.cu_seqlens_q, max_seqlen_q=40, cu_seqlens_k=None)
+    ok, why = hopper._supports(dense_cache)
+    assert not ok and "per-sequence" in why
 
 
 # ----------------------------------------------------------------------------- GPU (sm90)
