@@ -304,7 +304,7 @@ def _gpu_vllm(page_size, fp8, causal=True, window=(-1, -1), softcap=0.0, d=128, 
 @pytest.mark.parametrize("page_size", [16, 64, 128])
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("variant", ["causal", "window", "softcap", "full"])
-def test_gpu_vllm_call(page_size, fp8, variant):
+def test_gpu_vllm_call(page_size, fp8, variant, monkeypatch):
     """vLLM's FA3 call through the drop-in (``flash_attn_interface.flash_attn_varlen_func``, ``block_table``,
     ``seqused_k``, no ``cu_seqlens_k``) on the Hopper kernel: the float64 reference, the portable kernel's same call,
     and the bits of the Hopper kernel's call with cu_seqlens_k (BF16; FP8: V gathered from the used pages)."""
@@ -340,10 +340,13 @@ def test_gpu_vllm_call(page_size, fp8, variant):
     want, want_lse = leanfa.flash_attn_varlen_func(q, kc, vc, cu_q, cu_k, max(lens_q), max(lens_k), page_table=table,
                                                    backend="hopper", **kw)
     assert torch.equal(got, want) and torch.equal(lse, want_lse), "not the cu_seqlens_k call's bits"
-    # the drop-in's vLLM form (block_table=, seqused_k=, cu_seqlens_k=None) takes the same path
+    # the drop-in's vLLM form (block_table=, seqused_k=, cu_seqlens_k=None) takes the same path once the gate is on
+    from leanfa.kernels import dispatch
+
+    monkeypatch.setattr(dispatch, "HOPPER_SEQUSED_VALIDATED", True)
     drop = fa3.flash_attn_varlen_func(q, kc, vc, max_seqlen_q=max(lens_q), cu_seqlens_q=cu_q, max_seqlen_k=None,
                                       seqused_k=used, block_table=table, causal=causal, window_size=window,
-                                      softcap=softcap, backend="hopper", **desc)
+                                      softcap=softcap, **desc)
     drop = drop[0] if isinstance(drop, tuple) else drop
     assert torch.equal(drop, got)
 
