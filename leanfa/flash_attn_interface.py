@@ -13,7 +13,9 @@ Swap ``from flash_attn_interface import flash_attn_func`` for
   ``seqused_q[b]`` queries and ``seqused_k[b]`` keys of sequence ``b`` are used; output rows past
   ``seqused_q[b]`` are 0 with LSE ``-inf`` (FA3 leaves them unwritten). With ``cu_seqlens_q`` and
   ``cu_seqlens_k`` both None, ``q, k, v`` are dense ``(B, S, H, D)`` tensors, as in FA3. These calls
-  run on the portable kernel (the Hopper kernel does not read ``seqused`` yet: one warning);
+  run on the portable kernel (one warning), except ``seqused_k`` without ``seqused_q`` with
+  ``backend="hopper"`` (the Hopper kernel; ``backend="auto"`` joins once its GPU tests pass:
+  ``leanfa.kernels.dispatch.HOPPER_SEQUSED_VALIDATED``);
 * ``window_size=(left, right)`` (sliding-window local attention: query ``i`` sees keys
   ``[i + Sk - Sq - left, i + Sk - Sq + right]``, -1 unbounded; ``causal`` makes ``right`` 0) and
   ``softcap > 0`` (scores ``softcap * tanh(s / softcap)``), dense and varlen, 16-bit and FP8. Rows
@@ -35,9 +37,10 @@ Swap ``from flash_attn_interface import flash_attn_func`` for
   values would synchronize). On sm90 the Hopper kernel reads paged 16-bit and FP8 caches of a power-of-two
   ``page_size`` from 16 keys where the key lengths come from ``cu_seqlens_k`` (packed ``q``) or are the
   whole table (dense ``q``, no ``seqused_k``/``cache_seqlens``), with or without a window or ``softcap`` (an FP8
-  V cache through a transposed copy of each sequence's V pages made per call); the other paged calls
-  (``seqused_k``, ``cache_seqlens``, ``cu_seqlens_k=None``, other page sizes) run on the portable kernel (one
-  warning). The Hopper kernel reads the rows of a sequence's last page past its keys
+  V cache through a transposed copy of each sequence's V pages made per call); ``seqused_k``/``cache_seqlens``
+  and ``cu_seqlens_k=None`` (vLLM's FA3 call) run there with ``backend="hopper"`` and, until their GPU validation
+  (``dispatch.HOPPER_SEQUSED_VALIDATED``), on the portable kernel with ``backend="auto"``; other page sizes on the
+  portable kernel (one warning). The Hopper kernel reads the rows of a sequence's last page past its keys
   (masked out of the scores): they must hold finite values (stale keys or zeros do; NaN/Inf there gives
   NaN rows);
 * ``attention_chunk > 0`` (Llama-4's chunked local attention: query ``i`` at key position ``pos = i + Sk - Sq``

@@ -84,6 +84,11 @@ def variants():
     for dtype, d, page_size, varlen in (("bf16", 128, 64, True), ("bf16", 128, 128, False), ("mixed", 128, 64, True),
                                         ("fp8", 128, 64, True), ("fp8", 128, 128, False)):
         out.append(Variant(dtype, d, d, True, varlen=varlen, page_size=page_size, window=(4096, -1)))
+    # FA3's seqused_k (the kernel's seqused_k in _tile: packed K and dense; paged varlen reads the lengths as its
+    # cu_seqlens_k, so its kernel is the paged variant's)
+    for dtype, varlen, page_size in (("fp8", True, 0), ("bf16", True, 0), ("fp8", False, 0), ("bf16", False, 0),
+                                     ("bf16", True, 64), ("fp8", True, 64), ("fp8", False, 64)):
+        out.append(Variant(dtype, 128, 128, True, varlen=varlen, page_size=page_size, seqused_k=True))
     # the default knobs above; below varlen, the other head dims, the sink and the measured options
     for dtype, causal in (("fp8", True), ("fp8", False), ("bf16", True), ("bf16", False)):  # head dim 64
         out.append(Variant(dtype, 64, 64, causal))

@@ -382,8 +382,8 @@ def _plain():
 
 def test_dispatch_routes_paged(monkeypatch):
     """Paged calls the Hopper kernel reads go there with no warning, with a sliding window too, FP8 caches too (dense
-    q and packed with cu_seqlens_k); the forms it does not read (packed q without cu_seqlens_k, seqused_k, pages of 8
-    keys) run on the portable kernel with one warning each."""
+    q and packed with cu_seqlens_k); the forms it does not read with backend="auto" (packed q without cu_seqlens_k and
+    seqused_k until validated on the GPU, pages of 8 keys) run on the portable kernel with one warning each."""
     dispatch = hopper_accepts_everything(monkeypatch)
     paged = dataclasses.replace(_plain(), k=KC, v=KC, kv_heads=1, max_seqlen_k=128, page_table=TABLE)
     with warnings.catch_warnings():
@@ -399,8 +399,8 @@ def test_dispatch_routes_paged(monkeypatch):
     per_sequence = dataclasses.replace(paged, **packed)
     with pytest.warns(UserWarning, match="packed queries and no cu_seqlens_k"):
         assert not dispatch.hopper_applies(per_sequence)[0]
-    with pytest.raises(ValueError, match="cu_seqlens_k"):
-        dispatch.choose(per_sequence, "hopper")
+    # (backend="hopper" runs it before its GPU validation: tests/test_hopper_seqused.py, dispatch.HOPPER_SEQUSED_VALIDATED)
+    assert dispatch.choose(per_sequence, "hopper").kernel == "hopper"
     used = dataclasses.replace(paged, seqused_k=torch.tensor([100], dtype=I32))
     with pytest.warns(UserWarning, match="seqused"):
         assert not dispatch.hopper_applies(used)[0]

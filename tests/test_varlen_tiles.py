@@ -152,12 +152,16 @@ types = {"cu_q": "*i32", "cu_k": "*i32", "table": "*i32", "hist": "*i32", "batch
          "window_left": "i32", "window_right": "i32"}
 consts = {"CAUSAL": sys.argv[1] != "0", "BLOCK_M": 128, "BLOCK_B": vt.BLOCK_B, "BLOCK_T": vt.BLOCK_T, "BLOCK_H": 1024,
           "WINDOW": sys.argv[1] == "window"}
+if sys.argv[1] == "used":  # FA3's seqused_k (a pointer), else a constexpr None
+    types["used_k"] = "*i32"
+else:
+    consts["used_k"] = None
 ck = triton_aot._compile(vt._tile_table_kernel, types, consts, GPUTarget("cuda", 90, 32), num_warps=vt.WARPS)
 print("usage", *triton_aot.ptxas_usage(ck.asm["ptx"]))
 """
 
 
-@pytest.mark.parametrize("causal", [True, False, "window"])
+@pytest.mark.parametrize("causal", [True, False, "window", "used"])
 def test_table_kernel_compiles_for_sm90(causal):
     """The interpreter does not type-check loops (a loop-carried variable re-assigned with another type failed only
     on the H200, run 79): compile the launch for sm90 (in a process without the interpreter), without spills."""
@@ -166,7 +170,7 @@ def test_table_kernel_compiles_for_sm90(causal):
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", _COMPILE, causal if causal == "window" else "1" if causal else "0"],
+    r = subprocess.run([sys.executable, "-c", _COMPILE, causal if isinstance(causal, str) else "1" if causal else "0"],
                        env=env, capture_output=True,
                        text=True, timeout=300)
     if r.returncode != 0 and "ptxas" in r.stderr.lower() and "not found" in r.stderr.lower():

@@ -52,6 +52,13 @@ HOPPER_VALIDATED = True
 #: it on sm90.
 #: ``LEANFA_HOPPER_SINK=0`` sends it back to the portable kernel (``backend="hopper"``: to the split).
 HOPPER_SINK_VALIDATED = True
+#: FA3's ``seqused_k`` on the Hopper kernel (the kernel's ``seqused_k``; a paged call's lengths as its
+#: ``cu_seqlens_k``, :func:`leanfa.kernels.hopper.launch.paged_keys`), and paged calls with packed queries and no
+#: ``cu_seqlens_k`` (vLLM's FA3 prefill call): checked on the CPU in the emulator only, not yet on the GPU
+#: (tests/test_hopper_seqused.py's GPU tests are the check; docs/perf-notes.md, "Session 20: seqused_k on the Hopper
+#: kernel"). Until then ``backend="auto"`` runs these calls on the portable kernel (one warning per process);
+#: ``backend="hopper"`` runs them here. ``seqused_q`` stays on the portable kernel either way.
+HOPPER_SEQUSED_VALIDATED = False
 #: FP8 head dims where ``backend="auto"`` prefers the portable kernel although the Hopper kernel runs them: at
 #: 64/64 the portable FP8 kernel is 1.10x / 1.06-1.07x as fast as the Hopper kernel at 4K / 16K on the H200 (causal,
 #: B*S = 16K, 16 heads; docs/perf-notes.md, "FP8 at head dim 64 goes to the portable kernel"), and its sink beats
@@ -126,8 +133,9 @@ def sink_route(backend: str, dims, sink_keys: int) -> str | None:
     return backend
 
 
-def hopper_applies(problem) -> tuple[bool, str]:
-    """Whether the Hopper kernel can run this problem, and if not, why."""
+def hopper_applies(problem, backend: str = "auto") -> tuple[bool, str]:
+    """Whether the Hopper kernel can run this problem with ``backend`` (``"hopper"`` also runs what is not yet
+    validated on the GPU: :func:`portable_only_reason`), and if not, why."""
     hopper = _hopper()
     if hopper is None:
         return False, "triton.experimental.gluon is not available"
@@ -135,7 +143,7 @@ def hopper_applies(problem) -> tuple[bool, str]:
         return False, ("BF16 sink keys (bf16_sink_keys) run in the portable kernel here: the Hopper kernel's "
                        "sink is off (LEANFA_HOPPER_SINK=0)")
     ok, why = hopper.supports(problem)
-    portable_only = portable_only_reason(problem)
+    portable_only = portable_only_reason(problem, backend)
     on_sm90 = ok or not hopper.device_problem(problem)  # a GPU where the Hopper kernel runs other calls
     if portable_only and on_sm90:  # one warning per process and reason, as for the other portable fallbacks
         _warn_once(portable_only)
@@ -149,13 +157,14 @@ def _warn_once(why: str) -> None:
         warnings.warn(f"leanfa: {why}", UserWarning, stacklevel=3)
 
 
-def portable_only_reason(problem) -> str:
-    """Why only the portable kernel runs ``problem`` (features the Hopper kernel does not implement), or ``""``."""
+def portable_only_reason(problem, backend: str = "auto") -> str:
+    """Why only the portable kernel runs ``problem`` (features the Hopper kernel does not implement, or does not
+    run with ``backend="auto"`` before their GPU validation), or ``""``."""
     if problem.paged:
-        why = _paged_reason(problem)
+        why = _paged_reason(problem, backend)
         if why:
             return why
-    if problem.kv_per_sequence:
+    if problem.kv_per_sequence and not problem.paged:
         return ("packed queries (cu_seqlens_q) over a per-sequence (batch, seqlen) K/V cache are not implemented in "
                 "the Hopper kernel: these calls run on the portable kernel")
     if problem.attention_chunk > 0:
@@ -163,8 +172,11 @@ def portable_only_reason(problem) -> str:
                 "the portable kernel")
     if problem.qv is not None:
         return "qv (MLA's absorbed form) is not implemented in the Hopper kernel: these calls run on the portable kernel"
-    if problem.has_seqused:
-        return "seqused_q/seqused_k are not implemented in the Hopper kernel: these calls run on the portable kernel"
+    if problem.seqused_q is not None:
+        return "seqused_q is not implemented in the Hopper kernel: these calls run on the portable kernel"
+    if problem.seqused_k is not None and not _seqused_enabled(backend):
+        return ("seqused_k on the Hopper kernel is not yet validated on the GPU: these calls run on the portable "
+                "kernel (backend='hopper' runs them there)")
     if problem.has_window and problem.pv_fp8 and problem.head_dim_v > 128:
         return ("sliding windows (window_size) with FP8 P.V at head dim 256 are not enabled in the Hopper kernel (its "
                 "sm90 build spills ~550 B in the key loop, against 36-76 B without a window): these calls run on the "
@@ -176,14 +188,22 @@ def portable_only_reason(problem) -> str:
     return ""
 
 
-def _paged_reason(problem) -> str:
-    """Why the Hopper kernel does not read this call's paged K/V, or ``""``: it reads packed queries with
-    ``cu_seqlens_k`` (the key lengths) and dense queries over the whole table, V caches stored token-major (16-bit, and
-    FP8 through a transposed copy per call), pages of a power of two from 16 keys
-    (:func:`leanfa.kernels.hopper.launch.paged_problem`)."""
-    if problem.kv_per_sequence:
-        return ("paged K/V with packed queries and no cu_seqlens_k (key lengths from seqused_k or the page table) is "
-                "not implemented in the Hopper kernel: these calls run on the portable kernel")
+def _seqused_enabled(backend: str) -> bool:
+    """Whether the Hopper kernel runs ``seqused_k`` and paged calls without ``cu_seqlens_k`` for ``backend``:
+    validated (:data:`HOPPER_SEQUSED_VALIDATED`), or demanded (``backend="hopper"``)."""
+    return HOPPER_SEQUSED_VALIDATED or backend == "hopper"
+
+
+def _paged_reason(problem, backend: str = "auto") -> str:
+    """Why the Hopper kernel does not read this call's paged K/V, or ``""``: it reads packed queries (key lengths from
+    ``cu_seqlens_k``, ``seqused_k`` or the table's capacity) and dense queries over the whole table, V caches stored
+    token-major (16-bit, and FP8 through a transposed copy per call), pages of a power of two from 16 keys
+    (:func:`leanfa.kernels.hopper.launch.paged_problem`). Packed queries without ``cu_seqlens_k`` (vLLM's call) wait for
+    :data:`HOPPER_SEQUSED_VALIDATED` with ``backend="auto"``."""
+    if problem.kv_per_sequence and not _seqused_enabled(backend):
+        return ("paged K/V with packed queries and no cu_seqlens_k (key lengths from seqused_k or the page table) on "
+                "the Hopper kernel is not yet validated on the GPU: these calls run on the portable kernel "
+                "(backend='hopper' runs them there)")
     hopper = _hopper()
     why = hopper.paged_problem(problem.page_size, problem.v) if hopper is not None else "Gluon is not available"
     return f"{why}: these calls run on the portable kernel" if why else ""
@@ -201,7 +221,7 @@ def choose(problem, backend: str) -> Choice:
         return Choice("portable", "an unsupported torch/triton runs the portable kernel only")
     if backend == "auto" and not HOPPER_VALIDATED:
         return Choice("portable", "the Hopper kernel has not passed its GPU check")
-    ok, why = hopper_applies(problem)
+    ok, why = hopper_applies(problem, backend)
     if not ok:
         if backend == "hopper":
             raise ValueError(f"backend='hopper' cannot run this call: {why}")
@@ -331,7 +351,7 @@ def probe_problem(problem):
     return dataclasses.replace(
         p, q=q, k=k, v=v, batch=batch, heads=hq, kv_heads=hkv, **seqlens, softmax_scale=dqk ** -0.5,
         q_scale=ones.expand(batch, hq, 1), k_scale=ones.expand(batch, hkv, 1), v_scale=ones.expand(batch, hkv, dv),
-        k_mean=k_mean, page_table=None, **sink)
+        k_mean=k_mean, page_table=None, seqused_q=None, seqused_k=None, **sink)
 
 
 def _describe(problem) -> str:

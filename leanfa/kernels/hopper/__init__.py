@@ -123,6 +123,10 @@ def _supports(problem) -> tuple[bool, str]:
         why = varlen_tiles.table_problem(q.shape[1], problem.cu_seqlens_q.numel() - 1, _launch.BLOCK_M)
         if why:
             return False, why
+    if problem.seqused_q is not None:
+        return False, "seqused_q is not implemented in the Hopper kernel (rows past it must be written as 0, LSE -inf)"
+    if problem.kv_per_sequence and not problem.paged:
+        return False, "packed queries over a per-sequence (batch, seqlen) K/V cache are not implemented in the Hopper kernel"
     if problem.sink_keys and problem.has_window:  # (the API refuses the pair before it gets here)
         return False, "the Hopper kernel does not combine sliding windows (window_size) with BF16 sink keys"
     if problem.sink_keys:
@@ -136,10 +140,12 @@ def _supports(problem) -> tuple[bool, str]:
 def plan_kwargs(problem) -> dict:
     """``make_plan``'s keywords for ``problem``: the varlen ones (none when dense; a packed FP8 V's aligned
     starts among them), the BF16 sink keys' ``sink`` tuple (none without), paged K/V's ``page_table``, the sliding
-    window's ``window`` and ``softcap`` (none without either)."""
+    window's ``window``, ``softcap`` and FA3's ``seqused_k`` (none without any)."""
     kw = {}
     if problem.paged:
         kw.update(page_table=problem.page_table)
+    if problem.seqused_k is not None:
+        kw.update(seqused_k=problem.seqused_k)
     if problem.has_window:
         kw.update(window=(problem.window_left, problem.window_right))
     if problem.softcap > 0:
@@ -162,7 +168,7 @@ _memo = threading.local()  # the last problem's key: supports() and plan() of on
 def _inputs(problem) -> tuple:
     return (problem.q, problem.k, problem.v, problem.q_scale, problem.k_scale, problem.v_scale, problem.k_mean,
             problem.sink_q, problem.sink_k, problem.sink_v, problem.cu_seqlens_q, problem.cu_seqlens_k,
-            problem.cu_seqlens_v, problem.page_table)
+            problem.cu_seqlens_v, problem.page_table, problem.seqused_k)
 
 
 def _signature(problem):
@@ -194,22 +200,29 @@ def plan(problem):
     out, lse = allocate_outputs(problem)
     key = _signature(problem)
     _memo.last = None  # (a later call on this problem object reads the knobs again)
-    v, cu_v = _launch.prepare_v(problem.q, problem.v, problem.cu_seqlens_k, problem.max_seqlen_k,
-                                problem.cu_seqlens_v, problem.page_table)
+    # a paged call's key lengths (seqused_k, or no cu_seqlens_k: vLLM's call) as cu_seqlens_k (made every call)
+    cu_k, used_k = _launch.paged_keys(problem.page_table, problem.page_size, problem.varlen, problem.cu_seqlens_k,
+                                      problem.seqused_k)
+    v, cu_v = _launch.prepare_v(problem.q, problem.v, cu_k, problem.max_seqlen_k, problem.cu_seqlens_v,
+                                problem.page_table)
     q, k, v, sq, sk, sv = (t if t is None else _launch.as_bshd(t)
                            for t in (problem.q, problem.k, v, problem.sink_q, problem.sink_k, problem.sink_v))
     tiles = problem.scheduler_metadata
     if problem.varlen and tiles is None:  # the call's tile table (made every call unless the caller made it)
-        tiles = varlen_tiles.build(problem.cu_seqlens_q, problem.cu_seqlens_k, q.shape[1], problem.max_seqlen_k,
-                                   problem.causal, _launch.BLOCK_M, (problem.window_left, problem.window_right))
+        tiles = varlen_tiles.build(problem.cu_seqlens_q, cu_k, q.shape[1], problem.max_seqlen_k,
+                                   problem.causal, _launch.BLOCK_M, (problem.window_left, problem.window_right), used_k)
     inputs = (q, k, v, problem.q_scale, problem.k_scale, problem.v_scale, problem.k_mean, sq, sk, sv,
-              problem.cu_seqlens_q, problem.cu_seqlens_k, cu_v, tiles, out, lse, problem.page_table)
+              problem.cu_seqlens_q, cu_k, cu_v, tiles, out, lse, problem.page_table, used_k)
     if key is not None:
-        key = plan_cache.extend(key, (v, cu_v, tiles, out, lse), inputs)
+        key = plan_cache.extend(key, (v, cu_v, tiles, out, lse, cu_k, used_k), inputs)
         template = PLANS.get(key)
         if template is not None:
             return template.bind(inputs), out, lse
     kw = plan_kwargs(problem)
+    if problem.varlen:
+        kw.update(cu_seqlens_k=cu_k)
+    if problem.seqused_k is not None:
+        kw.update(seqused_k=used_k)
     if problem.sink_keys:
         kw["sink"] = (problem.sink_keys, sq, sk, sv)
     p = _launch.make_plan(q, k, None, out, lse, problem.q_scale, problem.k_scale, problem.v_scale,

@@ -41,6 +41,7 @@ class Variant:
     page_size: int = 0  # paged K/V: caches (num_pages, page_size, H, D) through a page table (0: contiguous)
     window: tuple = (-1, -1)  # flash-attn's window_size as Problem stores it (-1: unbounded; causal: right -1)
     softcap: float = 0.0  # flash-attn's softcap (0: off)
+    seqused_k: bool = False  # FA3's seqused_k (paged varlen: read as the key lengths' cu_seqlens_k)
 
     @property
     def name(self) -> str:
@@ -51,7 +52,7 @@ class Variant:
                 f"{'-vT' if vk else ''}{'-varlen' if self.varlen else ''}{'-sink' if self.sink else ''}"
                 f"{f'-paged{self.page_size}' if self.page_size else ''}"
                 f"{'-window%d,%d' % self.window if self.window != (-1, -1) else ''}"
-                f"{'-softcap%g' % self.softcap if self.softcap else ''}")
+                f"{'-softcap%g' % self.softcap if self.softcap else ''}{'-usedk' if self.seqused_k else ''}")
 
 
 def _fake_problem(v: Variant):
@@ -99,6 +100,8 @@ def _fake_problem(v: Variant):
             alloc = -(-room // KEY_BLOCK) * KEY_BLOCK
             varlen["prepared_v"] = (torch.zeros(varlen["page_table"].shape[0], H, v.dv, alloc,
                                                 dtype=dt)[..., :room].permute(0, 3, 1, 2), None)
+    if v.seqused_k:
+        varlen["seqused_k"] = torch.zeros(2 if v.varlen else B, dtype=torch.int32)
     with mock.patch.dict(os.environ, {k: str(x) for k, x in v.env}):  # restored on exit
         return L.make_plan(q, k, v_, out, lse if v.return_lse else None, qs, ks, vs, km, causal=v.causal,
                            softmax_scale=v.dqk ** -0.5, return_lse=v.return_lse, window=v.window, **varlen,

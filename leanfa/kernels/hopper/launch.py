@@ -348,6 +348,34 @@ def prepare_v(q: torch.Tensor, v: torch.Tensor, cu_seqlens_k=None, max_seqlen_k=
     return (v, None) if v_is_kmajor(v) else (transpose_fp8_v(v), None)
 
 
+def paged_key_offsets(page_table: torch.Tensor, page_size: int, cu_seqlens_k=None, seqused_k=None) -> torch.Tensor:
+    """Int32 ``(batch + 1)`` prefix sums of a paged call's key lengths: each sequence's table-row capacity
+    (``max_pages * page_size``), or its ``cu_seqlens_k`` length, cut by FA3's ``seqused_k``. Made on the device (no
+    host sync on the lengths). A paged call reads only lengths from ``cu_seqlens_k`` (its keys come through the page
+    table: the starts are unused), so these offsets stand in for it in the kernel, the tile table and the FP8 V
+    gather."""
+    batch, max_pages = page_table.shape
+    if cu_seqlens_k is not None:
+        lengths = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+    else:
+        lengths = torch.full((batch,), max_pages * page_size, dtype=torch.int32, device=page_table.device)
+    if seqused_k is not None:
+        lengths = torch.minimum(lengths, seqused_k)
+    offsets = torch.zeros(batch + 1, dtype=torch.int32, device=page_table.device)
+    torch.cumsum(lengths, 0, out=offsets[1:])
+    return offsets
+
+
+def paged_keys(page_table, page_size: int, varlen: bool, cu_seqlens_k=None, seqused_k=None):
+    """``(cu_seqlens_k, seqused_k)`` as a paged call's kernel reads them: where ``seqused_k`` is given, or packed
+    queries come without ``cu_seqlens_k`` (vLLM's call), the lengths as :func:`paged_key_offsets` (varlen: in place of
+    both; dense: for the FP8 V gather, the kernel keeps ``seqused_k``); else as given."""
+    if page_table is None or not (seqused_k is not None or (varlen and cu_seqlens_k is None)):
+        return cu_seqlens_k, seqused_k
+    offsets = paged_key_offsets(page_table, page_size, cu_seqlens_k, seqused_k)
+    return offsets, None if varlen else seqused_k
+
+
 def window_bounds(causal: bool, window: tuple[int, int], max_seqlen_q: int, max_seqlen_k: int
                   ) -> tuple[int, int] | None:
     """The kernel's ``(window_left, window_right)`` for flash-attn's ``window_size`` as :class:`leanfa.problem.Problem`
@@ -365,7 +393,7 @@ def window_bounds(causal: bool, window: tuple[int, int], max_seqlen_q: int, max_
 def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: bool,
               softmax_scale: float, return_lse: bool, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, sink=None,
               prepared_v=None, tile_table=None, cu_seqlens_v=None, page_table=None, window=(-1, -1),
-              softcap: float = 0.0) -> Plan:
+              softcap: float = 0.0, seqused_k=None) -> Plan:
     """Kernel arguments for dense (B, S, H, D) tensors (``out`` (B, Sq, Hq, Dv)), or packed varlen
     (total, H, D) ones with ``cu_seqlens_*`` / ``max_seqlen_*`` (``out`` (total_q, Hq, Dv)).
     ``sink``: ``(sink_keys, q16, k16, v16)``, FP8 with the first keys attended from the 16-bit inputs
@@ -378,12 +406,17 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
     gives the key lengths; dense, every sequence has ``max_pages * page_size``.
     ``window``: flash-attn's ``window_size`` as :class:`leanfa.problem.Problem` normalizes it (:func:`window_bounds`;
     not with ``sink``). ``softcap > 0``: flash-attn's score capping (the kernel's ``SOFTCAP``: 2 with ``k_mean``, whose
-    ``q . mean`` goes inside tanh's argument instead of the LSE; not with ``sink``)."""
+    ``q . mean`` goes inside tanh's argument instead of the LSE; not with ``sink``).
+    ``seqused_k``: FA3's int32 ``(batch,)``, sequence ``b``'s first ``seqused_k[b]`` keys only (the kernel's
+    ``seqused_k``; a paged call's key lengths read as :func:`paged_keys` makes them). Paged with packed queries and no
+    ``cu_seqlens_k`` (vLLM's call): each sequence has the table's capacity, cut by ``seqused_k``."""
     varlen = cu_seqlens_q is not None
     if page_table is not None:
         why = paged_problem(k.shape[1], v if prepared_v is None else None)
         if why:
             raise ValueError(why)
+        if prepared_v is None or varlen:  # (a dense call's offsets serve the FP8 V gather alone)
+            cu_seqlens_k, seqused_k = paged_keys(page_table, k.shape[1], varlen, cu_seqlens_k, seqused_k)
     v, cu_seqlens_v = (prepared_v if prepared_v is not None
                        else prepare_v(q, v, cu_seqlens_k, max_seqlen_k, cu_seqlens_v, page_table))
     q, k, v = as_bshd(q), as_bshd(k), as_bshd(v)
@@ -465,14 +498,15 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
     if varlen:  # lse (Hq, total_q)
         lse_strides = (0, lse.stride(0)) if lse is not None else (0, 0)
         if tile_table is None:
-            tile_table = varlen_tiles.build(cu_seqlens_q, cu_seqlens_k, total_q, Sk, causal, block_m, window)
+            tile_table = varlen_tiles.build(cu_seqlens_q, cu_seqlens_k, total_q, Sk, causal, block_m, window,
+                                            seqused_k)
         tiles = varlen_tiles.capacity(total_q, B, block_m) * Hq  # (from the shapes alone: CUDA-graph safe)
         args += (cu_seqlens_q, cu_seqlens_k, tile_table, *lse_strides)
     else:  # lse (B, Hq, Sq); the cu_seqlens and tile-table pointers are unused
         args += (v_scale, v_scale, v_scale, Hq * Sq, Sq)
     trace = trace_buffer(B * Hq * num_m_tiles, q.device) if _flag("LEANFA_HOPPER_TRACE", False) else None
     pages = (page_table, *page_table.stride()) if page_table is not None else (None, None, None)
-    args += (trace, cu_seqlens_v, *pages, *sink_descs, out_desc, float(softcap))
+    args += (trace, cu_seqlens_v, *pages, *sink_descs, out_desc, float(softcap), seqused_k)
     persistent = _flag("LEANFA_HOPPER_PERSISTENT", persistent_default(is_fp8, sink_mode, Dv, has_kmean, Dqk,
                                                                        cap_mode > 0 and pv_fp8))
     constexprs = dict(

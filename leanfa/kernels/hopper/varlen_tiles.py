@@ -55,17 +55,20 @@ KEY_BLOCK = tl.constexpr(128)  # keys per bucket of the counting sort (the Hoppe
 
 @triton.jit
 def _pair_buckets(cu_q, cu_k, b, t0, batch, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, NBUCKETS,
-                  BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr, window_left, window_right, WINDOW: tl.constexpr):
+                  BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr, window_left, window_right, WINDOW: tl.constexpr,
+                  used_k=None):
     """For sequences ``b`` (a ``[BLOCK_B]`` block) and query tiles ``t0 + [0, BLOCK_T)``: ``(pair, bucket, real)``,
     the packed pair, the key blocks its last row sees (causal: bottom-right aligned; ``WINDOW``: the keys of the
     tile's band, sides ``window_left``/``window_right`` >= 0; clamped to the histogram), and whether the tile
-    exists."""
+    exists. ``used_k``: None, or FA3's ``seqused_k`` (each sequence's first ``used_k[b]`` keys only)."""
     in_batch = b < batch
     q0 = tl.load(cu_q + b, mask=in_batch, other=0)
     q1 = tl.load(cu_q + b + 1, mask=in_batch, other=0)
     k0 = tl.load(cu_k + b, mask=in_batch, other=0)
     k1 = tl.load(cu_k + b + 1, mask=in_batch, other=0)
     len_q, len_k = q1 - q0, k1 - k0
+    if used_k is not None:
+        len_k = tl.minimum(tl.load(used_k + b, mask=in_batch, other=0), len_k)
     tiles = (len_q + BLOCK_M - 1) // BLOCK_M
     m = t0 + tl.arange(0, BLOCK_T)
     real = m[None, :] < tiles[:, None]
@@ -92,12 +95,12 @@ def _tile_counts(cu_q, b, batch, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _tile_table_kernel(cu_q, cu_k, table, hist, batch, slots, NBUCKETS, CAUSAL: tl.constexpr,
+def _tile_table_kernel(cu_q, cu_k, used_k, table, hist, batch, slots, NBUCKETS, CAUSAL: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
                        window_left=0, window_right=0, WINDOW: tl.constexpr = False):
     """One program: ``table[0]`` = the number ``n`` of pairs, ``table[1 + i]`` the pairs, most key blocks first
     (pairs of one bucket in any order), -1 in ``table[1 + n .. 1 + slots)``. ``hist``: ``NBUCKETS`` int32 of
-    scratch (the histogram, then each bucket's next free position)."""
+    scratch (the histogram, then each bucket's next free position). ``used_k``: :func:`_pair_buckets`'."""
     offs_h = tl.arange(0, BLOCK_H)
     for h0 in range(0, NBUCKETS, BLOCK_H):
         tl.store(hist + h0 + offs_h, 0, mask=h0 + offs_h < NBUCKETS)
@@ -109,7 +112,7 @@ def _tile_table_kernel(cu_q, cu_k, table, hist, batch, slots, NBUCKETS, CAUSAL: 
         total += tl.sum(tiles, axis=0)
         for t0 in range(0, tl.max(tiles, axis=0), BLOCK_T):
             pair, bucket, real = _pair_buckets(cu_q, cu_k, b, t0, batch, CAUSAL, BLOCK_M, NBUCKETS, BLOCK_B, BLOCK_T,
-                                               window_left, window_right, WINDOW)
+                                               window_left, window_right, WINDOW, used_k)
             tl.atomic_add(hist + bucket, 1, mask=real)
     tl.debug_barrier()
     start = 0  # each bucket's first position, the fullest (most key blocks) first
@@ -125,7 +128,7 @@ def _tile_table_kernel(cu_q, cu_k, table, hist, batch, slots, NBUCKETS, CAUSAL: 
         tiles = _tile_counts(cu_q, b, batch, BLOCK_M)
         for t0 in range(0, tl.max(tiles, axis=0), BLOCK_T):
             pair, bucket, real = _pair_buckets(cu_q, cu_k, b, t0, batch, CAUSAL, BLOCK_M, NBUCKETS, BLOCK_B, BLOCK_T,
-                                               window_left, window_right, WINDOW)
+                                               window_left, window_right, WINDOW, used_k)
             pos = tl.atomic_add(hist + bucket, 1, mask=real)
             tl.store(table + 1 + pos, pair, mask=real)
     tl.store(table, total)
@@ -148,13 +151,14 @@ def table_size(total_q: int, batch: int, max_seqlen_k: int, block_m: int) -> int
 
 
 def build(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q: int, max_seqlen_k: int, causal: bool,
-          block_m: int, window: tuple[int, int] = (-1, -1)) -> torch.Tensor:
+          block_m: int, window: tuple[int, int] = (-1, -1), seqused_k: torch.Tensor | None = None) -> torch.Tensor:
     """int32 ``[1 + capacity + buckets]``: entry 0 is the number ``n`` of real pairs, entries ``1 .. n`` the pairs
     ``b << PAIR_SHIFT | m`` (query tile ``m`` of sequence ``b``), most key blocks first, then -1 up to the capacity
     (:func:`capacity`; an empty table holds pair 0), then the launch's scratch.
     ``max_seqlen_k`` sizes the histogram (a longer sequence's tiles share its last bucket: still all listed).
     ``window``: flash-attn's ``window_size`` as :class:`leanfa.problem.Problem` stores it (-1: unbounded; ``causal``
-    a right side of 0): the tiles are ordered by the keys of their band."""
+    a right side of 0): the tiles are ordered by the keys of their band. ``seqused_k``: FA3's int32 ``(batch,)``, each
+    sequence's first ``seqused_k[b]`` keys only (the tiles are ordered by those keys)."""
     batch = cu_seqlens_q.numel() - 1
     slots = capacity(total_q, batch, block_m)
     buckets = _buckets(max_seqlen_k)
@@ -164,7 +168,8 @@ def build(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q: int, 
     if left >= 0 or right >= 0:  # an unbounded side as one past every key (total_q >= any sequence's queries)
         band = dict(window_left=left if left >= 0 else max(int(max_seqlen_k), 1),
                     window_right=0 if causal else right if right >= 0 else max(int(total_q), 1), WINDOW=True)
-    _TILE_TABLE[(1, )](cu_seqlens_q, cu_seqlens_k, table, table[1 + slots:], batch, slots, buckets,
+    # (seqused_k None: a constexpr None, the launch compiles as without the argument)
+    _TILE_TABLE[(1, )](cu_seqlens_q, cu_seqlens_k, seqused_k, table, table[1 + slots:], batch, slots, buckets,
                        CAUSAL=bool(causal), BLOCK_M=block_m, BLOCK_B=BLOCK_B, BLOCK_T=BLOCK_T, BLOCK_H=1024,
                        num_warps=WARPS, **band)
     return table
