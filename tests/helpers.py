@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+
 import torch
 
 # Tolerances on relative L2 error vs float64, per input precision:
@@ -135,3 +138,21 @@ def quantized_problem(q, k, v, *, causal, precision, lse=True, cu=None, **option
     cu = cu or dict(cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None)
     return _build_problem(q, k, v, varlen=cu["cu_seqlens_q"] is not None, **cu, softmax_scale=None, causal=causal,
                           return_lse=lse, out_dtype=None, **options, **kw)
+
+
+@contextlib.contextmanager
+def mutated(fn, edits):
+    """The Hopper emulator runs ``fn`` (a ``@gluon.jit`` function) with each ``(old, new)`` of ``edits`` made in its
+    source (each ``old`` must be there) inside the block; the real source again after it."""
+    from leanfa.kernels.hopper.emulate import reset_shadows, shadow
+
+    src = inspect.getsource(fn.fn)
+    for old, new in edits:
+        assert old in src, old
+        src = src.replace(old, new)
+    reset_shadows()
+    shadow(fn, source=src)
+    try:
+        yield
+    finally:
+        reset_shadows()

@@ -22,7 +22,7 @@ import torch
 import leanfa
 from leanfa.problem import Problem
 from leanfa.reference import attention_ref
-from helpers import TOL, cu_seqlens, hopper_accepts_everything, rel_l2
+from helpers import TOL, cu_seqlens, hopper_accepts_everything, mutated, rel_l2
 
 BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
 I32 = torch.int32
@@ -280,18 +280,12 @@ def test_emulated_fp8_mutations_caught(module, fn, edits):
 def _mutated_catches(fn, edits, window=(-1, -1), fp8=False):
     """``fn`` with each ``(old, new)`` of ``edits`` made makes the emulated paged call (with ``window``; e4m3 caches
     when ``fp8``) fail (an emulator error, NaN, or a wrong answer)."""
-    from leanfa.kernels.hopper.emulate import EmulationError, emulate, reset_shadows, shadow
+    from leanfa.kernels.hopper.emulate import EmulationError, emulate
 
-    src = inspect.getsource(fn.fn)
-    for old, new in edits:
-        assert old in src, old
-        src = src.replace(old, new)
-    reset_shadows()
-    shadow(fn, source=src)
     p, _ = _varlen(*LENS, 4, 2, 64, 64, True, seed=1, window=window)
     if fp8:
         p, _ = _fp8(p)
-    try:
+    with mutated(fn, edits):
         try:
             out, _, _ = emulate(p)
         except EmulationError:
@@ -299,8 +293,6 @@ def _mutated_catches(fn, edits, window=(-1, -1), fp8=False):
         ref = attention_ref(p.q, p.k, p.v, causal=True, cu_seqlens_q=p.cu_seqlens_q, cu_seqlens_k=p.cu_seqlens_k,
                             page_table=p.page_table, window_size=window)
         assert torch.isnan(out).any() or rel_l2(out, ref) > (1e-1 if fp8 else 1e-2), "mutation not caught"
-    finally:
-        reset_shadows()
 
 
 @emulation

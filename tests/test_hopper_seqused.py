@@ -20,7 +20,7 @@ import torch
 
 import leanfa
 from leanfa.reference import attention_ref
-from helpers import TOL, cu_seqlens, rel_l2
+from helpers import TOL, cu_seqlens, mutated, rel_l2
 from test_hopper_paged import TAIL, _caches, _problem
 
 BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
@@ -173,23 +173,15 @@ def test_emulated_dense_seqused_k():
 
 def _mutated_fails(fn, edits, p):
     """``fn`` with each ``(old, new)`` of ``edits`` made makes the emulated call ``p`` fail."""
-    from leanfa.kernels.hopper.emulate import EmulationError, emulate, reset_shadows, shadow
+    from leanfa.kernels.hopper.emulate import EmulationError, emulate
 
-    src = inspect.getsource(fn.fn)
-    for old, new in edits:
-        assert old in src, old
-        src = src.replace(old, new)
-    reset_shadows()
-    shadow(fn, source=src)
-    try:
+    with mutated(fn, edits):
         try:
             out, lse, _ = emulate(p)
         except EmulationError:
             return
         with pytest.raises(AssertionError):
             _check_ref(out, lse, p, 1e-2)
-    finally:
-        reset_shadows()
 
 
 @emulation
