@@ -12,7 +12,6 @@ poisoned with NaN. The ``gpu`` tests run the real kernel on sm90.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 import warnings
 

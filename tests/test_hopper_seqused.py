@@ -12,7 +12,6 @@ real kernel on sm90; they are the check that turns :data:`leanfa.kernels.dispatc
 
 from __future__ import annotations
 
-import inspect
 import math
 
 import pytest
