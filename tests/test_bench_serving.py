@@ -374,12 +374,15 @@ def test_paged_rows_run_on_cpu_and_match_contiguous(monkeypatch):
         assert r["flops"] == shapes.flops(TINY)
     assert "shuffled" in {r["impl"]: r for r in rows}["leanfa-portable-bf16-paged64"]["note"]
     x = make_inputs(TINY, device="cpu", seed=4)
-    for contiguous, paged in ((impls_mod._leanfa_bf16("portable"), impls_mod._leanfa_bf16_paged("portable", 8)),
-                              (impls_mod._leanfa_fp8_kvhead_kernel("portable"),
-                               impls_mod._leanfa_fp8_kvhead_kernel("portable", 8))):
+    for contiguous, paged, vllm in ((impls_mod._leanfa_bf16("portable"), impls_mod._leanfa_bf16_paged("portable", 8),
+                                     impls_mod._leanfa_bf16_paged("portable", 8, vllm=True)),
+                                    (impls_mod._leanfa_fp8_kvhead_kernel("portable"),
+                                     impls_mod._leanfa_fp8_kvhead_kernel("portable", 8),
+                                     impls_mod._leanfa_fp8_kvhead_kernel("portable", 8, vllm=True))):
         want = contiguous(TINY, x).run()
         got = paged(TINY, x).run()
         assert torch.isfinite(got).all() and torch.equal(got, want)
+        assert torch.equal(vllm(TINY, x).run(), want)  # vLLM's call: the lengths as seqused_k, cu_seqlens_k=None
     dense = dataclasses.replace(TINY, seqlens=None, seqlens_k=None, batch=2)
     with pytest.raises(NotApplicable, match="packed"):
         impls_mod._leanfa_bf16_paged("portable", 64)(dense, make_inputs(dense, device="cpu"))
@@ -391,7 +394,8 @@ def test_paged_rows_are_opt_in():
     assert not any("paged" in n or "kvhead" in n for n in default) and "leanfa-portable-bf16" in default
     named = {i.name for i in impls_mod.select(all_impls(), ["leanfa-*-paged*"])}
     assert named == ({f"leanfa-{b}-{p}" for b in ("hopper", "portable")
-                      for ps in (64, 128) for p in (f"bf16-paged{ps}", f"fp8-paged{ps}-kernel")}
+                      for ps in (64, 128)
+                      for p in (f"bf16-paged{ps}", f"fp8-paged{ps}-kernel", f"bf16-paged{ps}-vllm", f"fp8-paged{ps}-vllm")}
                      | {f"leanfa-hopper-fp8-paged{ps}-launch" for ps in (64, 128)})
 
 

@@ -24,7 +24,9 @@ Rows:
   The ``hopper`` paged rows run the Hopper kernel (BF16 beside ``leanfa-hopper-bf16``, the same batch contiguous:
   the paged target is >= 0.95x of it); its FP8 paged call includes a transposed copy of the V pages per call
   (:func:`leanfa.kernels.paged_v.gather_paged_v`), and ``leanfa-hopper-fp8-paged<P>-launch`` times the Hopper launch
-  alone with that copy made before the timing (the difference is the copy's time);
+  alone with that copy made before the timing (the difference is the copy's time); a ``-vllm`` suffix
+  (``leanfa-<backend>-bf16-paged<P>-vllm``, ``leanfa-<backend>-fp8-paged<P>-vllm``) makes the same paged call as vLLM's
+  FA3 prefill backend does, the key lengths as ``seqused_k`` with ``cu_seqlens_k=None``;
 * ``cudnn-bf16``: torch SDPA forced to ``SDPBackend.CUDNN_ATTENTION`` (varlen: cuDNN
   frontend graph with ragged offsets; a chunked-prefill batch, ``Sq < Sk``, with the
   bottom-right causal mask) — the BF16 baseline;
@@ -213,16 +215,25 @@ def _paged(case: Case, x: Inputs, k: torch.Tensor, v: torch.Tensor, page_size: i
     return paged_kv(k, v, case.key_seqlens, page_size, seed=page_size)
 
 
-def _leanfa_bf16_paged(backend: str, page_size: int):
+def _key_lengths(x: Inputs, vllm: bool) -> dict:
+    """How a paged call is told its key lengths: ``cu_seqlens_k``, or (``vllm``) vLLM's FA3 prefill call's
+    ``seqused_k`` with ``cu_seqlens_k=None`` (the lengths made on the device before the timing)."""
+    if not vllm:
+        return dict(cu_seqlens_k=x.cu_seqlens_k)
+    return dict(cu_seqlens_k=None, seqused_k=x.cu_seqlens_k.diff().to(torch.int32))
+
+
+def _leanfa_bf16_paged(backend: str, page_size: int, vllm: bool = False):
     """flash_attn_varlen_func over paged BF16 caches holding the case's K/V (pages shuffled), with the case's
-    sliding window if it has one."""
+    sliding window if it has one; ``vllm``: the key lengths as ``seqused_k`` (:func:`_key_lengths`)."""
     def prepare(case: Case, x: Inputs) -> Prepared:
         lf = _leanfa()
         paged = _paged(case, x, x.k, x.v, page_size)
+        lengths = _key_lengths(x, vllm)
         return Prepared(_leanfa_call(lambda: lf.flash_attn_varlen_func(
-            x.q, paged.k_cache, paged.v_cache, x.cu_seqlens, x.cu_seqlens_k, x.max_seqlen, x.max_seqlen_k,
-            causal=case.causal, backend=backend, page_table=paged.page_table, **_window_kw(case))),
-            note=f"paged K/V, {page_size}-token pages in a shuffled order")
+            x.q, paged.k_cache, paged.v_cache, x.cu_seqlens, max_seqlen_q=x.max_seqlen, max_seqlen_k=x.max_seqlen_k,
+            causal=case.causal, backend=backend, page_table=paged.page_table, **lengths, **_window_kw(case))),
+            note=f"paged K/V, {page_size}-token pages in a shuffled order" + ("; seqused_k" if vllm else ""))
     return prepare
 
 
@@ -268,9 +279,9 @@ def _leanfa_hopper_fp8_paged_launch(page_size: int):
     return prepare
 
 
-def _leanfa_fp8_kvhead_kernel(backend: str, page_size: int | None = None):
+def _leanfa_fp8_kvhead_kernel(backend: str, page_size: int | None = None, vllm: bool = False):
     """The kernel alone on e4m3 inputs with per-(sequence, KV head) descales, K/V contiguous or (``page_size``)
-    in paged caches."""
+    in paged caches (``vllm``: the key lengths as ``seqused_k``, :func:`_key_lengths`)."""
     def prepare(case: Case, x: Inputs) -> Prepared:
         lf = _leanfa()
         _no_window(case, "per-KV-head descale rows")
@@ -280,10 +291,12 @@ def _leanfa_fp8_kvhead_kernel(backend: str, page_size: int | None = None):
         note = "e4m3 with one descale per (sequence, KV head)"
         if page_size is not None:
             paged = _paged(case, x, k8, v8, page_size)
+            lengths = _key_lengths(x, vllm)
             return Prepared(_leanfa_call(lambda: lf.flash_attn_varlen_func(
-                q8, paged.k_cache, paged.v_cache, x.cu_seqlens, x.cu_seqlens_k, x.max_seqlen, x.max_seqlen_k,
-                causal=case.causal, backend=backend, page_table=paged.page_table, **desc)),
-                note=f"{note}; paged K/V, {page_size}-token pages in a shuffled order")
+                q8, paged.k_cache, paged.v_cache, x.cu_seqlens, max_seqlen_q=x.max_seqlen,
+                max_seqlen_k=x.max_seqlen_k, causal=case.causal, backend=backend, page_table=paged.page_table,
+                **lengths, **desc)),
+                note=f"{note}; paged K/V, {page_size}-token pages in a shuffled order" + ("; seqused_k" if vllm else ""))
         if x.varlen:
             return Prepared(_leanfa_call(lambda: lf.flash_attn_varlen_func(
                 q8, k8, v8, x.cu_seqlens, x.cu_seqlens_k, x.max_seqlen, x.max_seqlen_k, causal=case.causal,
@@ -565,6 +578,12 @@ def all_impls() -> list[Impl]:
                      f"as leanfa-{b}-fp8-kvhead-kernel with K/V in shuffled {ps}-token pages (packed batches; "
                      "opt-in; hopper: the per-call transposed copy of the V pages included)",
                      _leanfa_fp8_kvhead_kernel(b, ps), ok, default=False),
+                Impl(f"leanfa-{b}-bf16-paged{ps}-vllm", "leanfa", "bf16", "kernel",
+                     f"leanfa-{b}-bf16-paged{ps} as vLLM calls it: seqused_k, cu_seqlens_k=None (opt-in)",
+                     _leanfa_bf16_paged(b, ps, vllm=True), ok, default=False),
+                Impl(f"leanfa-{b}-fp8-paged{ps}-vllm", "leanfa", "fp8", "kernel",
+                     f"leanfa-{b}-fp8-paged{ps}-kernel as vLLM calls it: seqused_k, cu_seqlens_k=None (opt-in)",
+                     _leanfa_fp8_kvhead_kernel(b, ps, vllm=True), ok, default=False),
             ]
             if b == "hopper":
                 impls.append(Impl(f"leanfa-hopper-fp8-paged{ps}-launch", "leanfa", "fp8", "kernel",
