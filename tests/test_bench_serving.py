@@ -415,10 +415,10 @@ def test_dry_run_lists_the_chunked_batches(capsys):
     impl = "leanfa-*-bf16*,leanfa-*-fp8-kernel,leanfa-*-kvhead*,leanfa-*-paged*,fa3-*"
     assert commands.main("bench", ["--dry-run", "--sweep", "chunked", "--quick", "--impl", impl]) == 0
     out = capsys.readouterr().out.strip().splitlines()
-    assert len(out) == 3 and out[-1].startswith("2 cases x 18 implementations")
+    assert len(out) == 3 and out[-1].startswith("2 cases x 26 implementations")
     assert all("/chunked" in line for line in out[:2])
     assert "leanfa-portable-bf16-paged128" in out[-1] and "fa3-fp8" in out[-1]
-    assert "leanfa-hopper-fp8-paged64-launch" in out[-1]
+    assert "leanfa-hopper-fp8-paged64-launch" in out[-1] and "leanfa-hopper-fp8-paged64-vllm" in out[-1]
 
 
 @pytest.mark.parametrize("fp8", [False, True])
