@@ -91,7 +91,7 @@ def flash_attn_func(
 
 
 def flash_attn_varlen_func(
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None, seqused_k=None,
+    q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, seqused_q=None, seqused_k=None,
     softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None, v_descale=None,
     window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1, pack_gqa=None,
     deterministic=False, sm_margin=0, return_attn_probs=False, *, block_table=None,
@@ -100,7 +100,9 @@ def flash_attn_varlen_func(
     ``cu_seqlens_q = cu_seqlens_k = None`` dense ``(B, S, H, D)`` tensors and LSE ``(B, H, Sq)``).
     ``block_table`` (vLLM's FA fork): ``k``/``v`` are paged caches ``(num_pages, page_size, Hkv, D)``; the key
     lengths come from ``cu_seqlens_k`` (its differences) and/or ``seqused_k`` (with ``cu_seqlens_k`` alone, 16-bit
-    caches run on the Hopper kernel on sm90: the module docstring says which)."""
+    caches run on the Hopper kernel on sm90: the module docstring says which). ``cu_seqlens_k``, ``max_seqlen_q`` and
+    ``max_seqlen_k`` default to None so that vLLM's keyword call, which leaves ``cu_seqlens_k`` out, binds; a packed
+    ``q`` still needs ``max_seqlen_q``."""
     from . import api
 
     common = dict(softmax_scale=softmax_scale, causal=causal, q_descale=q_descale, k_descale=k_descale,

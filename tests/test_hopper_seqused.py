@@ -130,9 +130,9 @@ def test_emulated_paged_no_cu_seqlens_k_no_seqused():
     _emulate_and_check(p)
 
 
-def _packed_batch(lens_q, lens_k, used_k, hq, hkv, d, seed=0, fp8=False):
-    """FA3's varlen form: packed q/k/v with cu_seqlens_k, ``seqused_k`` <= the lengths (keys past it hold a large
-    finite value)."""
+def _packed_tensors(lens_q, lens_k, used_k, hq, hkv, d, seed=0, fp8=False):
+    """FA3's varlen form on the CPU: packed ``(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k)`` with
+    ``seqused_k`` <= the lengths (keys past it hold a large finite value)."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn((sum(lens_q), hq, d), generator=gen)
     k = torch.randn((sum(lens_k), hkv, d), generator=gen) + 0.5
@@ -143,8 +143,14 @@ def _packed_batch(lens_q, lens_k, used_k, hq, hkv, d, seed=0, fp8=False):
         v[int(cu_k[b]) + n:int(cu_k[b + 1])] = -TAIL
     cast = _e4m3 if fp8 else (lambda t: t.to(BF16))
     q, k, v = (cast(t) for t in (q, k, v))
-    return _problem(q, k, v, True, varlen=True, cu_seqlens_q=cu_seqlens(lens_q), cu_seqlens_k=cu_k,
-                    max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k), seqused_k=torch.tensor(used_k, dtype=I32))
+    return q, k, v, cu_seqlens(lens_q), cu_k, torch.tensor(used_k, dtype=I32)
+
+
+def _packed_batch(lens_q, lens_k, used_k, hq, hkv, d, seed=0, fp8=False):
+    """:func:`_packed_tensors` as the emulator's problem."""
+    q, k, v, cu_q, cu_k, used = _packed_tensors(lens_q, lens_k, used_k, hq, hkv, d, seed=seed, fp8=fp8)
+    return _problem(q, k, v, True, varlen=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                    max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k), seqused_k=used)
 
 
 @emulation
@@ -353,9 +359,8 @@ def test_gpu_varlen_seqused_k(fp8, causal, smaller, monkeypatch):
         pytest.skip("the Hopper kernel needs sm90")
     lens_q, lens_k = [512, 1000, 77, 1, 2048], [3000, 1000, 4100, 700, 2048]
     used_k = [2000, 1000, 0, 333, 2048] if smaller else lens_k
-    p = _packed_batch(lens_q, lens_k, used_k, 16, 4, 128, seed=12 + fp8, fp8=fp8)
-    q, k, v = (t.cuda() for t in (p.q, p.k, p.v))
-    cu_q, cu_k, used = (t.cuda() for t in (p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_k))
+    q, k, v, cu_q, cu_k, used = (t.cuda() for t in _packed_tensors(lens_q, lens_k, used_k, 16, 4, 128,
+                                                                   seed=12 + fp8, fp8=fp8))
     args = (q, k, v, cu_q, cu_k, max(lens_q), max(lens_k))
     poison_empty(monkeypatch)
     got, lse = leanfa.flash_attn_varlen_func(*args, causal=causal, seqused_k=used, return_lse=True, backend="hopper")

@@ -262,8 +262,27 @@ def test_drop_ins_equal_native(device):
                                                   block_table=table), want_p)
     assert torch.equal(fa3.flash_attn_varlen_func(q, kc, vc, None, None, None, None, seqused_k=used, causal=True,
                                                   block_table=table), want)
+    # vLLM's keyword call leaves cu_seqlens_k out
+    assert torch.equal(fa3.flash_attn_varlen_func(q=qp, k=kc, v=vc, cu_seqlens_q=cu_q, max_seqlen_q=sq, seqused_k=used,
+                                                  max_seqlen_k=70, causal=True, block_table=table), want_p)
     assert torch.equal(fa2.flash_attn_varlen_func(qp, kc, vc, cu_q, cu_k, sq, 70, causal=True, block_table=table),
                        want_p)
+
+
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_fa2_kvcache_table_capacity(device, as_tensor):
+    """flash-attn 2's paged ``flash_attn_with_kvcache`` refuses ``cache_seqlens`` past the keys a ``block_table``
+    row holds (a ``RuntimeError``, as flash-attn 2's test expects, and a ``ValueError``); at the capacity it runs."""
+    gen = torch.Generator().manual_seed(8)
+    kc = torch.randn((4, 16, 1, 64), generator=gen).to(BF16).to(device)
+    q = torch.randn((1, 1, 1, 64), generator=gen).to(BF16).to(device)
+    table = torch.zeros((1, 1), dtype=I32, device=device)
+    lengths = (lambda n: torch.tensor([n], dtype=I32, device=device)) if as_tensor else (lambda n: n)
+    for error in (RuntimeError, ValueError):
+        with pytest.raises(error, match="block_table"):
+            fa2.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=lengths(17), block_table=table)
+    got = fa2.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=lengths(16), block_table=table)
+    assert torch.equal(got, leanfa.flash_attn_func(q, kc[:1], kc[:1]))
 
 
 def test_kvcache_dense_cache(device):

@@ -25,7 +25,9 @@ int32 ``(B,)``) over a dense ``(B, S_cache, Hkv, D)`` cache or, with ``block_tab
 returning ``out`` or ``(out, softmax_lse)`` with ``return_softmax_lse``. ``page_size`` is 1, 2, 4,
 8, 16, 32, 64 or a multiple of 128 (else ``ValueError``); ``Sq < Sk`` causal is bottom-right aligned; GQA, windows and
 ``softcap`` compose with paging. The page ids a call reads must lie in ``[0, num_pages)``: checked
-on CPU tensors only (a check of GPU values would synchronize). On sm90, :func:`flash_attn_varlen_func` with
+on CPU tensors only (a check of GPU values would synchronize); :func:`flash_attn_with_kvcache` reads
+``cache_seqlens`` on the host, as flash-attn 2 does, and raises :class:`BlockTableOverflowError` (a
+``RuntimeError`` and a ``ValueError``) when a sequence has more keys than its ``block_table`` row holds. On sm90, :func:`flash_attn_varlen_func` with
 ``block_table`` over 16-bit caches (a power-of-two ``page_size`` from 16 keys; ``cu_seqlens_k`` the key counts)
 runs on the Hopper kernel, which reads the rows of a sequence's last page past its keys (masked out of the
 scores: they must hold finite values); :func:`flash_attn_with_kvcache` (``cache_seqlens``), FP8 caches and other
@@ -43,7 +45,7 @@ import torch
 
 from ._common import reject
 
-__all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
+__all__ = ["BlockTableOverflowError", "flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
            "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache"]
 
 
@@ -135,6 +137,32 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                                   return_attn_probs)
 
 
+class BlockTableOverflowError(ValueError, RuntimeError):
+    """A sequence's ``cache_seqlens`` exceeds what its ``block_table`` row addresses. A ``RuntimeError``, as
+    flash-attn 2 raises it, and a ``ValueError``, as leanfa raises bad input."""
+
+
+def _check_table_capacity(cache_seqlens, block_table, k_cache) -> None:
+    """flash-attn 2's check of a paged ``flash_attn_with_kvcache`` call: ``max(cache_seqlens)`` fits the table's
+    ``max_pages * page_size`` keys. A GPU ``cache_seqlens`` is read on the host, as flash-attn 2 reads it (one
+    synchronization), except under CUDA graph capture or ``torch.compile``, where it cannot be read."""
+    if not (isinstance(block_table, torch.Tensor) and block_table.dim() == 2 and isinstance(k_cache, torch.Tensor)
+            and k_cache.dim() == 4 and cache_seqlens is not None):
+        return  # (not a paged call, or one the API's checks refuse)
+    capacity = block_table.shape[1] * k_cache.shape[1]
+    if isinstance(cache_seqlens, torch.Tensor):
+        if (not cache_seqlens.numel() or torch.compiler.is_compiling()
+                or (cache_seqlens.is_cuda and torch.cuda.is_current_stream_capturing())):
+            return
+        longest = int(cache_seqlens.max())
+    else:
+        longest = cache_seqlens
+    if isinstance(longest, int) and longest > capacity:
+        raise BlockTableOverflowError(
+            f"cache_seqlens ({longest}) exceeds the keys a block_table row addresses ({block_table.shape[1]} pages "
+            f"of {k_cache.shape[1]} = {capacity}): give the block_table more columns")
+
+
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -143,7 +171,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     ``(B, Sq, H, D)`` over the first ``cache_seqlens[b]`` keys of each sequence's cache (int, int32 ``(B,)``, or
     None: the whole cache); caches dense ``(B_cache >= B, S_cache, Hkv, D)`` or, with ``block_table``, paged
     ``(num_pages, page_size, Hkv, D)``. Returns ``out``, or ``(out, softmax_lse)`` (``(B, H, Sq)``) with
-    ``return_softmax_lse``."""
+    ``return_softmax_lse``. With ``block_table``, ``cache_seqlens`` longer than a table row raises
+    :class:`BlockTableOverflowError` (read on the host as flash-attn 2 does: :func:`_check_table_capacity`)."""
     from .. import api
     from ..flash_attn_interface import cache_lengths
 
@@ -155,6 +184,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
     batch = q.shape[0]
+    _check_table_capacity(cache_seqlens, block_table, k_cache)
     if block_table is None and isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor) \
             and k_cache.dim() == 4 and k_cache.shape[0] > batch:
         k_cache, v_cache = k_cache[:batch], v_cache[:batch]  # (no cache_batch_idx: sequence b is entry b)
