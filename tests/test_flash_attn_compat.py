@@ -55,8 +55,12 @@ def test_unsupported_option_raises(call, option):
 
 
 def test_bad_input_still_validated(device):
-    """The drop-ins keep leanfa's argument checks (here: unsupported head dim)."""
+    """The drop-ins keep leanfa's argument checks (here: unsupported head dims; FA3 pads nothing, flash-attn 2
+    pads to a multiple of 8 and refuses past 256)."""
     q = torch.zeros(1, 8, 4, 100, dtype=BF16, device=device)
+    with pytest.raises(ValueError, match="head dims"):
+        fa3.flash_attn_func(q, q[:, :, :2], q[:, :, :2])
+    q = torch.zeros(1, 8, 4, 260, dtype=BF16, device=device)
     with pytest.raises(ValueError, match="head dims"):
         fa2.flash_attn_func(q, q[:, :, :2], q[:, :, :2])
 
@@ -177,3 +181,24 @@ def test_flash_attn_combine_matches_attention_over_the_union(device):
         fai.flash_attn_combine(out_partial, lse_partial[..., :2])
     lengths = torch.tensor([7, 7], dtype=torch.int32, device=device)
     assert fai.get_scheduler_metadata(2, 7, 7, 4, 4, 64, lengths).numel() == 0
+
+
+@pytest.mark.parametrize("d", [59, 111])
+def test_fa2_head_dim_not_a_multiple_of_8(device, d):
+    """flash-attn 2's head dims 59 and 111 (its tests use them): zero-padded to a multiple of 8, the default scale
+    from the unpadded dim; dense, varlen and paged-cache forms against the float64 reference, LSE included."""
+    from leanfa.reference import attention_ref
+
+    g = torch.Generator().manual_seed(d)
+    q, k, v = (torch.randn((2, 40, h, d), generator=g).to(BF16).to(device) for h in (4, 2, 2))
+    want, want_lse = attention_ref(q, k, v, causal=True, return_lse=True)
+    out, lse, _ = fa2.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    assert out.shape == q.shape
+    assert float((out.double() - want).abs().max()) < 2e-2
+    assert float((lse.double() - want_lse).abs().max()) < 1e-3
+    cu = torch.tensor([0, 40, 80], dtype=torch.int32, device=device)
+    packed = fa2.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu, 40, 40,
+                                        causal=True)
+    assert torch.equal(packed, out.flatten(0, 1))
+    cached = fa2.flash_attn_with_kvcache(q, k, v, cache_seqlens=40, causal=True)
+    assert torch.equal(cached, out)

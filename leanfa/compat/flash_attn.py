@@ -1,8 +1,9 @@
 """flash-attn 2 style entry points: ``from leanfa.compat.flash_attn import flash_attn_func``.
 
 Supported subset (forward only): ``q, k, v`` ``(B, S, H, D)`` (packed ``(total, H, D)`` for
-varlen) in bf16/fp16, GQA/MQA, head dims multiples of 8 up to 256 (the Hopper kernel runs 64/64, 128/128, 192/128 and
-256/256; others the portable kernel), ``softmax_scale``,
+varlen) in bf16/fp16, GQA/MQA, head dims up to 256 (the Hopper kernel runs 64/64, 128/128, 192/128 and
+256/256; others the portable kernel; a head dim that is not a multiple of 8 is zero-padded to one, a copy of
+``q``, ``k`` and ``v`` or of the caches, as flash-attn 2 pads it), ``softmax_scale``,
 ``causal`` (bottom-right aligned, as flash-attn >= 2.1), ``deterministic`` (accepted; the
 forward is deterministic anyway), ``dropout_p=0.0``; the packed forms
 (:func:`flash_attn_qkvpacked_func`, :func:`flash_attn_kvpacked_func` and their varlen forms:
@@ -63,6 +64,32 @@ def _unpack(name: str, packed, parts: int, axis: int, rank: int, layout: str):
     return packed.unbind(axis)
 
 
+def _pad_head_dim(q, k, v, softmax_scale):
+    """flash-attn 2's head dims that are not a multiple of 8 (e.g. 59, 111): ``q``, ``k``, ``v`` zero-padded to
+    the next multiple of 8 (a copy of each, as flash-attn 2 makes), the default scale taken from the unpadded
+    dim. Returns ``(q, k, v, softmax_scale, head_dim_v)``: zero channels leave the scores unchanged and add output
+    channels that :func:`_unpad_head_dim` cuts off. Other tensors (a multiple of 8, FP8, not tensors) pass
+    unchanged with ``head_dim_v`` None."""
+    tensors = (q, k, v)
+    if (not all(isinstance(t, torch.Tensor) and t.dim() >= 3 and t.element_size() >= 2 for t in tensors)
+            or all(t.shape[-1] % 8 == 0 for t in tensors)):
+        return q, k, v, softmax_scale, None
+    if softmax_scale is None:
+        softmax_scale = q.shape[-1] ** -0.5
+    head_dim_v = v.shape[-1]
+    q, k, v = (torch.nn.functional.pad(t, (0, -t.shape[-1] % 8)) for t in tensors)
+    return q, k, v, softmax_scale, head_dim_v
+
+
+def _unpad_head_dim(res, head_dim_v):
+    """``res`` (``out`` or a tuple starting with it) with ``out`` cut back to ``head_dim_v`` channels."""
+    if head_dim_v is None:
+        return res
+    if isinstance(res, tuple):
+        return (res[0][..., :head_dim_v], *res[1:])
+    return res[..., :head_dim_v]
+
+
 def _result(res, return_attn_probs: bool, q):
     """flash-attn 2's return value from leanfa's (``out``, or ``(out, lse)`` when ``return_attn_probs``):
     ``out``, or ``(out, softmax_lse, S_dmask)`` (``S_dmask`` empty: no dropout)."""
@@ -79,9 +106,10 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     from .. import api
 
     _check_fa2(dropout_p, alibi_slopes)
+    q, k, v, softmax_scale, head_dim_v = _pad_head_dim(q, k, v, softmax_scale)
     res = api.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal, return_lse=bool(return_attn_probs),
                               window_size=window_size, softcap=softcap)
-    return _result(res, return_attn_probs, q)
+    return _result(_unpad_head_dim(res, head_dim_v), return_attn_probs, q)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
@@ -94,10 +122,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     from .. import api
 
     _check_fa2(dropout_p, alibi_slopes)
+    q, k, v, softmax_scale, head_dim_v = _pad_head_dim(q, k, v, softmax_scale)
     res = api.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                      softmax_scale=softmax_scale, causal=causal, return_lse=bool(return_attn_probs),
                                      window_size=window_size, softcap=softcap, page_table=block_table)
-    return _result(res, return_attn_probs, q)
+    return _result(_unpad_head_dim(res, head_dim_v), return_attn_probs, q)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -188,6 +217,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if block_table is None and isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor) \
             and k_cache.dim() == 4 and k_cache.shape[0] > batch:
         k_cache, v_cache = k_cache[:batch], v_cache[:batch]  # (no cache_batch_idx: sequence b is entry b)
-    return api.flash_attn_func(q, k_cache, v_cache, softmax_scale=softmax_scale, causal=causal,
-                               return_lse=bool(return_softmax_lse), seqused_k=cache_lengths(cache_seqlens, batch, q.device),
-                               window_size=window_size, softcap=softcap, page_table=block_table)
+    q, k_cache, v_cache, softmax_scale, head_dim_v = _pad_head_dim(q, k_cache, v_cache, softmax_scale)
+    res = api.flash_attn_func(q, k_cache, v_cache, softmax_scale=softmax_scale, causal=causal,
+                              return_lse=bool(return_softmax_lse), seqused_k=cache_lengths(cache_seqlens, batch, q.device),
+                              window_size=window_size, softcap=softcap, page_table=block_table)
+    return _unpad_head_dim(res, head_dim_v)
