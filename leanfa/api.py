@@ -364,13 +364,11 @@ def flash_attn_func(
             :func:`leanfa.problem.page_size_supported`); the page ids a call reads
             must lie in ``[0, num_pages)``, checked on CPU tensors only (a check on GPU values would synchronize).
             Any page order; windows, softcap, FP8 with descales compose with it. On sm90 the Hopper kernel runs it
-            for 16-bit and FP8 caches with a power-of-two ``page_size`` from 16 keys and no ``seqused_k`` (every
-            entry the table's capacity), windows and softcap included (an FP8 V cache through a transposed copy of
+            for 16-bit and FP8 caches with a power-of-two ``page_size`` from 16 keys, windows and softcap included (an FP8 V cache through a transposed copy of
             each sequence's V pages made per call); it reads the rows of a sequence's last page past its keys
-            (masked out of the scores), which must then hold finite values. ``seqused_k`` and packed ``q`` without
-            ``cu_seqlens_k`` (vLLM's call) run there with ``backend="hopper"`` (``backend="auto"``: on the portable
-            kernel until :data:`leanfa.kernels.dispatch.HOPPER_SEQUSED_VALIDATED`); other page sizes on the portable
-            kernel (one warning where the Hopper kernel would have run).
+            (masked out of the scores), which must then hold finite values; ``seqused_k`` and packed ``q`` without
+            ``cu_seqlens_k`` (vLLM's call) included. Other page sizes run on the portable kernel (one warning where
+            the Hopper kernel would have run).
         attention_chunk: FlashAttention-3's chunked local attention (Llama-4): with ``attention_chunk = c > 0``
             query ``i`` at key position ``pos = i + Sk - Sq`` (bottom-right, as the causal mask) sees only keys in
             ``[pos - pos mod c, pos - pos mod c + c)`` (floor modulo), intersected with ``causal`` and

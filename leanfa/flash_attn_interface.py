@@ -13,9 +13,7 @@ Swap ``from flash_attn_interface import flash_attn_func`` for
   ``seqused_q[b]`` queries and ``seqused_k[b]`` keys of sequence ``b`` are used; output rows past
   ``seqused_q[b]`` are 0 with LSE ``-inf`` (FA3 leaves them unwritten). With ``cu_seqlens_q`` and
   ``cu_seqlens_k`` both None, ``q, k, v`` are dense ``(B, S, H, D)`` tensors, as in FA3. These calls
-  run on the portable kernel (one warning), except ``seqused_k`` without ``seqused_q`` with
-  ``backend="hopper"`` (the Hopper kernel; ``backend="auto"`` joins once its GPU tests pass:
-  ``leanfa.kernels.dispatch.HOPPER_SEQUSED_VALIDATED``);
+  run on the Hopper kernel on sm90, except ``seqused_q`` (the portable kernel, one warning);
 * ``window_size=(left, right)`` (sliding-window local attention: query ``i`` sees keys
   ``[i + Sk - Sq - left, i + Sk - Sq + right]``, -1 unbounded; ``causal`` makes ``right`` 0) and
   ``softcap > 0`` (scores ``softcap * tanh(s / softcap)``), dense and varlen, 16-bit and FP8. Rows
@@ -23,9 +21,9 @@ Swap ``from flash_attn_interface import flash_attn_func`` for
   ``softcap``, raise ``ValueError``. Windows run on the Hopper kernel (only the key blocks of each
   query tile's band are read), dense and varlen, BF16/FP16, FP8 and the mixed mode, except FP8 at head
   dim 256, and over the paged caches the Hopper kernel reads (below); so does 16-bit ``softcap`` (tanh on the
-  SFU, ``tanh.approx.f32``, as FA3), with or without a window, at every head dim the kernel runs; FP8
-  ``softcap`` (not yet validated there), windows or ``softcap`` with ``seqused``, and windows in FP8 at head
-  dim 256, run on the portable kernel (one warning where the Hopper kernel would have run);
+  SFU, ``tanh.approx.f32``, as FA3) in 16-bit and FP8, with or without a window, at every head dim the kernel
+  runs; windows in FP8 at head dim 256 run on the portable kernel (one warning where the Hopper kernel would have
+  run);
 * paged K/V and KV caches (prefill, chunked prefill): :func:`flash_attn_with_kvcache` with
   ``cache_seqlens`` (int or int32 ``(B,)``), ``page_table`` (int32 ``(B, max_pages)`` over caches
   ``(num_pages, page_size, Hkv, D)``, ``page_size`` 1, 2, 4, 8, 16, 32, 64 or a multiple of 128; else ``ValueError``) or a
@@ -35,12 +33,10 @@ Swap ``from flash_attn_interface import flash_attn_func`` for
   caches, key lengths from ``cu_seqlens_k`` and/or ``seqused_k``; ``cu_seqlens_k`` may be None). The
   page ids a call reads must lie in ``[0, num_pages)``: checked on CPU tensors only (a check of GPU
   values would synchronize). On sm90 the Hopper kernel reads paged 16-bit and FP8 caches of a power-of-two
-  ``page_size`` from 16 keys where the key lengths come from ``cu_seqlens_k`` (packed ``q``) or are the
-  whole table (dense ``q``, no ``seqused_k``/``cache_seqlens``), with or without a window or ``softcap`` (an FP8
-  V cache through a transposed copy of each sequence's V pages made per call); ``seqused_k``/``cache_seqlens``
-  and ``cu_seqlens_k=None`` (vLLM's FA3 call) run there with ``backend="hopper"`` and, until their GPU validation
-  (``dispatch.HOPPER_SEQUSED_VALIDATED``), on the portable kernel with ``backend="auto"``; other page sizes on the
-  portable kernel (one warning). The Hopper kernel reads the rows of a sequence's last page past its keys
+  ``page_size`` from 16 keys, the key lengths from ``cu_seqlens_k``, ``seqused_k``/``cache_seqlens`` (vLLM's FA3
+  call: ``cu_seqlens_k=None``) or the whole table, with or without a window or ``softcap`` (an FP8 V cache
+  through a transposed copy of each sequence's V pages made per call); other page sizes, and a packed ``q`` over
+  a dense cache, on the portable kernel (one warning). The Hopper kernel reads the rows of a sequence's last page past its keys
   (masked out of the scores): they must hold finite values (stale keys or zeros do; NaN/Inf there gives
   NaN rows);
 * ``attention_chunk > 0`` (Llama-4's chunked local attention: query ``i`` at key position ``pos = i + Sk - Sq``
@@ -99,8 +95,8 @@ def flash_attn_varlen_func(
     """FA3 ``flash_attn_varlen_func``: ``out``, or ``(out, softmax_lse)`` (``(H, total_q)``; with
     ``cu_seqlens_q = cu_seqlens_k = None`` dense ``(B, S, H, D)`` tensors and LSE ``(B, H, Sq)``).
     ``block_table`` (vLLM's FA fork): ``k``/``v`` are paged caches ``(num_pages, page_size, Hkv, D)``; the key
-    lengths come from ``cu_seqlens_k`` (its differences) and/or ``seqused_k`` (with ``cu_seqlens_k`` alone, 16-bit
-    caches run on the Hopper kernel on sm90: the module docstring says which). ``cu_seqlens_k``, ``max_seqlen_q`` and
+    lengths come from ``cu_seqlens_k`` (its differences) and/or ``seqused_k`` (on sm90 the Hopper kernel runs
+    these calls: the module docstring says which). ``cu_seqlens_k``, ``max_seqlen_q`` and
     ``max_seqlen_k`` default to None so that vLLM's keyword call, which leaves ``cu_seqlens_k`` out, binds; a packed
     ``q`` still needs ``max_seqlen_q``."""
     from . import api

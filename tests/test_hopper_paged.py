@@ -373,8 +373,8 @@ def _plain():
 
 def test_dispatch_routes_paged(monkeypatch):
     """Paged calls the Hopper kernel reads go there with no warning, with a sliding window too, FP8 caches too (dense
-    q and packed with cu_seqlens_k); the forms it does not read with backend="auto" (packed q without cu_seqlens_k and
-    seqused_k until validated on the GPU, pages of 8 keys) run on the portable kernel with one warning each."""
+    q and packed with cu_seqlens_k, packed q without cu_seqlens_k and seqused_k: vLLM's call); pages of 8 keys run on
+    the portable kernel with one warning."""
     dispatch = hopper_accepts_everything(monkeypatch)
     paged = dataclasses.replace(_plain(), k=KC, v=KC, kv_heads=1, max_seqlen_k=128, page_table=TABLE)
     with warnings.catch_warnings():
@@ -388,13 +388,17 @@ def test_dispatch_routes_paged(monkeypatch):
         assert dispatch.hopper_applies(dataclasses.replace(varlen, window_left=100)) == (True, "")
         assert dispatch.hopper_applies(dataclasses.replace(paged, window_left=30, window_right=5)) == (True, "")
     per_sequence = dataclasses.replace(paged, **packed)
+    used = dataclasses.replace(paged, seqused_k=torch.tensor([100], dtype=I32))
+    with warnings.catch_warnings():  # vLLM's call (no cu_seqlens_k) and seqused_k: the Hopper kernel
+        warnings.simplefilter("error")
+        assert dispatch.hopper_applies(per_sequence) == (True, "")
+        assert dispatch.hopper_applies(dataclasses.replace(per_sequence, seqused_k=torch.tensor([100], dtype=I32))) \
+            == (True, "")
+        assert dispatch.hopper_applies(used) == (True, "")
+    monkeypatch.setattr(dispatch, "HOPPER_SEQUSED_VALIDATED", False)  # the gate still routes them when off
     with pytest.warns(UserWarning, match="packed queries and no cu_seqlens_k"):
         assert not dispatch.hopper_applies(per_sequence)[0]
-    # (backend="hopper" runs it before its GPU validation: tests/test_hopper_seqused.py, dispatch.HOPPER_SEQUSED_VALIDATED)
-    assert dispatch.choose(per_sequence, "hopper").kernel == "hopper"
-    used = dataclasses.replace(paged, seqused_k=torch.tensor([100], dtype=I32))
-    with pytest.warns(UserWarning, match="seqused"):
-        assert not dispatch.hopper_applies(used)[0]
+    monkeypatch.setattr(dispatch, "HOPPER_SEQUSED_VALIDATED", True)
     from leanfa.kernels import hopper
 
     fp8 = dataclasses.replace(paged, q=Q.to(FP8), k=KC.to(FP8), v=KC.to(FP8))  # FP8 caches: the Hopper kernel too

@@ -28,11 +28,11 @@ returning ``out`` or ``(out, softmax_lse)`` with ``return_softmax_lse``. ``page_
 ``softcap`` compose with paging. The page ids a call reads must lie in ``[0, num_pages)``: checked
 on CPU tensors only (a check of GPU values would synchronize); :func:`flash_attn_with_kvcache` reads
 ``cache_seqlens`` on the host, as flash-attn 2 does, and raises :class:`BlockTableOverflowError` (a
-``RuntimeError`` and a ``ValueError``) when a sequence has more keys than its ``block_table`` row holds. On sm90, :func:`flash_attn_varlen_func` with
-``block_table`` over 16-bit caches (a power-of-two ``page_size`` from 16 keys; ``cu_seqlens_k`` the key counts)
-runs on the Hopper kernel, which reads the rows of a sequence's last page past its keys (masked out of the
-scores: they must hold finite values); :func:`flash_attn_with_kvcache` (``cache_seqlens``), FP8 caches and other
-page sizes run on the portable kernel (one warning where the Hopper kernel would have run).
+``RuntimeError`` and a ``ValueError``) when a sequence has more keys than its ``block_table`` row holds. On sm90,
+:func:`flash_attn_varlen_func` with ``block_table`` and :func:`flash_attn_with_kvcache` over paged caches with a
+power-of-two ``page_size`` from 16 keys run on the Hopper kernel, which reads the rows of a sequence's last page
+past its keys (masked out of the scores: they must hold finite values); other page sizes run on the portable kernel
+(one warning where the Hopper kernel would have run).
 
 Anything else raises ``NotImplementedError`` naming the option: ``dropout_p > 0``,
 ``alibi_slopes``, and in :func:`flash_attn_with_kvcache` the in-place append (``k``/``v``), rotary
