@@ -60,7 +60,8 @@ Swap ``from flash_attn_interface import flash_attn_func`` for
 Anything else raises ``NotImplementedError`` naming the option: a packed ``q`` with dense ``k``/``v`` in :func:`flash_attn_varlen_func` without ``block_table``
 (one of ``cu_seqlens_q``/``cu_seqlens_k`` None); in :func:`flash_attn_with_kvcache` the in-place
 append (``k``/``v``, ``cu_seqlens_k_new``), rotary embedding (``rotary_cos``/``rotary_sin``,
-``rotary_seqlens``), ``cache_batch_idx`` and ``cache_leftpad``. Gradients are not implemented.
+``rotary_seqlens``), ``cache_batch_idx``, and ``cache_leftpad`` with a ``page_table`` (with a dense cache it runs:
+:func:`left_padded_cache`). Gradients are not implemented.
 """
 
 from __future__ import annotations
@@ -118,6 +119,63 @@ def flash_attn_varlen_func(
     return api.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **common)
 
 
+def left_padded_cache(q, k_cache, v_cache, used_k, cache_leftpad, cu_seqlens_q, max_seqlen_q, descales=None):
+    """FA's ``cache_leftpad`` over a dense cache ``(B_cache, S, Hkv, D)``: sequence ``b``'s keys are rows
+    ``[cache_leftpad[b], used_k[b])`` of entry ``b`` (``used_k`` None: up to ``S``; causal and windows align on that
+    count). Returns the packed call that computes it, made on the device without a host sync: the positional
+    arguments of :func:`leanfa.flash_attn_varlen_func` ``(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+    max_seqlen_k)`` and its keywords (``seqused_k`` and the FP8 ``descales`` given, ``(B, Hkv)`` each). The cache is
+    flattened to ``(B * S, Hkv, D)`` (a view of a cache whose first two dims are contiguous, else a copy) and an
+    empty sequence goes first, holding rows ``[0, cache_leftpad[0])``, so that ``cu_seqlens_k`` starts at 0:
+    ``cu_seqlens_k = [0, b * S + cache_leftpad[b] ..., B * S]``, ``seqused_k = [0, used_k - cache_leftpad]`` (the
+    descales get a leading row of ones). A dense ``q`` ``(B, Sq, H, D)`` is packed (:func:`unpack_dense` restores
+    the output's shape; the empty sequence has no queries, so the packed output is the batch's)."""
+    if not isinstance(cache_leftpad, torch.Tensor) or cache_leftpad.dtype != torch.int32:
+        raise TypeError(f"cache_leftpad must be an int32 tensor, got {cache_leftpad!r:.80}")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if k_cache.dim() != 4 or v_cache.dim() != 4 or k_cache.shape[:2] != v_cache.shape[:2]:
+        raise ValueError(f"cache_leftpad needs dense caches (B, S, Hkv, D) of one (B, S), got {tuple(k_cache.shape)} "
+                         f"and {tuple(v_cache.shape)}")
+    batch = cu_seqlens_q.numel() - 1 if cu_seqlens_q is not None else q.shape[0]
+    slot, dev = k_cache.shape[1], q.device
+    if cache_leftpad.shape != (batch,) or cache_leftpad.device != dev:
+        raise ValueError(f"cache_leftpad must have shape ({batch},) on {dev}, got {tuple(cache_leftpad.shape)} "
+                         f"on {cache_leftpad.device}")
+    if k_cache.shape[0] < batch or batch * slot >= 2 ** 31:
+        raise ValueError(f"cache_leftpad needs a cache entry per sequence and fewer than 2**31 cache rows, got "
+                         f"{k_cache.shape[0]} entries of {slot} for {batch} sequences")
+    used = torch.full_like(cache_leftpad, slot) if used_k is None else used_k
+    if dev.type == "cpu" and not torch.compiler.is_compiling() and batch:
+        if bool((cache_leftpad < 0).any()) or bool((cache_leftpad > used).any()) or bool((used > slot).any()):
+            raise ValueError(f"cache_leftpad must satisfy 0 <= cache_leftpad <= cache_seqlens <= {slot}, got "
+                             f"{cache_leftpad.tolist()} and {used.tolist()}")
+    k, v = (t[:batch].reshape(batch * slot, *t.shape[2:]) for t in (k_cache, v_cache))
+    zero = torch.zeros(1, dtype=torch.int32, device=dev)
+    starts = torch.arange(batch, dtype=torch.int32, device=dev) * slot + cache_leftpad
+    cu_seqlens_k = torch.cat([zero, starts, zero + batch * slot])
+    if cu_seqlens_q is None:  # a dense q, packed
+        max_seqlen_q = q.shape[1]
+        cu_seqlens_q = torch.arange(batch + 1, dtype=torch.int32, device=dev) * max_seqlen_q
+        q = q.reshape(batch * max_seqlen_q, *q.shape[2:])
+    cu_seqlens_q = torch.cat([zero, cu_seqlens_q])
+    keywords = {name: None if d is None else torch.cat([torch.ones_like(d[:1]), d])
+                for name, d in (descales or {}).items()}
+    keywords["seqused_k"] = torch.cat([zero, used - cache_leftpad])
+    return (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 2 * slot), keywords
+
+
+def unpack_dense(res, batch: int, seqlen_q: int):
+    """A packed call's ``out`` ``(B * Sq, H, Dv)`` (or ``(out, lse)`` with LSE ``(H, B * Sq)``) in the dense
+    shapes ``(B, Sq, H, Dv)`` and ``(B, H, Sq)``."""
+    if not isinstance(res, tuple):
+        return res.view(batch, seqlen_q, *res.shape[1:])
+    out, lse = res
+    return (out.view(batch, seqlen_q, *out.shape[1:]),
+            lse.view(lse.shape[0], batch, seqlen_q).transpose(0, 1).contiguous())
+
+
 def cache_lengths(cache_seqlens, batch: int, device):
     """FA3's ``cache_seqlens`` as leanfa's ``seqused_k``: None (every key of the cache), an int for every
     sequence (an int32 ``(batch,)`` tensor on ``device``), or the int32 ``(batch,)`` tensor itself."""
@@ -139,9 +197,10 @@ def flash_attn_with_kvcache(
     (dense ``(B, Sq, H, D)``, or packed ``(total_q, H, D)`` with ``cu_seqlens_q``/``max_seqlen_q``) over the
     first ``cache_seqlens[b]`` keys of each sequence's cache (an int for all, an int32 ``(B,)`` tensor, or None:
     the whole cache). The caches are dense ``(B_cache >= B, S_cache, Hkv, D)`` (sequence ``b`` is entry ``b``),
-    or with ``page_table`` (int32 ``(B, max_pages)``) paged ``(num_pages, page_size, Hkv, D)``. The causal mask
-    and windows are bottom-right aligned (the queries are the sequence's last ``Sq`` positions: chunked
-    prefill). Returns ``out``, or with ``return_softmax_lse`` FA3's ``(out, softmax_lse, out_accum,
+    or with ``page_table`` (int32 ``(B, max_pages)``) paged ``(num_pages, page_size, Hkv, D)``. ``cache_leftpad``
+    (int32 ``(B,)``, dense caches): sequence ``b``'s keys start at row ``cache_leftpad[b]`` (run as a packed call,
+    :func:`left_padded_cache`). The causal mask and windows are bottom-right aligned on the sequence's keys (the
+    queries are its last ``Sq`` positions: chunked prefill). Returns ``out``, or with ``return_softmax_lse`` FA3's ``(out, softmax_lse, out_accum,
     softmax_lse_accum)`` (LSE ``(B, H, Sq)``, packed ``(H, total_q)``; the two split accumulators are empty:
     leanfa never splits)."""
     from . import api
@@ -151,7 +210,7 @@ def flash_attn_with_kvcache(
     reject("rotary_cos/rotary_sin (rotary embedding)", rotary_cos is not None or rotary_sin is not None)
     reject("rotary_seqlens", rotary_seqlens is not None)
     reject("cache_batch_idx", cache_batch_idx is not None)
-    reject("cache_leftpad", cache_leftpad is not None)
+    reject("cache_leftpad with a paged cache (page_table)", cache_leftpad is not None and page_table is not None)
     varlen = cu_seqlens_q is not None
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
@@ -163,7 +222,14 @@ def flash_attn_with_kvcache(
                   v_descale=v_descale, return_lse=bool(return_softmax_lse),
                   seqused_k=cache_lengths(cache_seqlens, batch, q.device), window_size=window_size, softcap=softcap,
                   page_table=page_table, attention_chunk=attention_chunk, qv=qv)
-    if varlen:
+    if cache_leftpad is not None:  # a packed-K call over the flattened cache
+        descales = {n: common.pop(n) for n in ("q_descale", "k_descale", "v_descale")}
+        args, keywords = left_padded_cache(q, k_cache, v_cache, common.pop("seqused_k"), cache_leftpad, cu_seqlens_q,
+                                           max_seqlen_q, descales)
+        res = api.flash_attn_varlen_func(*args, **keywords, **common)
+        if not varlen:
+            res = unpack_dense(res, batch, q.shape[1])
+    elif varlen:
         res = api.flash_attn_varlen_func(q, k_cache, v_cache, cu_seqlens_q, None, max_seqlen_q, None, **common)
     else:
         res = api.flash_attn_func(q, k_cache, v_cache, **common)

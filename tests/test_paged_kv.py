@@ -285,6 +285,58 @@ def test_fa2_kvcache_table_capacity(device, as_tensor):
     assert torch.equal(got, leanfa.flash_attn_func(q, kc[:1], kc[:1]))
 
 
+@pytest.mark.parametrize("variant", ["causal", "full", "window"])
+def test_kvcache_leftpad(device, variant):
+    """``cache_leftpad`` over a dense cache (both drop-ins; FA3's dense and packed q): sequence ``b``'s keys are rows
+    ``[leftpad[b], cache_seqlens[b])`` of its entry, causal and windows bottom-right on that count; against the
+    float64 reference of each sequence's keys alone, the LSE included. Rows outside hold a large finite value."""
+    gen = torch.Generator().manual_seed(9)
+    sq, slot, hq, hkv, d = 24, 96, 4, 2, 64
+    pads, ends = [5, 0, 40], [70, 96, 52]  # sequence 2 has fewer keys (12) than queries (24)
+    kc = torch.full((4, slot, hkv, d), 30.0)  # one spare cache entry
+    vc = torch.full((4, slot, hkv, d), -30.0)
+    for b, (lo, hi) in enumerate(zip(pads, ends)):
+        kc[b, lo:hi] = torch.randn((hi - lo, hkv, d), generator=gen)
+        vc[b, lo:hi] = torch.randn((hi - lo, hkv, d), generator=gen)
+    kc, vc = kc.to(BF16).to(device), vc.to(BF16).to(device)
+    q = torch.randn((3, sq, hq, d), generator=gen).to(BF16).to(device)
+    kw = dict(causal=variant != "full", window_size=(16, 0) if variant == "window" else (-1, -1))
+    lp, used = (torch.tensor(x, dtype=I32, device=device) for x in (pads, ends))
+    got, lse, *_ = fa3.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=used, cache_leftpad=lp,
+                                               return_softmax_lse=True, **kw)
+    assert got.shape == q.shape and lse.shape == (3, hq, sq) and lse.is_contiguous()
+    for b, (lo, hi) in enumerate(zip(pads, ends)):
+        want, want_lse = attention_ref(q[b:b + 1], kc[b:b + 1, lo:hi], vc[b:b + 1, lo:hi], return_lse=True, **kw)
+        assert rel_l2(got[b:b + 1], want) < TOL[BF16], b
+        fin = torch.isfinite(want_lse)
+        assert torch.equal(torch.isfinite(lse[b:b + 1]), fin)
+        assert float((lse[b:b + 1].double() - want_lse)[fin].abs().max()) < 1e-3
+    packed = fa3.flash_attn_with_kvcache(q.flatten(0, 1), kc, vc, cache_seqlens=used, cache_leftpad=lp,
+                                         cu_seqlens_q=cu_seqlens([sq] * 3, device), max_seqlen_q=sq, **kw)
+    assert torch.equal(packed, got.flatten(0, 1))
+    assert torch.equal(fa2.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=used, cache_leftpad=lp, **kw), got)
+
+
+def test_kvcache_leftpad_refusals(device):
+    """``cache_leftpad`` with a paged cache is refused by name; a wrong dtype, shape or value range is a clear
+    error (values: on CPU tensors)."""
+    kc = torch.randn((2, 16, 1, 64)).to(BF16).to(device)
+    q = torch.randn((2, 4, 1, 64)).to(BF16).to(device)
+    table = torch.zeros((2, 1), dtype=I32, device=device)
+    lp = torch.zeros(2, dtype=I32, device=device)
+    with pytest.raises(NotImplementedError, match="cache_leftpad"):
+        fa3.flash_attn_with_kvcache(q, kc, kc, cache_leftpad=lp, page_table=table)
+    with pytest.raises(NotImplementedError, match="cache_leftpad"):
+        fa2.flash_attn_with_kvcache(q, kc, kc, cache_leftpad=lp, block_table=table)
+    with pytest.raises(TypeError, match="int32"):
+        fa3.flash_attn_with_kvcache(q, kc, kc, cache_leftpad=lp.long())
+    with pytest.raises(ValueError, match="shape"):
+        fa3.flash_attn_with_kvcache(q, kc, kc, cache_leftpad=lp[:1])
+    if device == "cpu":
+        with pytest.raises(ValueError, match="cache_leftpad must satisfy"):
+            fa3.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=8, cache_leftpad=lp + 9)
+
+
 def test_kvcache_dense_cache(device):
     """``flash_attn_with_kvcache`` without a page table: a dense cache with more entries than the batch, used
     lengths from ``cache_seqlens`` (both drop-ins)."""
@@ -334,7 +386,8 @@ BAD = [  # (id, call, exception, message)
      NotImplementedError, "rotary"),
     ("fa3 cache_batch_idx", lambda: fa3.flash_attn_with_kvcache(Q, KC, KC, cache_batch_idx=TABLE[0]),
      NotImplementedError, "cache_batch_idx"),
-    ("fa3 cache_leftpad", lambda: fa3.flash_attn_with_kvcache(Q, KC, KC, cache_leftpad=TABLE[0]),
+    ("fa3 cache_leftpad paged", lambda: fa3.flash_attn_with_kvcache(Q, KC, KC, cache_leftpad=TABLE[0, :1],
+                                                                     page_table=TABLE),
      NotImplementedError, "cache_leftpad"),
     ("fa3 qv dtype", lambda: fa3.flash_attn_with_kvcache(Q, KC, KC, qv=Q.half(), page_table=TABLE), ValueError,
      "qv"),

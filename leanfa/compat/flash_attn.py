@@ -36,7 +36,7 @@ past its keys (masked out of the scores: they must hold finite values); other pa
 
 Anything else raises ``NotImplementedError`` naming the option: ``dropout_p > 0``,
 ``alibi_slopes``, and in :func:`flash_attn_with_kvcache` the in-place append (``k``/``v``), rotary
-embedding (``rotary_cos``/``rotary_sin``), ``cache_batch_idx`` and ``cache_leftpad``. Gradients
+embedding (``rotary_cos``/``rotary_sin``), ``cache_batch_idx`` and ``cache_leftpad`` with a paged cache. Gradients
 are not implemented.
 """
 
@@ -199,17 +199,18 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     """flash-attn 2 ``flash_attn_with_kvcache`` without its in-place append and rotary options: ``q``
     ``(B, Sq, H, D)`` over the first ``cache_seqlens[b]`` keys of each sequence's cache (int, int32 ``(B,)``, or
     None: the whole cache); caches dense ``(B_cache >= B, S_cache, Hkv, D)`` or, with ``block_table``, paged
-    ``(num_pages, page_size, Hkv, D)``. Returns ``out``, or ``(out, softmax_lse)`` (``(B, H, Sq)``) with
+    ``(num_pages, page_size, Hkv, D)``; ``cache_leftpad`` (int32 ``(B,)``, dense caches): sequence ``b``'s keys start
+    at row ``cache_leftpad[b]``. Returns ``out``, or ``(out, softmax_lse)`` (``(B, H, Sq)``) with
     ``return_softmax_lse``. With ``block_table``, ``cache_seqlens`` longer than a table row raises
     :class:`BlockTableOverflowError` (read on the host as flash-attn 2 does: :func:`_check_table_capacity`)."""
     from .. import api
-    from ..flash_attn_interface import cache_lengths
+    from ..flash_attn_interface import cache_lengths, left_padded_cache, unpack_dense
 
     _check_fa2(0.0, alibi_slopes)
     reject("k/v (appending new keys to the cache in place)", k is not None or v is not None)
     reject("rotary_cos/rotary_sin (rotary embedding)", rotary_cos is not None or rotary_sin is not None)
     reject("cache_batch_idx", cache_batch_idx is not None)
-    reject("cache_leftpad", cache_leftpad is not None)
+    reject("cache_leftpad with a paged cache (block_table)", cache_leftpad is not None and block_table is not None)
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
     batch = q.shape[0]
@@ -218,7 +219,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             and k_cache.dim() == 4 and k_cache.shape[0] > batch:
         k_cache, v_cache = k_cache[:batch], v_cache[:batch]  # (no cache_batch_idx: sequence b is entry b)
     q, k_cache, v_cache, softmax_scale, head_dim_v = _pad_head_dim(q, k_cache, v_cache, softmax_scale)
-    res = api.flash_attn_func(q, k_cache, v_cache, softmax_scale=softmax_scale, causal=causal,
-                              return_lse=bool(return_softmax_lse), seqused_k=cache_lengths(cache_seqlens, batch, q.device),
-                              window_size=window_size, softcap=softcap, page_table=block_table)
+    common = dict(softmax_scale=softmax_scale, causal=causal, return_lse=bool(return_softmax_lse),
+                  window_size=window_size, softcap=softcap)
+    used_k = cache_lengths(cache_seqlens, batch, q.device)
+    if cache_leftpad is not None:  # a packed-K call over the flattened cache
+        args, keywords = left_padded_cache(q, k_cache, v_cache, used_k, cache_leftpad, None, None)
+        res = unpack_dense(api.flash_attn_varlen_func(*args, **keywords, **common), batch, q.shape[1])
+    else:
+        res = api.flash_attn_func(q, k_cache, v_cache, seqused_k=used_k, page_table=block_table, **common)
     return _unpad_head_dim(res, head_dim_v)
