@@ -69,9 +69,11 @@ def _dense(xs, dtype, device):
     return out.to(dtype).to(device)
 
 def _paged_matches(q, kc, vc, table, ks, vs, used, dtype, device, **kw):
-    """A dense-q call over paged K/V (key counts ``used``) agrees with the float64 reference and, bit for bit, with the
-    portable kernel's call on the same keys stored contiguously."""
-    out, lse = leanfa.flash_attn_func(q, kc, vc, return_lse=True, page_table=table, seqused_k=used, **kw)
+    """The portable kernel's dense-q call over paged K/V (key counts ``used``) agrees with the float64 reference and,
+    bit for bit, with its call on the same keys stored contiguously (sm90's Hopper kernel, where ``backend="auto"``
+    sends these calls: tests/test_hopper_paged.py and tests/test_hopper_seqused.py)."""
+    out, lse = leanfa.flash_attn_func(q, kc, vc, return_lse=True, page_table=table, seqused_k=used,
+                                      backend="portable", **kw)
     ref, ref_lse = attention_ref(q, kc, vc, return_lse=True, page_table=table, seqlens_k=used, **kw)
     _check(out, lse, ref, ref_lse, dtype)
     want, want_lse = leanfa.flash_attn_func(q, _dense(ks, dtype, device), _dense(vs, dtype, device), return_lse=True,
@@ -109,7 +111,8 @@ def test_chunked_prefill_dense_q(device, page_size):
     kc, vc, table = _paged(ks, vs, page_size, BF16, device, gen)
     q = torch.randn((2, sq, hq, d), generator=gen).to(BF16).to(device)
     used = torch.tensor(lens, dtype=I32, device=device)
-    out, lse = leanfa.flash_attn_func(q, kc, vc, causal=True, return_lse=True, page_table=table, seqused_k=used)
+    out, lse = leanfa.flash_attn_func(q, kc, vc, causal=True, return_lse=True, page_table=table, seqused_k=used,
+                                      backend="portable")  # (sm90's Hopper kernel: its own tests)
     ref, ref_lse = attention_ref(q, kc, vc, causal=True, return_lse=True, page_table=table, seqlens_k=used)
     _check(out, lse, ref, ref_lse, BF16)
     want, want_lse = leanfa.flash_attn_func(q, _dense(ks, BF16, device), _dense(vs, BF16, device), causal=True,
@@ -496,9 +499,10 @@ def test_gpu_window_paged_dense_q(device):
 
 
 @pytest.mark.gpu
-def test_gpu_dispatch_paged_runs_portable(device, monkeypatch):
-    """On the GPU a paged call with ``seqused_k`` asks the real Hopper ``supports`` (on sm90 it accepts the layout)
-    and runs on the portable kernel; on sm90 with one warning naming seqused_k."""
+def test_gpu_dispatch_paged_seqused(device, monkeypatch):
+    """On the GPU a paged call with ``seqused_k`` asks the real Hopper ``supports``: on sm90 it runs on the Hopper
+    kernel without a warning (``dispatch.HOPPER_SEQUSED_VALIDATED``), elsewhere on the portable kernel; the result
+    agrees with the float64 reference."""
     from leanfa import api
     from leanfa.kernels import dispatch
 
@@ -512,11 +516,12 @@ def test_gpu_dispatch_paged_runs_portable(device, monkeypatch):
                                  max_seqlen_k=None, softmax_scale=None, causal=True, q_descale=None, k_descale=None,
                                  v_descale=None, k_mean=None, return_lse=False, out_dtype=None, seqused_k=used,
                                  page_table=table)
+    sm90 = torch.cuda.get_device_capability() == (9, 0)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        assert dispatch.choose(problem, "auto").kernel == "portable"
-    if torch.cuda.get_device_capability() == (9, 0):  # (seqused_k: the paged form the Hopper kernel does not read)
-        assert any("seqused" in str(w.message) for w in seen)
+        assert dispatch.choose(problem, "auto").kernel == ("hopper" if sm90 else "portable")
+    if sm90:
+        assert not any("seqused" in str(w.message) for w in seen)
     out = leanfa.flash_attn_func(q, kc, vc, causal=True, page_table=table, seqused_k=used)
     ref = attention_ref(q, kc, vc, causal=True, page_table=table, seqlens_k=used)
     assert rel_l2(out, ref) < TOL[BF16]
