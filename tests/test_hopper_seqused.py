@@ -162,6 +162,71 @@ def test_emulated_varlen_seqused_k(fp8):
     _emulate_and_check(p, tol=4e-2 if fp8 else 1e-2)
 
 
+def _check_used_rows(out, lse, p, used_q, tol):
+    """Rows past ``seqused_q`` untouched (the emulator's NaN poison: the kernel writes only the used rows), the used
+    rows equal to the float64 reference of the sequences cut to them (causal aligned on that count)."""
+    if p.varlen:
+        lens = (p.cu_seqlens_q[1:] - p.cu_seqlens_q[:-1]).tolist()
+        keep = torch.cat([torch.arange(n) < u for n, u in zip(lens, used_q)])
+        ref, ref_lse = attention_ref(p.q[keep], p.k, p.v, causal=p.causal, return_lse=True,
+                                     cu_seqlens_q=cu_seqlens(used_q), cu_seqlens_k=p.cu_seqlens_k,
+                                     seqlens_k=p.seqused_k, window_size=(p.window_left, p.window_right))
+        got, got_lse, rest, rest_lse = out[keep], lse[:, keep], out[~keep], lse[:, ~keep]
+    else:
+        keep = torch.arange(p.max_seqlen_q)[None, :] < torch.tensor(used_q)[:, None]
+        refs = [attention_ref(p.q[b:b + 1, :u], p.k[b:b + 1], p.v[b:b + 1], causal=p.causal, return_lse=True,
+                              seqlens_k=None if p.seqused_k is None else p.seqused_k[b:b + 1])
+                for b, u in enumerate(used_q)]
+        ref, ref_lse = torch.cat([r[0][0] for r in refs]), torch.cat([r[1][0] for r in refs], 1)
+        got, got_lse = out[keep], lse.transpose(1, 2)[keep].T
+        rest, rest_lse = out[~keep], lse.transpose(1, 2)[~keep]
+    assert torch.isnan(rest).all() and torch.isnan(rest_lse).all(), "a row past seqused_q was written"
+    assert not torch.isnan(got).any() and not torch.isnan(got_lse).any(), "a used row left unwritten"
+    assert rel_l2(got, ref) < tol
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isinf(got_lse), ~fin)
+    assert float((got_lse.double() - ref_lse)[fin].abs().max()) < (1e-2 if p.is_fp8 else 1e-3)
+
+
+@emulation
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("causal", [True, False])
+def test_emulated_varlen_seqused_q(fp8, causal):
+    """Packed q with seqused_q (equal to a length, smaller, 0, on an empty sequence) and seqused_k (FA3's varlen
+    tests pass both): only the used rows are computed and written, causal aligned on their count."""
+    lens_q, lens_k, used_k, used_q = [40, 130, 0, 77, 1], [300, 130, 50, 333, 129], [300, 100, 50, 333, 0], \
+        [40, 70, 0, 0, 1]
+    q, k, v, cu_q, cu_k, used = _packed_tensors(lens_q, lens_k, used_k, 4, 2, 64, seed=20 + fp8, fp8=fp8)
+    p = _problem(q, k, v, causal, varlen=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q),
+                 max_seqlen_k=max(lens_k), seqused_k=used, seqused_q=torch.tensor(used_q, dtype=I32))
+    from leanfa.kernels.hopper.emulate import emulate
+
+    out, lse, _ = emulate(p)
+    _check_used_rows(out, lse, p, used_q, 4e-2 if fp8 else 1e-2)
+
+
+@emulation
+@pytest.mark.parametrize("fp8", [False, True])
+def test_emulated_dense_seqused_q(fp8):
+    """Dense q with seqused_q (a whole sequence, a cut one whose last used row sits inside a 64-row box), causal:
+    the dense FP8 call's output leaves through masked stores, not whole TMA boxes."""
+    gen = torch.Generator().manual_seed(21)
+    cast = _e4m3 if fp8 else (lambda t: t.to(BF16))
+    q = cast(torch.randn((2, 150, 2, 64), generator=gen))
+    k = cast(torch.randn((2, 200, 1, 64), generator=gen))
+    v = cast(torch.randn((2, 200, 1, 64), generator=gen))
+    used_q = [150, 37]
+    p = _problem(q, k, v, True, seqused_q=torch.tensor(used_q, dtype=I32))
+    from leanfa.kernels.hopper import launch
+    from leanfa.kernels.hopper.emulate import emulate
+
+    plan = launch.make_plan(q, k, v, torch.empty((2, 150, 2, 64), dtype=BF16), None, p.q_scale, p.k_scale, p.v_scale,
+                            None, causal=True, softmax_scale=0.125, return_lse=False, seqused_q=p.seqused_q)
+    assert not plan.constexprs["STORE_TMA"]
+    out, lse, _ = emulate(p)
+    _check_used_rows(out, lse, p, used_q, 4e-2 if fp8 else 1e-2)
+
+
 @emulation
 def test_emulated_dense_seqused_k():
     """Dense q/k with seqused_k (the dense grid's sequence bounds), non-causal and causal."""
@@ -237,7 +302,7 @@ def test_paged_key_offsets_and_mutation():
 
 def test_dispatch_gate(monkeypatch):
     """While HOPPER_SEQUSED_VALIDATED is off, backend="auto" keeps seqused_k calls and vLLM's paged call on the portable
-    kernel (with the reason); backend="hopper" takes them; seqused_q stays portable either way."""
+    kernel (with the reason); backend="hopper" takes them; seqused_q likewise with HOPPER_SEQUSED_Q_VALIDATED."""
     import dataclasses
 
     from helpers import hopper_accepts_everything
@@ -255,18 +320,20 @@ def test_dispatch_gate(monkeypatch):
         assert dispatch.choose(prob, "hopper").kernel == "hopper"
     with_q = dataclasses.replace(packed, seqused_q=torch.tensor([20], dtype=I32))
     dispatch._WARNED.clear()
-    with pytest.warns(UserWarning, match="seqused_q"):
-        assert dispatch.choose(with_q, "auto").kernel == "portable"
-    with pytest.raises(ValueError, match="seqused_q"):
-        dispatch.choose(with_q, "hopper")
     monkeypatch.setattr(dispatch, "HOPPER_SEQUSED_VALIDATED", True)
     for prob in (p, packed):
         assert dispatch.choose(prob, "auto").kernel == "hopper"
+    monkeypatch.setattr(dispatch, "HOPPER_SEQUSED_Q_VALIDATED", False)
+    with pytest.warns(UserWarning, match="seqused_q"):
+        assert dispatch.choose(with_q, "auto").kernel == "portable"
+    assert dispatch.choose(with_q, "hopper").kernel == "hopper"
+    monkeypatch.setattr(dispatch, "HOPPER_SEQUSED_Q_VALIDATED", True)
+    assert dispatch.choose(with_q, "auto").kernel == "hopper"
 
 
-def test_supports_refuses_seqused_q_and_dense_cache(monkeypatch):
-    """The Hopper kernel's own verdict (on any device): seqused_k and vLLM's paged call are its calls; seqused_q and
-    packed q over a dense per-sequence cache are not."""
+def test_supports_seqused_q_refuses_dense_cache(monkeypatch):
+    """The Hopper kernel's own verdict (on any device): seqused_k, seqused_q and vLLM's paged call are its calls;
+    packed q over a dense per-sequence cache is not."""
     import dataclasses
 
     from leanfa.kernels import hopper
@@ -275,8 +342,7 @@ def test_supports_refuses_seqused_q_and_dense_cache(monkeypatch):
     packed = _packed_batch([40], [300], [100], 2, 1, 64)
     assert hopper._supports(packed) == (True, "")
     assert hopper._supports(_vllm_problems(*LENS, 4, 2, 64, 64)[0]) == (True, "")
-    ok, why = hopper._supports(dataclasses.replace(packed, seqused_q=torch.tensor([20], dtype=I32)))
-    assert not ok and "seqused_q" in why
+    assert hopper._supports(dataclasses.replace(packed, seqused_q=torch.tensor([20], dtype=I32))) == (True, "")
     dense_cache = _problem(packed.q, packed.k[None, :300], packed.v[None, :300], True, varlen=True,
                            cu_seqlens_q=packed.cu_seqlens_q, max_seqlen_q=40, cu_seqlens_k=None)
     ok, why = hopper._supports(dense_cache)
@@ -395,3 +461,55 @@ def test_gpu_dense_seqused_k(monkeypatch):
         assert rel_l2(got, ref) < tol
         port = leanfa.flash_attn_func(q, k, v, causal=True, seqused_k=used, backend="portable")
         assert rel_l2(got, port.float()) < 2 * tol
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("varlen", [True, False])
+def test_gpu_seqused_q(fp8, causal, varlen, monkeypatch):
+    """FA3's seqused_q on the Hopper kernel (backend="hopper"), with seqused_k: the used rows against the float64
+    reference of the sequences cut to them and against the portable kernel; the rows past seqused_q 0 with LSE -inf
+    (outputs poisoned through torch.empty)."""
+    if not _sm90():
+        pytest.skip("the Hopper kernel needs sm90")
+    tol = TOL[FP8] if fp8 else TOL[BF16]
+    poison_empty(monkeypatch)
+    if varlen:
+        lens_q, lens_k = [512, 1000, 77, 1, 2048], [3000, 1000, 4100, 700, 2048]
+        used_q, used_k = [512, 600, 0, 1, 1500], [2000, 1000, 4100, 0, 2048]
+        q, k, v, cu_q, cu_k, uk = (t.cuda() for t in _packed_tensors(lens_q, lens_k, used_k, 16, 4, 128,
+                                                                      seed=30 + fp8, fp8=fp8))
+        uq = torch.tensor(used_q, dtype=I32, device="cuda")
+        call = lambda backend: leanfa.flash_attn_varlen_func(  # noqa: E731
+            q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal, seqused_q=uq, seqused_k=uk,
+            return_lse=True, backend=backend)
+        keep = torch.cat([torch.arange(n) < u for n, u in zip(lens_q, used_q)]).cuda()
+        ref, ref_lse = attention_ref(q[keep], k, v, causal=causal, return_lse=True,
+                                     cu_seqlens_q=cu_seqlens(used_q, "cuda"), cu_seqlens_k=cu_k, seqlens_k=uk)
+        rows = lambda o, lse: (o[keep], lse[:, keep], o[~keep], lse[:, ~keep])  # noqa: E731
+    else:
+        gen = torch.Generator(device="cuda").manual_seed(31)
+        dtype = FP8 if fp8 else BF16
+        q = torch.randn((3, 1024, 8, 128), generator=gen, device="cuda").to(dtype)
+        k = torch.randn((3, 2048, 2, 128), generator=gen, device="cuda").to(dtype)
+        v = torch.randn((3, 2048, 2, 128), generator=gen, device="cuda").to(dtype)
+        used_q, used_k = [1024, 333, 0], [2048, 1000, 77]
+        uq, uk = (torch.tensor(x, dtype=I32, device="cuda") for x in (used_q, used_k))
+        call = lambda backend: leanfa.flash_attn_func(q, k, v, causal=causal, seqused_q=uq, seqused_k=uk,  # noqa: E731
+                                                      return_lse=True, backend=backend)
+        keep = (torch.arange(1024)[None, :] < torch.tensor(used_q)[:, None]).cuda()
+        refs = [attention_ref(q[b:b + 1, :u], k[b:b + 1], v[b:b + 1], causal=causal, return_lse=True,
+                              seqlens_k=uk[b:b + 1]) for b, u in enumerate(used_q)]
+        ref, ref_lse = torch.cat([r[0][0] for r in refs]), torch.cat([r[1][0] for r in refs], 1)
+        rows = lambda o, lse: (o[keep], lse.transpose(1, 2)[keep].T, o[~keep],  # noqa: E731
+                               lse.transpose(1, 2)[~keep])
+    got, got_lse, rest, rest_lse = rows(*call("hopper"))
+    assert (rest == 0).all() and torch.isneginf(rest_lse).all(), "rows past seqused_q must be 0 with LSE -inf"
+    assert not torch.isnan(got).any() and not torch.isnan(got_lse).any(), "a used row left unwritten"
+    assert rel_l2(got, ref) < tol
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isinf(got_lse), ~fin)
+    assert float((got_lse.double() - ref_lse)[fin].abs().max()) < (1e-2 if fp8 else 1e-3)
+    port, port_lse, *_ = rows(*call("portable"))
+    assert rel_l2(got, port.float()) < 2 * tol

@@ -291,14 +291,14 @@ def test_hopper_dispatch_keeps_fp8_d256_windows_portable(monkeypatch):
 
 
 @pytest.mark.parametrize("change,reason", [
-    (dict(seqused_q=torch.tensor([5], dtype=I32)), "seqused_q is not implemented in the Hopper kernel"),
-    (dict(seqused_q=torch.tensor([5], dtype=I32), window_left=4, softcap=30.0),
-     "seqused_q is not implemented in the Hopper kernel"),
+    (dict(attention_chunk=64), "attention_chunk \\(chunked local attention\\) is not implemented"),
+    (dict(attention_chunk=64, window_left=4, softcap=30.0),
+     "attention_chunk \\(chunked local attention\\) is not implemented"),
     (dict(attention_chunk=64, softcap=30.0), "attention_chunk \\(chunked local attention\\) is not implemented"),
 ])
 def test_hopper_dispatch_refuses_with_one_warning(monkeypatch, change, reason):
-    """Where the Hopper kernel would run a call, a call with a portable-only feature (here seqused_q, with or
-    without a window and softcap; attention_chunk) runs on the portable kernel with one warning per process; backend="hopper"
+    """Where the Hopper kernel would run a call, a call with a portable-only feature (here attention_chunk, with or
+    without a window and softcap) runs on the portable kernel with one warning per process; backend="hopper"
     raises with the reason."""
     dispatch = hopper_accepts_everything(monkeypatch)
     plain = _plain_problem()

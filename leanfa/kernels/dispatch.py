@@ -57,8 +57,13 @@ HOPPER_SINK_VALIDATED = True
 #: ``cu_seqlens_k`` (vLLM's FA3 prefill call): validated on the H200 (tests/test_hopper_seqused.py's 33 GPU tests,
 #: compute-sanitizer memcheck 0 errors on vLLM's FP8 call, FA3's varlen and KV-cache tests 0 failures; vLLM's call
 #: 0.99-1.01x the ``cu_seqlens_k`` call, the portable kernel 0.31-0.65x of it; docs/perf-notes.md, "Session 22"),
-#: so ``backend="auto"`` runs these calls on sm90. ``seqused_q`` stays on the portable kernel.
+#: so ``backend="auto"`` runs these calls on sm90.
 HOPPER_SEQUSED_VALIDATED = True
+#: FA3's ``seqused_q`` on the Hopper kernel (``_tile`` cuts each sequence's query rows to it; the plan zeroes the
+#: output and sets the LSE to -inf first, so the rows past it read 0 / -inf): the emulator's tests pass
+#: (tests/test_hopper_seqused.py); off until its GPU tests pass on the H200, so ``backend="auto"`` keeps these calls
+#: on the portable kernel and ``backend="hopper"`` runs them.
+HOPPER_SEQUSED_Q_VALIDATED = False
 #: FP8 head dims where ``backend="auto"`` prefers the portable kernel although the Hopper kernel runs them: at
 #: 64/64 the portable FP8 kernel is 1.10x / 1.06-1.07x as fast as the Hopper kernel at 4K / 16K on the H200 (causal,
 #: B*S = 16K, 16 heads; docs/perf-notes.md, "FP8 at head dim 64 goes to the portable kernel"), and its sink beats
@@ -172,8 +177,9 @@ def portable_only_reason(problem, backend: str = "auto") -> str:
                 "the portable kernel")
     if problem.qv is not None:
         return "qv (MLA's absorbed form) is not implemented in the Hopper kernel: these calls run on the portable kernel"
-    if problem.seqused_q is not None:
-        return "seqused_q is not implemented in the Hopper kernel: these calls run on the portable kernel"
+    if problem.seqused_q is not None and not (HOPPER_SEQUSED_Q_VALIDATED or backend == "hopper"):
+        return ("seqused_q on the Hopper kernel is not yet validated on the GPU: these calls run on the portable "
+                "kernel (backend='hopper' runs them there)")
     if problem.seqused_k is not None and not _seqused_enabled(backend):
         return ("seqused_k on the Hopper kernel is not yet validated on the GPU: these calls run on the portable "
                 "kernel (backend='hopper' runs them there)")

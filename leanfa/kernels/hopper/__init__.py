@@ -123,10 +123,10 @@ def _supports(problem) -> tuple[bool, str]:
         why = varlen_tiles.table_problem(q.shape[1], problem.cu_seqlens_q.numel() - 1, _launch.BLOCK_M)
         if why:
             return False, why
-    if problem.seqused_q is not None:
-        return False, "seqused_q is not implemented in the Hopper kernel (rows past it must be written as 0, LSE -inf)"
     if problem.kv_per_sequence and not problem.paged:
         return False, "packed queries over a per-sequence (batch, seqlen) K/V cache are not implemented in the Hopper kernel"
+    if problem.sink_keys and problem.seqused_q is not None:
+        return False, "the Hopper kernel does not combine seqused_q with BF16 sink keys"
     if problem.sink_keys and problem.has_window:  # (the API refuses the pair before it gets here)
         return False, "the Hopper kernel does not combine sliding windows (window_size) with BF16 sink keys"
     if problem.sink_keys:
@@ -140,12 +140,14 @@ def _supports(problem) -> tuple[bool, str]:
 def plan_kwargs(problem) -> dict:
     """``make_plan``'s keywords for ``problem``: the varlen ones (none when dense; a packed FP8 V's aligned
     starts among them), the BF16 sink keys' ``sink`` tuple (none without), paged K/V's ``page_table``, the sliding
-    window's ``window``, ``softcap`` and FA3's ``seqused_k`` (none without any)."""
+    window's ``window``, ``softcap`` and FA3's ``seqused_k`` and ``seqused_q`` (none without any)."""
     kw = {}
     if problem.paged:
         kw.update(page_table=problem.page_table)
     if problem.seqused_k is not None:
         kw.update(seqused_k=problem.seqused_k)
+    if problem.seqused_q is not None:
+        kw.update(seqused_q=problem.seqused_q)
     if problem.has_window:
         kw.update(window=(problem.window_left, problem.window_right))
     if problem.softcap > 0:
@@ -168,7 +170,7 @@ _memo = threading.local()  # the last problem's key: supports() and plan() of on
 def _inputs(problem) -> tuple:
     return (problem.q, problem.k, problem.v, problem.q_scale, problem.k_scale, problem.v_scale, problem.k_mean,
             problem.sink_q, problem.sink_k, problem.sink_v, problem.cu_seqlens_q, problem.cu_seqlens_k,
-            problem.cu_seqlens_v, problem.page_table, problem.seqused_k)
+            problem.cu_seqlens_v, problem.page_table, problem.seqused_k, problem.seqused_q)
 
 
 def _signature(problem):
@@ -198,6 +200,10 @@ def plan(problem):
     tensors are then this call's inputs as the kernel reads them (packed varlen tensors as a batch of one,
     V as :func:`.launch.prepare_v` makes it), bound into the template."""
     out, lse = allocate_outputs(problem)
+    if problem.seqused_q is not None:  # the kernel writes the used rows only; FA3's others are 0 with LSE -inf
+        out.zero_()
+        if lse is not None:
+            lse.fill_(float("-inf"))
     key = _signature(problem)
     _memo.last = None  # (a later call on this problem object reads the knobs again)
     # a paged call's key lengths (seqused_k, or no cu_seqlens_k: vLLM's call) as cu_seqlens_k (made every call)
@@ -212,7 +218,7 @@ def plan(problem):
         tiles = varlen_tiles.build(problem.cu_seqlens_q, cu_k, q.shape[1], problem.max_seqlen_k,
                                    problem.causal, _launch.BLOCK_M, (problem.window_left, problem.window_right), used_k)
     inputs = (q, k, v, problem.q_scale, problem.k_scale, problem.v_scale, problem.k_mean, sq, sk, sv,
-              problem.cu_seqlens_q, cu_k, cu_v, tiles, out, lse, problem.page_table, used_k)
+              problem.cu_seqlens_q, cu_k, cu_v, tiles, out, lse, problem.page_table, used_k, problem.seqused_q)
     if key is not None:
         key = plan_cache.extend(key, (v, cu_v, tiles, out, lse, cu_k, used_k), inputs)
         template = PLANS.get(key)

@@ -42,6 +42,7 @@ class Variant:
     window: tuple = (-1, -1)  # flash-attn's window_size as Problem stores it (-1: unbounded; causal: right -1)
     softcap: float = 0.0  # flash-attn's softcap (0: off)
     seqused_k: bool = False  # FA3's seqused_k (paged varlen: read as the key lengths' cu_seqlens_k)
+    seqused_q: bool = False  # FA3's seqused_q (the used query rows; masked output stores)
 
     @property
     def name(self) -> str:
@@ -52,7 +53,7 @@ class Variant:
                 f"{'-vT' if vk else ''}{'-varlen' if self.varlen else ''}{'-sink' if self.sink else ''}"
                 f"{f'-paged{self.page_size}' if self.page_size else ''}"
                 f"{'-window%d,%d' % self.window if self.window != (-1, -1) else ''}"
-                f"{'-softcap%g' % self.softcap if self.softcap else ''}{'-usedk' if self.seqused_k else ''}")
+                f"{'-softcap%g' % self.softcap if self.softcap else ''}{'-usedk' if self.seqused_k else ''}{'-usedq' if self.seqused_q else ''}")
 
 
 def _fake_problem(v: Variant):
@@ -102,6 +103,8 @@ def _fake_problem(v: Variant):
                                                 dtype=dt)[..., :room].permute(0, 3, 1, 2), None)
     if v.seqused_k:
         varlen["seqused_k"] = torch.zeros(2 if v.varlen else B, dtype=torch.int32)
+    if v.seqused_q:
+        varlen["seqused_q"] = torch.zeros(2 if v.varlen else B, dtype=torch.int32)
     with mock.patch.dict(os.environ, {k: str(x) for k, x in v.env}):  # restored on exit
         return L.make_plan(q, k, v_, out, lse if v.return_lse else None, qs, ks, vs, km, causal=v.causal,
                            softmax_scale=v.dqk ** -0.5, return_lse=v.return_lse, window=v.window, **varlen,

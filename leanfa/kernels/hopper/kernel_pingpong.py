@@ -61,14 +61,16 @@ PRODUCER_REGS = gl.constexpr(24)  # ... and per producer thread: 2 x 4 x 240 + 2
 # ----------------------------------------------------------------------------- tiles
 
 @gluon.jit
-def _tile(t, num_bh, num_heads, group_size, num_m_tiles, num_tiles, seqlen_q, seqlen_k, cu_seqlens_q, keys_t,
+def _tile(t, num_bh, num_heads, group_size, num_m_tiles, num_tiles, seqlen_q, seqlen_k, cu_seqlens_q, seqs_t,
           tiles, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr):
     """Everything about tile ``t`` (``WGS`` x 64 query rows) every partition needs: ``(b, h, hkv, m_start, tma_b, q_start,
     k_start, seqlen_q, seqlen_k, n_full, n_end)``. A ``t`` past the last tile (a persistent
-    program's last round may have none) reads as the last tile with no rows and no key blocks. ``keys_t`` is
-    ``(cu_seqlens_k, seqused_k)``: with ``seqused_k`` (FA3's, int32 per sequence; None: off) sequence ``b`` has only
-    its first ``seqused_k[b]`` keys (the causal alignment and the tail mask use that length)."""
-    cu_seqlens_k, seqused_k = keys_t
+    program's last round may have none) reads as the last tile with no rows and no key blocks. ``seqs_t`` is
+    ``(cu_seqlens_k, seqused_k, seqused_q)``: with ``seqused_k`` (FA3's, int32 per sequence; None: off) sequence ``b``
+    has only its first ``seqused_k[b]`` keys (the causal alignment and the tail mask use that length); with
+    ``seqused_q`` only its first ``seqused_q[b]`` query rows are computed and written (the causal alignment uses that
+    count; the rows past it are the caller's: :func:`.launch.make_plan` has them filled)."""
+    cu_seqlens_k, seqused_k, seqused_q = seqs_t
     valid = t < num_tiles
     if VARLEN:  # (the tile table, varlen_tiles.py)
         b, h, hkv, m_start = varlen_tile_coords(gl.maximum(gl.minimum(t, num_tiles - 1), 0), tiles, num_heads,
@@ -80,6 +82,8 @@ def _tile(t, num_bh, num_heads, group_size, num_m_tiles, num_tiles, seqlen_q, se
                                                                   VARLEN)
     if seqused_k is not None:
         seqlen_k = gl.minimum(gl.load(seqused_k + b), seqlen_k)
+    if seqused_q is not None:
+        seqlen_q = gl.minimum(gl.load(seqused_q + b), seqlen_q)
     seqlen_q = gl.where(valid, seqlen_q, 0)
     n_full, n_end = kv_block_range(m_start, seqlen_q, seqlen_k, WGS * WG_ROWS, BLOCK_N, CAUSAL)
     return b, h, hkv, m_start, tma_b, q_start, k_start, seqlen_q, seqlen_k, n_full, n_end
@@ -112,7 +116,7 @@ def _producer(args, cu_seqlens_v, sink_t, CAUSAL: gl.constexpr, V_KMAJOR: gl.con
     (:func:`.pipeline.load_kv_paged`; a window's blocks are the sequence's absolute key blocks too; FP8 V,
     ``V_KMAJOR``, from its dense transposed copy's row of sequence ``b``)."""
     (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars,
-     seqlen_q, seqlen_k, cu_seqlens_q, keys_t, tiles, num_bh, num_heads, group_size, num_m_tiles,
+     seqlen_q, seqlen_k, cu_seqlens_q, seqs_t, tiles, num_bh, num_heads, group_size, num_m_tiles,
      first_tile, tile_step, num_tiles, window) = args
     QK_CHUNKS: gl.constexpr = k_bufs.shape[0] // v_bufs.shape[0]
     ring = 0
@@ -121,7 +125,7 @@ def _producer(args, cu_seqlens_v, sink_t, CAUSAL: gl.constexpr, V_KMAJOR: gl.con
         t = round_tile(r, first_tile, tile_step)
         b, h, hkv, m_start, tma_b, q_start, k_start, sq, sk, n_full, n_end = _tile(
             t, num_bh, num_heads, group_size, num_m_tiles, num_tiles, seqlen_q, seqlen_k, cu_seqlens_q,
-            keys_t, tiles, k_bufs.shape[3], CAUSAL, VARLEN)
+            seqs_t, tiles, k_bufs.shape[3], CAUSAL, VARLEN)
         if WINDOW:
             n_start, n_lfull, n_full, n_end = window_block_range(m_start, sq, sk, n_full, n_end, window[0], window[1],
                                                                  WGS * WG_ROWS, k_bufs.shape[3])
@@ -423,7 +427,7 @@ def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, q_empty,
 @gluon.jit
 def _consumer_step(t, ring, qi, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars,
                    out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
-                   seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, keys_t, tiles,
+                   seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, seqs_t, tiles,
                    num_bh, num_heads, group_size, num_m_tiles, num_tiles, trace, sink_t, ostore,
                    HEAD_DV: gl.constexpr, CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, PV_FP8: gl.constexpr,
                    V_KMAJOR: gl.constexpr, RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, ABLATE: gl.constexpr,
@@ -435,7 +439,7 @@ def _consumer_step(t, ring, qi, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars,
     ``trace``: the clock-trace buffer (:mod:`.trace`), or ``None``. ``WINDOW``: ``window = (left, right)``.
     ``SOFTCAP``: ``softcap`` caps the scores (:func:`_consumer_tile`)."""
     b, h, hkv, m_start, tma_b, q_start, k_start, sq, sk, n_full, n_end = _tile(
-        t, num_bh, num_heads, group_size, num_m_tiles, num_tiles, seqlen_q, seqlen_k, cu_seqlens_q, keys_t,
+        t, num_bh, num_heads, group_size, num_m_tiles, num_tiles, seqlen_q, seqlen_k, cu_seqlens_q, seqs_t,
         tiles, k_bufs.shape[3], CAUSAL, VARLEN)
     if WINDOW:
         n_start, n_lfull, n_full, n_end = window_block_range(m_start, sq, sk, n_full, n_end, window[0], window[1],
@@ -478,7 +482,7 @@ def _consumer(args, trace, sink_t, ostore, HEAD_DV: gl.constexpr, CAUSAL: gl.con
     every warpgroup but 0 does nothing: one warpgroup's chain alone, for comparison."""
     (q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars,
      out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
-     seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, keys_t, tiles,
+     seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, seqs_t, tiles,
      num_bh, num_heads, group_size, num_m_tiles, first_tile, tile_step, num_tiles, window, softcap) = args
     if W > 0 and ablates(ABLATE, ABLATE_ONEWG):
         pass
@@ -490,7 +494,7 @@ def _consumer(args, trace, sink_t, ostore, HEAD_DV: gl.constexpr, CAUSAL: gl.con
                 round_tile(r, first_tile, tile_step), ring, qi, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars,
                 empty_bars,
                 out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
-                seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, keys_t, tiles,
+                seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, seqs_t, tiles,
                 num_bh, num_heads, group_size, num_m_tiles, num_tiles, trace, sink_t, ostore,
                 HEAD_DV, CAUSAL, IS_FP8, PV_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, ABLATE, TWO_LEVEL, VARLEN, SINK,
                 STORE_TMA, STORE_STAGED, W, window, WINDOW, softcap, SOFTCAP)
@@ -498,7 +502,7 @@ def _consumer(args, trace, sink_t, ostore, HEAD_DV: gl.constexpr, CAUSAL: gl.con
         _consumer_step(
             first_tile, 0, 0, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars,
             out_t, lse_t, q_scale_t, k_scale_t, v_scale_t, k_mean_t,
-            seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, keys_t, tiles,
+            seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, seqs_t, tiles,
             num_bh, num_heads, group_size, num_m_tiles, num_tiles, trace, sink_t, ostore,
             HEAD_DV, CAUSAL, IS_FP8, PV_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, ABLATE, TWO_LEVEL, VARLEN, SINK,
             STORE_TMA, STORE_STAGED, W, window, WINDOW, softcap, SOFTCAP)
@@ -556,6 +560,7 @@ def attn_fwd_pingpong_kernel(
     out_desc,  # None, or (STORE_TMA) the output as (B, H, S, D) for TMA stores of 64-row boxes
     softcap,  # SOFTCAP: flash-attn's softcap (qk_scale is then softmax_scale / softcap), else unused
     seqused_k,  # None, or FA3's seqused_k: int32 (batch,), sequence b's first seqused_k[b] keys only (_tile)
+    seqused_q,  # None, or FA3's seqused_q: int32 (batch,), sequence b's first seqused_q[b] query rows only (_tile)
     HEAD_DQK: gl.constexpr, HEAD_DV: gl.constexpr,
     CAUSAL: gl.constexpr, IS_FP8: gl.constexpr, V_KMAJOR: gl.constexpr,
     RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, VARLEN: gl.constexpr, STAGES: gl.constexpr,
@@ -603,18 +608,18 @@ def attn_fwd_pingpong_kernel(
     k_bars = alloc_barriers(STAGES)
     v_bars = alloc_barriers(STAGES)
     empty_bars = alloc_barriers(STAGES, CONSUMERS)  # one release per consumer warpgroup
-    keys_t = (cu_seqlens_k, seqused_k)  # each sequence's keys (_tile)
+    seqs_t = (cu_seqlens_k, seqused_k, seqused_q)  # each sequence's keys and used query rows (_tile)
     # every consumer warpgroup gets the same arguments but its index. The constexprs go in the
     # argument list itself: a tuple held in a variable makes them runtime values.
     cargs = (q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars,
              (out_ptr, stride_ob, stride_os, stride_oh), (lse_ptr, stride_lb, stride_lh),
              (q_scale_ptr, stride_qsb, stride_qsh, stride_qsblk), (k_scale_ptr, stride_ksb, stride_ksh, stride_ksblk),
              (v_scale_ptr, stride_vsb, stride_vsh, stride_vsd), (k_mean_ptr, stride_kmb, stride_kmh, stride_kmd),
-             seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, keys_t, tiles,
+             seqlen_q, seqlen_k, qk_scale, sm_scale, cu_seqlens_q, seqs_t, tiles,
              num_bh, num_heads, group_size, num_m_tiles, first_tile, tile_step, num_tiles,
              (window_left, window_right), softcap)
     pargs = (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars, v_bars, empty_bars,
-             seqlen_q, seqlen_k, cu_seqlens_q, keys_t, tiles, num_bh, num_heads, group_size, num_m_tiles,
+             seqlen_q, seqlen_k, cu_seqlens_q, seqs_t, tiles, num_bh, num_heads, group_size, num_m_tiles,
              first_tile, tile_step, num_tiles, (window_left, window_right))
     if STORE_TMA:  # one output box per consumer warpgroup
         o_smem = gl.allocate_shared_memory(out_desc.dtype, [WGS] + out_desc.block_type.shape, out_desc.layout)

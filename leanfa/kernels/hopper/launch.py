@@ -393,7 +393,7 @@ def window_bounds(causal: bool, window: tuple[int, int], max_seqlen_q: int, max_
 def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: bool,
               softmax_scale: float, return_lse: bool, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, sink=None,
               prepared_v=None, tile_table=None, cu_seqlens_v=None, page_table=None, window=(-1, -1),
-              softcap: float = 0.0, seqused_k=None) -> Plan:
+              softcap: float = 0.0, seqused_k=None, seqused_q=None) -> Plan:
     """Kernel arguments for dense (B, S, H, D) tensors (``out`` (B, Sq, Hq, Dv)), or packed varlen
     (total, H, D) ones with ``cu_seqlens_*`` / ``max_seqlen_*`` (``out`` (total_q, Hq, Dv)).
     ``sink``: ``(sink_keys, q16, k16, v16)``, FP8 with the first keys attended from the 16-bit inputs
@@ -409,7 +409,10 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
     ``q . mean`` goes inside tanh's argument instead of the LSE; not with ``sink``).
     ``seqused_k``: FA3's int32 ``(batch,)``, sequence ``b``'s first ``seqused_k[b]`` keys only (the kernel's
     ``seqused_k``; a paged call's key lengths read as :func:`paged_keys` makes them). Paged with packed queries and no
-    ``cu_seqlens_k`` (vLLM's call): each sequence has the table's capacity, cut by ``seqused_k``."""
+    ``cu_seqlens_k`` (vLLM's call): each sequence has the table's capacity, cut by ``seqused_k``. ``seqused_q``: FA3's
+    int32 ``(batch,)``, sequence ``b``'s first ``seqused_q[b]`` query rows only (causal alignment on that count); the
+    kernel does not write the rows past it (the output leaves through masked stores, not TMA): the caller fills them
+    (:func:`leanfa.kernels.hopper.plan`: zeros, LSE ``-inf``)."""
     varlen = cu_seqlens_q is not None
     if page_table is not None:
         why = paged_problem(k.shape[1], v if prepared_v is None else None)
@@ -472,7 +475,7 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
         sink_mode = 2 if k_mean is not None else 1  # 2: K was smoothed, the sink's scores shift by q . mean
     has_kmean = k_mean is not None and return_lse and not softcap > 0  # (softcap: inside the scores)
     cap_mode = (2 if k_mean is not None else 1) if softcap > 0 else 0  # (the kernel's SOFTCAP)
-    o_tma = store_tma(is_fp8, varlen, out, sink_mode, Dqk, mixed)
+    o_tma = seqused_q is None and store_tma(is_fp8, varlen, out, sink_mode, Dqk, mixed)  # (TMA: whole 64-row boxes)
     out_desc = _desc(out, *_bshd_as_bhsd(out), [1, 1, 64, Dv]) if o_tma else None
     o_staged = not o_tma and store_staged(varlen, out, sink_mode, Dqk, q.element_size(), v.element_size())
     out_bytes = block_m * Dv * out.element_size() if o_tma or o_staged else 0
@@ -506,7 +509,7 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
         args += (v_scale, v_scale, v_scale, Hq * Sq, Sq)
     trace = trace_buffer(B * Hq * num_m_tiles, q.device) if _flag("LEANFA_HOPPER_TRACE", False) else None
     pages = (page_table, *page_table.stride()) if page_table is not None else (None, None, None)
-    args += (trace, cu_seqlens_v, *pages, *sink_descs, out_desc, float(softcap), seqused_k)
+    args += (trace, cu_seqlens_v, *pages, *sink_descs, out_desc, float(softcap), seqused_k, seqused_q)
     persistent = _flag("LEANFA_HOPPER_PERSISTENT", persistent_default(is_fp8, sink_mode, Dv, has_kmean, Dqk,
                                                                        cap_mode > 0 and pv_fp8))
     constexprs = dict(
