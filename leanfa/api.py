@@ -339,7 +339,9 @@ def flash_attn_func(
         seqused_q, seqused_k: FlashAttention-3's int32 ``(B,)`` tensors: batch entry ``b`` has
             only its first ``seqused_q[b]`` queries and ``seqused_k[b]`` keys (the causal mask is
             aligned to these lengths); output rows past ``seqused_q[b]`` are 0 and their LSE
-            ``-inf`` (FA3 leaves them unwritten). Runs on the portable kernel.
+            ``-inf`` (FA3 leaves them unwritten). On sm90 ``seqused_k`` runs on the Hopper kernel, and
+            ``seqused_q`` there with ``backend="hopper"`` (``"auto"``: the portable kernel until its GPU
+            validation, :data:`leanfa.kernels.dispatch.HOPPER_SEQUSED_Q_VALIDATED`).
         window_size: ``(left, right)``, flash-attn's sliding-window (local) attention: query ``i`` sees
             keys ``j`` with ``i + Sk - Sq - left <= j <= i + Sk - Sq + right`` (bottom-right aligned, as
             the causal mask); -1 is no limit on that side, ``(-1, -1)`` (default) no window. With
