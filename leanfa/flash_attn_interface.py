@@ -167,6 +167,19 @@ def left_padded_cache(q, k_cache, v_cache, used_k, cache_leftpad, cu_seqlens_q, 
     return (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 2 * slot), keywords
 
 
+def left_padded_attention(q, k_cache, v_cache, used_k, cache_leftpad, cu_seqlens_q, max_seqlen_q, descales=None,
+                          **options):
+    """Both drop-ins' ``flash_attn_with_kvcache`` with ``cache_leftpad``: :func:`left_padded_cache`'s packed call
+    with leanfa's ``options`` (``causal``, ``return_lse`` ...), its result in ``q``'s layout (a dense ``q``:
+    :func:`unpack_dense`)."""
+    from . import api
+
+    args, keywords = left_padded_cache(q, k_cache, v_cache, used_k, cache_leftpad, cu_seqlens_q, max_seqlen_q,
+                                       descales)
+    res = api.flash_attn_varlen_func(*args, **keywords, **options)
+    return res if cu_seqlens_q is not None else unpack_dense(res, q.shape[0], q.shape[1])
+
+
 def unpack_dense(res, batch: int, seqlen_q: int):
     """A packed call's ``out`` ``(B * Sq, H, Dv)`` (or ``(out, lse)`` with LSE ``(H, B * Sq)``) in the dense
     shapes ``(B, Sq, H, Dv)`` and ``(B, H, Sq)``."""
@@ -225,11 +238,8 @@ def flash_attn_with_kvcache(
                   page_table=page_table, attention_chunk=attention_chunk, qv=qv)
     if cache_leftpad is not None:  # a packed-K call over the flattened cache
         descales = {n: common.pop(n) for n in ("q_descale", "k_descale", "v_descale")}
-        args, keywords = left_padded_cache(q, k_cache, v_cache, common.pop("seqused_k"), cache_leftpad, cu_seqlens_q,
-                                           max_seqlen_q, descales)
-        res = api.flash_attn_varlen_func(*args, **keywords, **common)
-        if not varlen:
-            res = unpack_dense(res, batch, q.shape[1])
+        res = left_padded_attention(q, k_cache, v_cache, common.pop("seqused_k"), cache_leftpad, cu_seqlens_q,
+                                    max_seqlen_q, descales, **common)
     elif varlen:
         res = api.flash_attn_varlen_func(q, k_cache, v_cache, cu_seqlens_q, None, max_seqlen_q, None, **common)
     else:

@@ -204,7 +204,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     ``return_softmax_lse``. With ``block_table``, ``cache_seqlens`` longer than a table row raises
     :class:`BlockTableOverflowError` (read on the host as flash-attn 2 does: :func:`_check_table_capacity`)."""
     from .. import api
-    from ..flash_attn_interface import cache_lengths, left_padded_cache, unpack_dense
+    from ..flash_attn_interface import cache_lengths, left_padded_attention
 
     _check_fa2(0.0, alibi_slopes)
     reject("k/v (appending new keys to the cache in place)", k is not None or v is not None)
@@ -223,8 +223,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                   window_size=window_size, softcap=softcap)
     used_k = cache_lengths(cache_seqlens, batch, q.device)
     if cache_leftpad is not None:  # a packed-K call over the flattened cache
-        args, keywords = left_padded_cache(q, k_cache, v_cache, used_k, cache_leftpad, None, None)
-        res = unpack_dense(api.flash_attn_varlen_func(*args, **keywords, **common), batch, q.shape[1])
+        res = left_padded_attention(q, k_cache, v_cache, used_k, cache_leftpad, None, None, **common)
     else:
         res = api.flash_attn_func(q, k_cache, v_cache, seqused_k=used_k, page_table=block_table, **common)
     return _unpad_head_dim(res, head_dim_v)

@@ -177,10 +177,10 @@ def portable_only_reason(problem, backend: str = "auto") -> str:
                 "the portable kernel")
     if problem.qv is not None:
         return "qv (MLA's absorbed form) is not implemented in the Hopper kernel: these calls run on the portable kernel"
-    if problem.seqused_q is not None and not (HOPPER_SEQUSED_Q_VALIDATED or backend == "hopper"):
+    if problem.seqused_q is not None and not _enabled(HOPPER_SEQUSED_Q_VALIDATED, backend):
         return ("seqused_q on the Hopper kernel is not yet validated on the GPU: these calls run on the portable "
                 "kernel (backend='hopper' runs them there)")
-    if problem.seqused_k is not None and not _seqused_enabled(backend):
+    if problem.seqused_k is not None and not _enabled(HOPPER_SEQUSED_VALIDATED, backend):
         return ("seqused_k on the Hopper kernel is not yet validated on the GPU: these calls run on the portable "
                 "kernel (backend='hopper' runs them there)")
     if problem.has_window and problem.pv_fp8 and problem.head_dim_v > 128:
@@ -194,10 +194,10 @@ def portable_only_reason(problem, backend: str = "auto") -> str:
     return ""
 
 
-def _seqused_enabled(backend: str) -> bool:
-    """Whether the Hopper kernel runs ``seqused_k`` and paged calls without ``cu_seqlens_k`` for ``backend``:
-    validated (:data:`HOPPER_SEQUSED_VALIDATED`), or demanded (``backend="hopper"``)."""
-    return HOPPER_SEQUSED_VALIDATED or backend == "hopper"
+def _enabled(validated: bool, backend: str) -> bool:
+    """Whether the Hopper kernel runs a feature behind a validation flag for ``backend``: validated (the flag, e.g.
+    :data:`HOPPER_SEQUSED_VALIDATED`, read at the call), or demanded (``backend="hopper"``)."""
+    return validated or backend == "hopper"
 
 
 def _paged_reason(problem, backend: str = "auto") -> str:
@@ -206,7 +206,7 @@ def _paged_reason(problem, backend: str = "auto") -> str:
     token-major (16-bit, and FP8 through a transposed copy per call), pages of a power of two from 16 keys
     (:func:`leanfa.kernels.hopper.launch.paged_problem`). Packed queries without ``cu_seqlens_k`` (vLLM's call) wait for
     :data:`HOPPER_SEQUSED_VALIDATED` with ``backend="auto"``."""
-    if problem.kv_per_sequence and not _seqused_enabled(backend):
+    if problem.kv_per_sequence and not _enabled(HOPPER_SEQUSED_VALIDATED, backend):
         return ("paged K/V with packed queries and no cu_seqlens_k (key lengths from seqused_k or the page table) on "
                 "the Hopper kernel is not yet validated on the GPU: these calls run on the portable kernel "
                 "(backend='hopper' runs them there)")

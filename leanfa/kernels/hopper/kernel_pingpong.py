@@ -69,7 +69,7 @@ def _tile(t, num_bh, num_heads, group_size, num_m_tiles, num_tiles, seqlen_q, se
     ``(cu_seqlens_k, seqused_k, seqused_q)``: with ``seqused_k`` (FA3's, int32 per sequence; None: off) sequence ``b``
     has only its first ``seqused_k[b]`` keys (the causal alignment and the tail mask use that length); with
     ``seqused_q`` only its first ``seqused_q[b]`` query rows are computed and written (the causal alignment uses that
-    count; the rows past it are the caller's: :func:`.launch.make_plan` has them filled)."""
+    count; the rows past it are the caller's: :func:`leanfa.kernels.hopper.plan` fills them first)."""
     cu_seqlens_k, seqused_k, seqused_q = seqs_t
     valid = t < num_tiles
     if VARLEN:  # (the tile table, varlen_tiles.py)
