@@ -348,14 +348,13 @@ def flash_attn_func(
             ``causal=True`` the right side is 0 (flash-attn's rule). Rows whose window holds no key get
             output 0 and LSE ``-inf``. ``left``/``right`` below -1 raise ``ValueError``. Runs on the
             Hopper kernel where the call would (only the key blocks of each query tile's band are read;
-            FP8 at head dim 256, with ``seqused_*``, and paged calls the Hopper kernel does not read
-            (``page_table``, below), on the portable kernel: one warning per process).
+            FP8 at head dim 256, and paged calls the Hopper kernel does not read (``page_table``, below), on
+            the portable kernel: one warning per process).
         softcap: flash-attn's score capping: with ``softcap > 0`` the scores ``s = softmax_scale * q.k``
             become ``softcap * tanh(s / softcap)`` before the softmax (and in the LSE); 0 (default) is
             off, negative values raise ``ValueError``. Runs on the Hopper kernel where the call would (tanh
             on the SFU, ``tanh.approx.f32``, relative error <= 2^-11, as FA3; with a smoothed K, FP8, the
-            ``q . mean`` term inside the capped scores); with ``seqused_*`` or ``page_table`` on the portable
-            kernel (one warning per process).
+            ``q . mean`` term inside the capped scores), ``seqused_*`` and ``page_table`` included.
         page_table: paged K/V (FlashAttention-3's ``page_table``, flash-attn 2's/vLLM's ``block_table``): int32
             ``(B, max_pages_per_seq)``; ``k``/``v`` are then caches ``(num_pages, page_size, Hkv, D)`` and key
             position ``n`` of batch entry ``b`` is row ``n % page_size`` of page ``page_table[b, n // page_size]``.
@@ -456,9 +455,9 @@ def flash_attn_varlen_func(
     ``page_table``, ``cu_seqlens_k=None`` takes ``k``/``v`` as dense ``(B, Sk, Hkv, D)`` tensors (a KV cache of
     ``Sk`` slots per sequence; ``seqused_k`` its used lengths). ``max_seqlen_k`` is then ignored (may be None).
     Queries of a sequence are its last positions (chunked prefill, ``Sq < Sk``, bottom-right aligned).
-    Paged calls with ``cu_seqlens_k`` run on the Hopper kernel on sm90 under :func:`flash_attn_func`'s
-    ``page_table`` conditions (16-bit caches, power-of-two pages from 16 keys, no ``seqused_k``); the others
-    (``cu_seqlens_k=None``, FP8 caches, ...) on the portable kernel.
+    Paged calls, with or without ``cu_seqlens_k``, run on the Hopper kernel on sm90 under :func:`flash_attn_func`'s
+    ``page_table`` conditions (power-of-two pages from 16 keys; 16-bit or FP8 caches); a dense per-sequence cache
+    under packed queries (no ``page_table``, ``cu_seqlens_k=None``) runs on the portable kernel.
 
     ``cu_seqlens`` values are validated on CPU tensors only (a check on GPU values would
     synchronize); on the GPU the caller guarantees them.
