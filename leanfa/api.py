@@ -339,9 +339,8 @@ def flash_attn_func(
         seqused_q, seqused_k: FlashAttention-3's int32 ``(B,)`` tensors: batch entry ``b`` has
             only its first ``seqused_q[b]`` queries and ``seqused_k[b]`` keys (the causal mask is
             aligned to these lengths); output rows past ``seqused_q[b]`` are 0 and their LSE
-            ``-inf`` (FA3 leaves them unwritten). On sm90 ``seqused_k`` runs on the Hopper kernel, and
-            ``seqused_q`` there with ``backend="hopper"`` (``"auto"``: the portable kernel until its GPU
-            validation, :data:`leanfa.kernels.dispatch.HOPPER_SEQUSED_Q_VALIDATED`).
+            ``-inf`` (FA3 leaves them unwritten). On sm90 both run on the Hopper kernel (a call with
+            ``seqused_q`` zeroes its output first and stores the used rows with masked stores).
         window_size: ``(left, right)``, flash-attn's sliding-window (local) attention: query ``i`` sees
             keys ``j`` with ``i + Sk - Sq - left <= j <= i + Sk - Sq + right`` (bottom-right aligned, as
             the causal mask); -1 is no limit on that side, ``(-1, -1)`` (default) no window. With

@@ -13,8 +13,7 @@ Swap ``from flash_attn_interface import flash_attn_func`` for
   ``seqused_q[b]`` queries and ``seqused_k[b]`` keys of sequence ``b`` are used; output rows past
   ``seqused_q[b]`` are 0 with LSE ``-inf`` (FA3 leaves them unwritten). With ``cu_seqlens_q`` and
   ``cu_seqlens_k`` both None, ``q, k, v`` are dense ``(B, S, H, D)`` tensors, as in FA3. These calls
-  run on the Hopper kernel on sm90, except ``seqused_q`` (the portable kernel, one warning, until
-  ``dispatch.HOPPER_SEQUSED_Q_VALIDATED``; ``backend="hopper"`` in leanfa's own API runs it there);
+  run on the Hopper kernel on sm90;
 * ``window_size=(left, right)`` (sliding-window local attention: query ``i`` sees keys
   ``[i + Sk - Sq - left, i + Sk - Sq + right]``, -1 unbounded; ``causal`` makes ``right`` 0) and
   ``softcap > 0`` (scores ``softcap * tanh(s / softcap)``), dense and varlen, 16-bit and FP8. Rows

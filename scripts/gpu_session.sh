@@ -58,7 +58,7 @@ run_steps() {
                 --deselect tests/test_readme.py::test_api_docs_build_without_warnings ;;  # half 2 of the GPU suite
       pytest_long) step pytest_long 240 10 python3 -m pytest -q -p no:cacheprovider -rfEs \
                 tests/test_edge_cases.py -k "131k or 2_31" ;;
-      serving_close) step serving_gpu 220 16 python3 -m pytest -q -p no:cacheprovider -rfEs -n "$WORKERS" \
+      serving_close) step serving_gpu 300 16 python3 -m pytest -m gpu -q -p no:cacheprovider -rfEs -n "$WORKERS" \
                 tests/test_hopper_seqused.py tests/test_paged_kv.py  # seqused_q on the Hopper kernel; paged tests
                 step seqused_q_memcheck 150 6 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 /usr/local/cuda/bin/compute-sanitizer \
                   --tool memcheck --error-exitcode 3 python3 -m pytest -q -p no:cacheprovider \

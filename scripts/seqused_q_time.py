@@ -53,7 +53,7 @@ def calls(fp8: bool, lens, dense):
         used, geom = torch.full((b,), s, dtype=torch.int32, device="cuda"), {}
     q, k, v = (torch.randn(*x, device="cuda", generator=g).to(torch.bfloat16) for x in shapes)
     fn = leanfa.flash_attn_varlen_func if lens is not None else leanfa.flash_attn_func
-    packing = {n: geom[n] for n in ("cu_seqlens_q", "cu_seqlens_k")} if geom else {}
+    packing = geom  # (varlen quantization takes the batch's geometry)
     args = (leanfa.quantize_fp8(q, k, v, **packing), None, None) if fp8 else (q, k, v)
     if lens is not None:
         args = args + tuple(geom.values())

@@ -101,17 +101,17 @@ def test_sink_route(backend, keys, dims, knob, want, monkeypatch):
 
 def test_portable_only_feature_warns_on_a_gpu_even_where_the_kernel_refuses_for_another_reason(monkeypatch,
                                                                                                gpu_validated):
-    """A call with a feature only the portable kernel has (here seqused_q) warns once on an sm90 GPU even when the
+    """A call with a feature only the portable kernel has (here attention_chunk) warns once on an sm90 GPU even when the
     Hopper kernel would refuse it for another reason too (H200 run 96: FP8 paged caches ran on the portable kernel
     without the warning); off a GPU nothing is said."""
     import dataclasses
     import warnings
 
-    problem = dataclasses.replace(_problem(), seqused_q=torch.tensor([5], dtype=torch.int32))
+    problem = dataclasses.replace(_problem(), attention_chunk=64)
     for on_gpu, said in ((True, 1), (False, 0)):
         monkeypatch.setattr(dispatch, "_hopper", lambda on_gpu=on_gpu: _fake_hopper(False, on_gpu=on_gpu))
         monkeypatch.setattr(dispatch, "_WARNED", set())
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             assert dispatch.choose(problem, "auto").kernel == "portable"
-        assert len([w for w in caught if "seqused" in str(w.message)]) == said
+        assert len([w for w in caught if "attention_chunk" in str(w.message)]) == said

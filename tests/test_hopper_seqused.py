@@ -300,6 +300,7 @@ def test_paged_key_offsets_and_mutation():
 
 # ----------------------------------------------------------------------------- dispatch
 
+@emulation  # (the problems are built from CPU tensors, which a GPU machine's API refuses)
 def test_dispatch_gate(monkeypatch):
     """While HOPPER_SEQUSED_VALIDATED is off, backend="auto" keeps seqused_k calls and vLLM's paged call on the portable
     kernel (with the reason); backend="hopper" takes them; seqused_q likewise with HOPPER_SEQUSED_Q_VALIDATED."""
@@ -331,6 +332,7 @@ def test_dispatch_gate(monkeypatch):
     assert dispatch.choose(with_q, "auto").kernel == "hopper"
 
 
+@emulation  # (the problems are built from CPU tensors, which a GPU machine's API refuses)
 def test_supports_seqused_q_refuses_dense_cache(monkeypatch):
     """The Hopper kernel's own verdict (on any device): seqused_k, seqused_q and vLLM's paged call are its calls;
     packed q over a dense per-sequence cache is not."""

@@ -60,10 +60,11 @@ HOPPER_SINK_VALIDATED = True
 #: so ``backend="auto"`` runs these calls on sm90.
 HOPPER_SEQUSED_VALIDATED = True
 #: FA3's ``seqused_q`` on the Hopper kernel (``_tile`` cuts each sequence's query rows to it; the plan zeroes the
-#: output and sets the LSE to -inf first, so the rows past it read 0 / -inf): the emulator's tests pass
-#: (tests/test_hopper_seqused.py); off until its GPU tests pass on the H200, so ``backend="auto"`` keeps these calls
-#: on the portable kernel and ``backend="hopper"`` runs them.
-HOPPER_SEQUSED_Q_VALIDATED = False
+#: output and sets the LSE to -inf first, so the rows past it read 0 / -inf): validated on the H200 (runs 106-107:
+#: tests/test_hopper_seqused.py's and tests/test_paged_kv.py's 67 GPU tests, the 8 ``seqused_q`` cases among them,
+#: compute-sanitizer memcheck 0 errors on an FP8 varlen causal call; run 107 timed it at 0.86-0.98x the same call
+#: without it; docs/perf-notes.md, "Session 23"), so ``backend="auto"`` runs these calls on sm90.
+HOPPER_SEQUSED_Q_VALIDATED = True
 #: FP8 head dims where ``backend="auto"`` prefers the portable kernel although the Hopper kernel runs them: at
 #: 64/64 the portable FP8 kernel is 1.10x / 1.06-1.07x as fast as the Hopper kernel at 4K / 16K on the H200 (causal,
 #: B*S = 16K, 16 heads; docs/perf-notes.md, "FP8 at head dim 64 goes to the portable kernel"), and its sink beats
