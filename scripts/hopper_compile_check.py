@@ -89,7 +89,7 @@ def variants():
     for dtype, varlen, page_size in (("fp8", True, 0), ("bf16", True, 0), ("fp8", False, 0), ("bf16", False, 0),
                                      ("bf16", True, 64), ("fp8", True, 64), ("fp8", False, 64)):
         out.append(Variant(dtype, 128, 128, True, varlen=varlen, page_size=page_size, seqused_k=True))
-    # FA3's seqused_q (the kernel's seqused_q in _tile; masked output stores: no TMA store on the dense FP8 call)
+    # FA3's seqused_q (the kernel's seqused_q in _tile; the rows past it written as 0 in the epilogue)
     for dtype, varlen in (("fp8", True), ("bf16", True), ("fp8", False), ("bf16", False)):
         out.append(Variant(dtype, 128, 128, True, varlen=varlen, seqused_k=True, seqused_q=True))
     # the default knobs above; below varlen, the other head dims, the sink and the measured options

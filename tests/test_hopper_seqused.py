@@ -162,9 +162,18 @@ def test_emulated_varlen_seqused_k(fp8):
     _emulate_and_check(p, tol=4e-2 if fp8 else 1e-2)
 
 
+def _nan_rows(x, rows):
+    """NaN into the rows ``rows`` (a bool mask over dim 0) of ``x``, in place (e4m3's NaN byte for FP8)."""
+    if x.dtype == FP8:
+        x.view(torch.uint8)[rows] = 0x7F
+    else:
+        x[rows] = float("nan")
+
+
 def _check_used_rows(out, lse, p, used_q, tol):
-    """Rows past ``seqused_q`` untouched (the emulator's NaN poison: the kernel writes only the used rows), the used
-    rows equal to the float64 reference of the sequences cut to them (causal aligned on that count)."""
+    """Rows past ``seqused_q`` written as 0 with LSE -inf (the emulator's outputs start as NaN, and the callers put NaN
+    in those rows' queries: whatever they compute must stay out), the used rows equal to the float64 reference of the
+    sequences cut to them (causal aligned on that count)."""
     if p.varlen:
         lens = (p.cu_seqlens_q[1:] - p.cu_seqlens_q[:-1]).tolist()
         keep = torch.cat([torch.arange(n) < u for n, u in zip(lens, used_q)])
@@ -180,7 +189,7 @@ def _check_used_rows(out, lse, p, used_q, tol):
         ref, ref_lse = torch.cat([r[0][0] for r in refs]), torch.cat([r[1][0] for r in refs], 1)
         got, got_lse = out[keep], lse.transpose(1, 2)[keep].T
         rest, rest_lse = out[~keep], lse.transpose(1, 2)[~keep]
-    assert torch.isnan(rest).all() and torch.isnan(rest_lse).all(), "a row past seqused_q was written"
+    assert (rest == 0).all() and torch.isneginf(rest_lse).all(), "rows past seqused_q must be 0 with LSE -inf"
     assert not torch.isnan(got).any() and not torch.isnan(got_lse).any(), "a used row left unwritten"
     assert rel_l2(got, ref) < tol
     fin = torch.isfinite(ref_lse)
@@ -197,6 +206,7 @@ def test_emulated_varlen_seqused_q(fp8, causal):
     lens_q, lens_k, used_k, used_q = [40, 130, 0, 77, 1], [300, 130, 50, 333, 129], [300, 100, 50, 333, 0], \
         [40, 70, 0, 0, 1]
     q, k, v, cu_q, cu_k, used = _packed_tensors(lens_q, lens_k, used_k, 4, 2, 64, seed=20 + fp8, fp8=fp8)
+    _nan_rows(q, torch.cat([torch.arange(n) >= u for n, u in zip(lens_q, used_q)]))  # (unused rows: garbage)
     p = _problem(q, k, v, causal, varlen=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q),
                  max_seqlen_k=max(lens_k), seqused_k=used, seqused_q=torch.tensor(used_q, dtype=I32))
     from leanfa.kernels.hopper.emulate import emulate
@@ -209,20 +219,23 @@ def test_emulated_varlen_seqused_q(fp8, causal):
 @pytest.mark.parametrize("fp8", [False, True])
 def test_emulated_dense_seqused_q(fp8):
     """Dense q with seqused_q (a whole sequence, a cut one whose last used row sits inside a 64-row box), causal:
-    the dense FP8 call's output leaves through masked stores, not whole TMA boxes."""
+    the output leaves as it does without seqused_q (whole TMA boxes where the call has them), the box's rows past
+    the used count as 0."""
     gen = torch.Generator().manual_seed(21)
     cast = _e4m3 if fp8 else (lambda t: t.to(BF16))
     q = cast(torch.randn((2, 150, 2, 64), generator=gen))
     k = cast(torch.randn((2, 200, 1, 64), generator=gen))
     v = cast(torch.randn((2, 200, 1, 64), generator=gen))
     used_q = [150, 37]
+    _nan_rows(q[1], torch.arange(150) >= 37)  # (unused rows: garbage)
     p = _problem(q, k, v, True, seqused_q=torch.tensor(used_q, dtype=I32))
     from leanfa.kernels.hopper import launch
     from leanfa.kernels.hopper.emulate import emulate
 
-    plan = launch.make_plan(q, k, v, torch.empty((2, 150, 2, 64), dtype=BF16), None, p.q_scale, p.k_scale, p.v_scale,
-                            None, causal=True, softmax_scale=0.125, return_lse=False, seqused_q=p.seqused_q)
-    assert not plan.constexprs["STORE_TMA"]
+    plans = [launch.make_plan(q, k, v, torch.empty((2, 150, 2, 64), dtype=BF16), None, p.q_scale, p.k_scale,
+                              p.v_scale, None, causal=True, softmax_scale=0.125, return_lse=False, seqused_q=used)
+             for used in (p.seqused_q, None)]
+    assert plans[0].constexprs["STORE_TMA"] == plans[1].constexprs["STORE_TMA"]
     out, lse, _ = emulate(p)
     _check_used_rows(out, lse, p, used_q, 4e-2 if fp8 else 1e-2)
 

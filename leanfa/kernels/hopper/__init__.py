@@ -200,10 +200,6 @@ def plan(problem):
     tensors are then this call's inputs as the kernel reads them (packed varlen tensors as a batch of one,
     V as :func:`.launch.prepare_v` makes it), bound into the template."""
     out, lse = allocate_outputs(problem)
-    if problem.seqused_q is not None:  # the kernel writes the used rows only; FA3's others are 0 with LSE -inf
-        out.zero_()
-        if lse is not None:
-            lse.fill_(float("-inf"))
     key = _signature(problem)
     _memo.last = None  # (a later call on this problem object reads the knobs again)
     # a paged call's key lengths (seqused_k, or no cu_seqlens_k: vLLM's call) as cu_seqlens_k (made every call)

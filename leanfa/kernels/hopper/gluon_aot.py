@@ -42,7 +42,7 @@ class Variant:
     window: tuple = (-1, -1)  # flash-attn's window_size as Problem stores it (-1: unbounded; causal: right -1)
     softcap: float = 0.0  # flash-attn's softcap (0: off)
     seqused_k: bool = False  # FA3's seqused_k (paged varlen: read as the key lengths' cu_seqlens_k)
-    seqused_q: bool = False  # FA3's seqused_q (the used query rows; masked output stores)
+    seqused_q: bool = False  # FA3's seqused_q (the used query rows attend; the others are written as 0, LSE -inf)
 
     @property
     def name(self) -> str:

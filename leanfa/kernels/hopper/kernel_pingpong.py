@@ -64,12 +64,14 @@ PRODUCER_REGS = gl.constexpr(24)  # ... and per producer thread: 2 x 4 x 240 + 2
 def _tile(t, num_bh, num_heads, group_size, num_m_tiles, num_tiles, seqlen_q, seqlen_k, cu_seqlens_q, seqs_t,
           tiles, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr):
     """Everything about tile ``t`` (``WGS`` x 64 query rows) every partition needs: ``(b, h, hkv, m_start, tma_b, q_start,
-    k_start, seqlen_q, seqlen_k, n_full, n_end)``. A ``t`` past the last tile (a persistent
+    k_start, seqlen_q, seqlen_k, n_full, n_end, rows_q)``. A ``t`` past the last tile (a persistent
     program's last round may have none) reads as the last tile with no rows and no key blocks. ``seqs_t`` is
     ``(cu_seqlens_k, seqused_k, seqused_q)``: with ``seqused_k`` (FA3's, int32 per sequence; None: off) sequence ``b``
     has only its first ``seqused_k[b]`` keys (the causal alignment and the tail mask use that length); with
-    ``seqused_q`` only its first ``seqused_q[b]`` query rows are computed and written (the causal alignment uses that
-    count; the rows past it are the caller's: :func:`leanfa.kernels.hopper.plan` fills them first)."""
+    ``seqused_q`` only its first ``seqused_q[b]`` query rows attend (``seqlen_q``, which the causal alignment and the
+    key-block range use), and ``rows_q`` is the sequence's whole row count, every row of which the epilogue writes
+    (those past ``seqlen_q`` as 0 with LSE -inf, :func:`_consumer_tile`). Without ``seqused_q``, ``rows_q`` is
+    ``seqlen_q``."""
     cu_seqlens_k, seqused_k, seqused_q = seqs_t
     valid = t < num_tiles
     if VARLEN:  # (the tile table, varlen_tiles.py)
@@ -83,10 +85,13 @@ def _tile(t, num_bh, num_heads, group_size, num_m_tiles, num_tiles, seqlen_q, se
     if seqused_k is not None:
         seqlen_k = gl.minimum(gl.load(seqused_k + b), seqlen_k)
     if seqused_q is not None:
+        rows_q = gl.where(valid, seqlen_q, 0)
         seqlen_q = gl.minimum(gl.load(seqused_q + b), seqlen_q)
     seqlen_q = gl.where(valid, seqlen_q, 0)
+    if seqused_q is None:
+        rows_q = seqlen_q
     n_full, n_end = kv_block_range(m_start, seqlen_q, seqlen_k, WGS * WG_ROWS, BLOCK_N, CAUSAL)
-    return b, h, hkv, m_start, tma_b, q_start, k_start, seqlen_q, seqlen_k, n_full, n_end
+    return b, h, hkv, m_start, tma_b, q_start, k_start, seqlen_q, seqlen_k, n_full, n_end, rows_q
 
 
 @gluon.jit
@@ -123,7 +128,7 @@ def _producer(args, cu_seqlens_v, sink_t, CAUSAL: gl.constexpr, V_KMAJOR: gl.con
     qi = 0  # Q tiles loaded so far (tiles with no key block to visit load none)
     for r in range(0, (num_tiles + tile_step - 1) // tile_step):
         t = round_tile(r, first_tile, tile_step)
-        b, h, hkv, m_start, tma_b, q_start, k_start, sq, sk, n_full, n_end = _tile(
+        b, h, hkv, m_start, tma_b, q_start, k_start, sq, sk, n_full, n_end, _ = _tile(
             t, num_bh, num_heads, group_size, num_m_tiles, num_tiles, seqlen_q, seqlen_k, cu_seqlens_q,
             seqs_t, tiles, k_bufs.shape[3], CAUSAL, VARLEN)
         if WINDOW:
@@ -275,7 +280,7 @@ def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, q_empty,
                    V_KMAJOR: gl.constexpr, RETURN_LSE: gl.constexpr, HAS_KMEAN: gl.constexpr, ABLATE: gl.constexpr,
                    TWO_LEVEL: gl.constexpr, SINK: gl.constexpr, STORE_TMA: gl.constexpr,
                    STORE_STAGED: gl.constexpr, W: gl.constexpr, band, WINDOW: gl.constexpr = False, softcap=None,
-                   SOFTCAP: gl.constexpr = 0):
+                   SOFTCAP: gl.constexpr = 0, rows_q=None, seqused_q=None):
     """Warpgroup ``W`` (of ``WGS``) on one tile: rows ``[m_start + 64 W, + 64)`` of sequence ``b`` against its key
     blocks ``[0, n_end)``, which sit at ring positions ``ring + j``. Output row ``r`` is token ``q_start + r`` of ``out`` (and of the LSE). ``out_t``,
     ``lse_t`` and the ``*_scale_t``/``k_mean_t`` tables are ``(pointer, strides...)`` tuples. ``SINK``
@@ -295,7 +300,9 @@ def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, q_empty,
     ``qk_scale`` is then ``softmax_scale / softcap``, tanh's argument's scale): the scores are capped before
     the mask and the softmax (:func:`_softmax_block`); ``SOFTCAP == 2`` (K was smoothed): tanh's argument gets the
     per-row ``q . mean`` term back (:func:`.epilogue.kmean_lse_term`, from the Q tile before the key loop), and the
-    LSE needs no K-mean term (``HAS_KMEAN`` is off)."""
+    LSE needs no K-mean term (``HAS_KMEAN`` is off). ``seqused_q`` (FA3's; None: off): only rows below ``seqlen_q``
+    attend, and the rows ``[seqlen_q, rows_q)`` are written as 0 with LSE -inf (selected, so whatever they computed,
+    a NaN from an unused query row included, stays out)."""
     out_ptr, stride_ob, stride_os, stride_oh = out_t
     lse_ptr, stride_lb, stride_lh = lse_t
     q_scale_ptr, stride_qsb, stride_qsh, stride_qsblk = q_scale_t
@@ -395,19 +402,25 @@ def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, q_empty,
 
     # Epilogue: O = acc / l * v_scale; LSE.
     inv_l, lse = finish_rows(m_i, l_i, P_OFFSET)
+    rows_out = seqlen_q  # the rows this tile writes
+    if seqused_q is not None:  # the rows past the used ones: 0 (and LSE -inf, below)
+        used_o = row0 + gl.arange(0, WG_ROWS, gl.SliceLayout(1, o_layout)) < seqlen_q
+        acc = gl.where(used_o[:, None], acc, 0.0)
+        inv_l = gl.where(offs_m < seqlen_q, inv_l, 0.0)
+        rows_out = rows_q
     out_seq = out_ptr + q_start.to(gl.int64) * stride_os  # this sequence's first row (varlen)
     if not VS_EARLY:
         v_sc = load_v_scale(v_scale_row, stride_vsd, HEAD_DV, o_layout)
     if STORE_TMA:
         out_desc, o_smem = ostore
-        if row0 < seqlen_q:  # (TMA clips rows past the tensor; a persistent program's empty last round,
+        if row0 < rows_out:  # (TMA clips rows past the tensor; a persistent program's empty last round,
             # which reads as the last tile with no rows, must not store at all)
             stage_and_store(acc, inv_l, v_sc, out_desc, o_smem.index(W), b, h, row0)
     elif STORE_STAGED:  # (varlen: the rows staged in this warpgroup's buffer ``ostore[W]``, copied out 16 B at a time)
         stage_and_copy(acc, inv_l, v_sc, ostore.index(W), row0, out_seq, stride_ob, stride_os, stride_oh, b, h,
-                       seqlen_q, WG_WARPS)
+                       rows_out, WG_WARPS)
     else:
-        write_rows(acc, inv_l, v_sc, row0, out_seq, stride_ob, stride_os, stride_oh, b, h, seqlen_q)
+        write_rows(acc, inv_l, v_sc, row0, out_seq, stride_ob, stride_os, stride_oh, b, h, rows_out)
     if RETURN_LSE:
         if SINK == 2:  # the 16-bit q's q . mean (exact; the sink's scores used it too)
             lse = lse + q_shift * sm_scale
@@ -416,8 +429,10 @@ def _consumer_tile(q_smem, k_bufs, v_bufs, k_bars, v_bars, empty_bars, q_empty,
                 corr = kmean_lse_term(q_smem, W * QK_CHUNKS, QK_CHUNKS, k_mean_ptr, stride_kmb, stride_kmh,
                                       stride_kmd, b, hkv, (c_q / qk_scale) * sm_scale, WG_WARPS)
                 lse = lse + gl.convert_layout(corr, gl.SliceLayout(1, s_layout))
+        if seqused_q is not None:
+            lse = gl.where(offs_m < seqlen_q, lse, float("-inf"))
         lse_row = lse_ptr + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + q_start
-        gl.store(lse_row + offs_m, lse, mask=offs_m < seqlen_q)
+        gl.store(lse_row + offs_m, lse, mask=offs_m < rows_out)
     if not EARLY_Q:
         if n_end > 0:
             release_slot(q_empty, 0)  # the K-mean term and the sink block are done with Q and the sink buffers
@@ -438,7 +453,7 @@ def _consumer_step(t, ring, qi, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars,
     ``q_bars`` phase). Returns them updated.
     ``trace``: the clock-trace buffer (:mod:`.trace`), or ``None``. ``WINDOW``: ``window = (left, right)``.
     ``SOFTCAP``: ``softcap`` caps the scores (:func:`_consumer_tile`)."""
-    b, h, hkv, m_start, tma_b, q_start, k_start, sq, sk, n_full, n_end = _tile(
+    b, h, hkv, m_start, tma_b, q_start, k_start, sq, sk, n_full, n_end, rows_q = _tile(
         t, num_bh, num_heads, group_size, num_m_tiles, num_tiles, seqlen_q, seqlen_k, cu_seqlens_q, seqs_t,
         tiles, k_bufs.shape[3], CAUSAL, VARLEN)
     if WINDOW:
@@ -459,7 +474,7 @@ def _consumer_step(t, ring, qi, q_smem, k_bufs, v_bufs, q_bars, q_empty, k_bars,
                    sq, sk, qk_scale, sm_scale,
                    b, h, hkv, q_start, m_start, n_full, n_end, ring, tr, sink_t, qi, ostore,
                    HEAD_DV, CAUSAL, IS_FP8, PV_FP8, V_KMAJOR, RETURN_LSE, HAS_KMEAN, ABLATE,
-                   TWO_LEVEL, SINK, STORE_TMA, STORE_STAGED, W, band, WINDOW, softcap, SOFTCAP)
+                   TWO_LEVEL, SINK, STORE_TMA, STORE_STAGED, W, band, WINDOW, softcap, SOFTCAP, rows_q, seqs_t[2])
     loaded = gl.minimum(n_end, 1)  # this tile had a Q tile
     if WINDOW:
         ring += n_end - n_start

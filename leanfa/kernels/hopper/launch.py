@@ -410,9 +410,8 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
     ``seqused_k``: FA3's int32 ``(batch,)``, sequence ``b``'s first ``seqused_k[b]`` keys only (the kernel's
     ``seqused_k``; a paged call's key lengths read as :func:`paged_keys` makes them). Paged with packed queries and no
     ``cu_seqlens_k`` (vLLM's call): each sequence has the table's capacity, cut by ``seqused_k``. ``seqused_q``: FA3's
-    int32 ``(batch,)``, sequence ``b``'s first ``seqused_q[b]`` query rows only (causal alignment on that count); the
-    kernel does not write the rows past it (the output leaves through masked stores, not TMA): the caller fills them
-    (:func:`leanfa.kernels.hopper.plan`: zeros, LSE ``-inf``)."""
+    int32 ``(batch,)``, sequence ``b``'s first ``seqused_q[b]`` query rows only attend (causal alignment on that
+    count); the kernel writes the rows past it as 0 with LSE ``-inf``."""
     varlen = cu_seqlens_q is not None
     if page_table is not None:
         why = paged_problem(k.shape[1], v if prepared_v is None else None)
@@ -475,7 +474,7 @@ def make_plan(q, k, v, out, lse, q_scale, k_scale, v_scale, k_mean, *, causal: b
         sink_mode = 2 if k_mean is not None else 1  # 2: K was smoothed, the sink's scores shift by q . mean
     has_kmean = k_mean is not None and return_lse and not softcap > 0  # (softcap: inside the scores)
     cap_mode = (2 if k_mean is not None else 1) if softcap > 0 else 0  # (the kernel's SOFTCAP)
-    o_tma = seqused_q is None and store_tma(is_fp8, varlen, out, sink_mode, Dqk, mixed)  # (TMA: whole 64-row boxes)
+    o_tma = store_tma(is_fp8, varlen, out, sink_mode, Dqk, mixed)
     out_desc = _desc(out, *_bshd_as_bhsd(out), [1, 1, 64, Dv]) if o_tma else None
     o_staged = not o_tma and store_staged(varlen, out, sink_mode, Dqk, q.element_size(), v.element_size())
     out_bytes = block_m * Dv * out.element_size() if o_tma or o_staged else 0
