@@ -339,8 +339,7 @@ def flash_attn_func(
         seqused_q, seqused_k: FlashAttention-3's int32 ``(B,)`` tensors: batch entry ``b`` has
             only its first ``seqused_q[b]`` queries and ``seqused_k[b]`` keys (the causal mask is
             aligned to these lengths); output rows past ``seqused_q[b]`` are 0 and their LSE
-            ``-inf`` (FA3 leaves them unwritten). On sm90 both run on the Hopper kernel (a call with
-            ``seqused_q`` zeroes its output first and stores the used rows with masked stores).
+            ``-inf`` (FA3 leaves them unwritten). On sm90 both run on the Hopper kernel.
         window_size: ``(left, right)``, flash-attn's sliding-window (local) attention: query ``i`` sees
             keys ``j`` with ``i + Sk - Sq - left <= j <= i + Sk - Sq + right`` (bottom-right aligned, as
             the causal mask); -1 is no limit on that side, ``(-1, -1)`` (default) no window. With

@@ -59,11 +59,11 @@ HOPPER_SINK_VALIDATED = True
 #: 0.99-1.01x the ``cu_seqlens_k`` call, the portable kernel 0.31-0.65x of it; docs/perf-notes.md, "Session 22"),
 #: so ``backend="auto"`` runs these calls on sm90.
 HOPPER_SEQUSED_VALIDATED = True
-#: FA3's ``seqused_q`` on the Hopper kernel (``_tile`` cuts each sequence's query rows to it; the plan zeroes the
-#: output and sets the LSE to -inf first, so the rows past it read 0 / -inf): validated on the H200 (runs 106-107:
-#: tests/test_hopper_seqused.py's and tests/test_paged_kv.py's 67 GPU tests, the 8 ``seqused_q`` cases among them,
-#: compute-sanitizer memcheck 0 errors on an FP8 varlen causal call; run 107 timed it at 0.86-0.98x the same call
-#: without it; docs/perf-notes.md, "Session 23"), so ``backend="auto"`` runs these calls on sm90.
+#: FA3's ``seqused_q`` on the Hopper kernel (``_tile`` cuts each sequence's attending query rows to it; the
+#: epilogue writes the rows past it as 0 with LSE -inf): validated on the H200 (run 109: tests/test_hopper_seqused.py's
+#: and tests/test_paged_kv.py's 67 GPU tests, the 8 ``seqused_q`` cases among them, compute-sanitizer memcheck 0 errors
+#: on three of them, FA3's varlen tests 0 failures; 0.986-1.000x the same call without it; docs/perf-notes.md,
+#: "Session 23"), so ``backend="auto"`` runs these calls on sm90.
 HOPPER_SEQUSED_Q_VALIDATED = True
 #: FP8 head dims where ``backend="auto"`` prefers the portable kernel although the Hopper kernel runs them: at
 #: 64/64 the portable FP8 kernel is 1.10x / 1.06-1.07x as fast as the Hopper kernel at 4K / 16K on the H200 (causal,
