@@ -60,9 +60,10 @@ run_steps() {
                 tests/test_edge_cases.py -k "131k or 2_31" ;;
       serving_close) step serving_gpu 300 16 python3 -m pytest -m gpu -q -p no:cacheprovider -rfEs -n "$WORKERS" \
                 tests/test_hopper_seqused.py tests/test_paged_kv.py  # seqused_q on the Hopper kernel; paged tests
-                step seqused_q_memcheck 150 6 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 /usr/local/cuda/bin/compute-sanitizer \
-                  --tool memcheck --error-exitcode 3 python3 -m pytest -q -p no:cacheprovider \
-                  "tests/test_hopper_seqused.py::test_gpu_seqused_q[True-True-True]" ;;  # FP8 varlen causal
+                for c in True-True-True False-True-True False-False-False; do  # FP8 varlen causal, FP8 dense causal, BF16 dense
+                  step "seqused_q_memcheck_$c" 100 3 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 /usr/local/cuda/bin/compute-sanitizer \
+                    --tool memcheck --error-exitcode 3 python3 -m pytest -q -p no:cacheprovider \
+                    "tests/test_hopper_seqused.py::test_gpu_seqused_q[$c]"; done ;;
       fa2_tests) for part in 0 1; do  # flash-attn 2's tests (FA2_SRC: its tests/ folder's files), a 1/250 sample in two
                 # parts; the step's limit leaves pytest 30 s after --timeout's SIGINT to write the summary (runs 102-103)
                 step "fa2_part$part" 260 30 python3 scripts/flash_attn_tests.py --suite fa2 --src "${FA2_SRC:?}" \
