@@ -70,8 +70,9 @@ class FakeCompiled:
 
 
 def hopper_accepts_everything(monkeypatch):
-    """The dispatcher sees a Hopper kernel that supports every call (so a test sees only the dispatcher's own
-    routing), with its once-per-process warnings reset."""
+    """The dispatcher sees a Hopper kernel that supports every call, on a Triton counted as GPU-validated (so a test
+    sees only the dispatcher's own routing, not the self-check an unvalidated Triton runs), with its
+    once-per-process warnings reset."""
     from leanfa.kernels import dispatch
 
     class AcceptingHopper:
@@ -86,6 +87,7 @@ def hopper_accepts_everything(monkeypatch):
             return None
 
     monkeypatch.setattr(dispatch, "_hopper", lambda: AcceptingHopper)
+    monkeypatch.setattr(dispatch._versions, "triton_gpu_validated", lambda: True)
     monkeypatch.setattr(dispatch, "_WARNED", set())
     return dispatch
 
