@@ -24,13 +24,6 @@ from leanfa.bench import fa3, power
 from leanfa.kernels import hopper
 
 
-def sm_clock() -> int | None:
-    nv, h = power._nvml(), power.nvml_handle(0)
-    if nv is None or h is None:
-        return None
-    return nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM)
-
-
 def kernel_ms(problem) -> tuple[float, torch.Tensor]:
     plan, out, _ = hopper.plan(problem)
     launch = lambda: hopper._launch.launch(plan)  # noqa: E731
@@ -90,7 +83,7 @@ def main():
             except ImportError:
                 t_fa3 = float("nan")
             print(f"{shape:>8s} {dtype:5s} {t_dense:9.4f} {t_var:9.4f} {t_dense / t_var:12.3f} {t_fa3:13.4f} "
-                  f"{flops / t_dense / 1e9:10.1f} {flops / t_var / 1e9:11.1f} {diff:9.2e} {sm_clock() or 0:6d}",
+                  f"{flops / t_dense / 1e9:10.1f} {flops / t_var / 1e9:11.1f} {diff:9.2e} {power.sm_clock_mhz() or 0:6d}",
                   flush=True)
 
 

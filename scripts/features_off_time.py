@@ -104,13 +104,6 @@ def inputs(shape, heads, dims, seed):
     return q, k, v, cu, s, 2 * flops_pairs * hq * (dqk + dv)
 
 
-def sm_clock():
-    from leanfa.bench import power
-
-    nv, h = power._nvml(), power.nvml_handle(0)
-    return None if nv is None or h is None else nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM)
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--make-old", nargs=2, metavar=("COMMIT", "DIR"))
@@ -123,6 +116,8 @@ def main():
     sys.path.insert(0, args.old)
     import torch
     from triton.testing import do_bench
+
+    from leanfa.bench import power
 
     old_commit = open(os.path.join(args.old, "leanfa_old", "COMMIT")).read().strip()
     print(f"device {torch.cuda.get_device_name()}  old {old_commit}  rounds {args.rounds}")
@@ -154,7 +149,7 @@ def main():
         worst = min(worst, r)
         tn = statistics.median(t_new)
         print(f"{name:32s} {statistics.median(t_old):8.3f} {tn:8.3f} {r:13.4f} {min(ratios):6.3f} {max(ratios):6.3f} "
-              f"{flops / tn / 1e9:8.1f} {diff:9.2e} {sm_clock() or 0:6d}", flush=True)
+              f"{flops / tn / 1e9:8.1f} {diff:9.2e} {power.sm_clock_mhz() or 0:6d}", flush=True)
     print(f"worst new/old speed {worst:.4f} (target >= 0.99)")
 
 

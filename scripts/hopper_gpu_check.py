@@ -31,6 +31,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 import leanfa  # noqa: E402
+from leanfa.bench import power  # noqa: E402
 
 try:
     from leanfa.reference import attention_ref as _leanfa_ref  # noqa: E402
@@ -330,21 +331,11 @@ def compact_table(rows):
 
 # ----------------------------------------------------------------------------- speed
 
-def sm_clock():
-    try:
-        import pynvml
-        pynvml.nvmlInit()
-        h = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
-        return pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)
-    except Exception:  # noqa: BLE001
-        return None
-
-
 def bench(fn):
     fn()
     torch.cuda.synchronize()
     ms = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
-    return ms, sm_clock()
+    return ms, power.sm_clock_mhz(torch.cuda.current_device())
 
 
 def timings():

@@ -3,8 +3,8 @@
 
     python scripts/seqused_q_time.py [--rounds 5]
 
-FlashAttention-3's varlen form passes ``seqused_q`` equal to the lengths; a call with ``seqused_q`` writes its output
-through masked stores (never whole TMA boxes) and ``hopper.plan`` zeroes the output first. Each row times, through
+FlashAttention-3's varlen form passes ``seqused_q`` equal to the lengths; a call with ``seqused_q`` also writes the
+rows past it (as 0, LSE -inf) from the kernel's epilogue. Each row times, through
 the public API with ``backend="hopper"`` (FP8 inputs quantized beforehand), the call with ``seqused_k`` alone and the
 call with ``seqused_k`` and ``seqused_q`` (both equal to the lengths, so the work is the same), in interleaved rounds
 (``triton.testing.do_bench`` median per round); the ratio is time without / time with, its median reported with the
@@ -24,6 +24,7 @@ from triton.testing import do_bench
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import leanfa  # noqa: E402
+from leanfa.bench.power import sm_clock_mhz  # noqa: E402
 from leanfa.bench.shapes import VARLEN_SEQLENS  # noqa: E402
 
 #: (name, fp8, lengths or None for dense, dense batch x length)
@@ -53,19 +54,11 @@ def calls(fp8: bool, lens, dense):
         used, geom = torch.full((b,), s, dtype=torch.int32, device="cuda"), {}
     q, k, v = (torch.randn(*x, device="cuda", generator=g).to(torch.bfloat16) for x in shapes)
     fn = leanfa.flash_attn_varlen_func if lens is not None else leanfa.flash_attn_func
-    packing = geom  # (varlen quantization takes the batch's geometry)
-    args = (leanfa.quantize_fp8(q, k, v, **packing), None, None) if fp8 else (q, k, v)
+    args = (leanfa.quantize_fp8(q, k, v, **geom), None, None) if fp8 else (q, k, v)
     if lens is not None:
         args = args + tuple(geom.values())
     return {"seqused_k": lambda: fn(*args, causal=True, seqused_k=used, backend="hopper"),
             "seqused_k+q": lambda: fn(*args, causal=True, seqused_k=used, seqused_q=used, backend="hopper")}
-
-
-def sm_clock():
-    from leanfa.bench import power
-
-    nv, h = power._nvml(), power.nvml_handle(0)
-    return None if nv is None or h is None else nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM)
 
 
 def main():
@@ -83,7 +76,7 @@ def main():
                 times[n].append(do_bench(f, warmup=25, rep=100))
         ratio = statistics.median(x / y for x, y in zip(times["seqused_k"], times["seqused_k+q"]))
         print(f"{name:34s} {statistics.median(times['seqused_k']):9.3f} {statistics.median(times['seqused_k+q']):11.3f}"
-              f" {ratio:6.3f} {diff:9.2e} {sm_clock() or 0:6d}")
+              f" {ratio:6.3f} {diff:9.2e} {sm_clock_mhz() or 0:6d}")
 
 
 if __name__ == "__main__":

@@ -347,7 +347,7 @@ def test_dispatch_gate(monkeypatch):
 
 @emulation  # (the problems are built from CPU tensors, which a GPU machine's API refuses)
 def test_supports_seqused_q_refuses_dense_cache(monkeypatch):
-    """The Hopper kernel's own verdict (on any device): seqused_k, seqused_q and vLLM's paged call are its calls;
+    """The Hopper kernel's own verdict (its device check stubbed out): seqused_k, seqused_q and vLLM's paged call are its calls;
     packed q over a dense per-sequence cache is not."""
     import dataclasses
 

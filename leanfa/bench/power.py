@@ -69,6 +69,17 @@ def nvml_handle(device_index: int = 0):
         return None
 
 
+def sm_clock_mhz(device_index: int = 0) -> int | None:
+    """The SM clock of torch's CUDA device ``device_index`` now, in MHz; None if NVML is unavailable."""
+    nv, h = _nvml(), nvml_handle(device_index)
+    if nv is None or h is None:
+        return None
+    try:
+        return nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM)
+    except Exception:
+        return None
+
+
 def device_info(device_index: int = 0) -> dict:
     """Driver version, power limit and max SM clock, as far as NVML tells."""
     nv, h = _nvml(), nvml_handle(device_index)
